@@ -1,0 +1,223 @@
+"""The engine I/O contract: every tensor name, shape and dtype, and the `engine.json` manifest.
+
+This is the only module that spells a tensor name. The exporter writes `engine.json` from it and every
+runtime backend binds from it.
+
+Decoder graph (one call = S new tokens of B sequences, on top of P cached rows per sequence):
+
+    input_ids        int64   [B, S]            (or inputs_embeds float32 [B, S, E])
+    position_ids     int64   [B, S]            absolute positions of the new tokens
+    attention_bias   float32 [B, 1, S, P + S]  additive: 0 = attend, MASKED = do not
+    past.{i}.key     float32 [B, Hkv, P, D]    read-only; P is whatever the runtime binds (its buffer)
+    past.{i}.value   float32 [B, Hkv, P, D]
+      ──▶
+    logits           float32 [B, S, V]
+    present.{i}.key  float32 [B, Hkv, S, D]    only the S new rows (RoPE applied)
+    present.{i}.value float32 [B, Hkv, S, D]
+
+The runtime owns one buffer per layer and a committed length L per sequence; it binds the buffer as
+`past` (stale rows beyond L are masked in `attention_bias`, never cleared) and writes `present` into rows
+L..L+S-1. Rolling back is lowering L. Every query row of `attention_bias` must leave at least one key
+unmasked (a padded query attends to itself).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+CONTRACT_VERSION = 1
+MANIFEST_FILE = "engine.json"
+MASKED = -1e30  # additive bias of a masked key: exp underflows to 0 in fp32; becomes -inf in fp16
+
+INPUT_IDS = "input_ids"
+INPUTS_EMBEDS = "inputs_embeds"
+POSITION_IDS = "position_ids"
+ATTENTION_BIAS = "attention_bias"
+LOGITS = "logits"
+
+# Symbolic dimension names used in shapes.
+BATCH, SEQ, PAST, TOTAL = "batch", "seq", "past", "total"
+
+PRECISIONS = ("fp32", "fp16", "int8")
+ENGINE_KINDS = ("decoder", "optimum")  # "optimum": concat-style export, manifest derived from the graph
+INPUT_MODES = ("ids", "embeds")
+
+
+class EngineError(ValueError):
+    """An engine folder that does not match its manifest, or a manifest that does not make sense."""
+
+
+def past_key(i: int) -> str:
+    return f"past.{i}.key"
+
+
+def past_value(i: int) -> str:
+    return f"past.{i}.value"
+
+
+def present_key(i: int) -> str:
+    return f"present.{i}.key"
+
+
+def present_value(i: int) -> str:
+    return f"present.{i}.value"
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name: "int64", "float32", "float16"
+    shape: list  # ints for fixed dims, strings for symbolic ones
+
+    def matches(self, name: str, dtype: str, shape: list) -> str | None:
+        """None if an engine tensor (name, dtype, shape) agrees with this spec, else what differs."""
+        if name != self.name:
+            return f"name {name!r} != {self.name!r}"
+        if dtype != self.dtype:
+            return f"{self.name}: dtype {dtype} != manifest {self.dtype}"
+        if len(shape) != len(self.shape):
+            return f"{self.name}: rank {len(shape)} != manifest {len(self.shape)}"
+        for a, b in zip(shape, self.shape):
+            if isinstance(a, int) and isinstance(b, int) and a != b:
+                return f"{self.name}: shape {shape} != manifest {self.shape}"
+        return None
+
+
+def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, hidden_size: int,
+               input_mode: str = "ids") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of a contract decoder, in graph order."""
+    if input_mode not in INPUT_MODES:
+        raise EngineError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+    first = (TensorSpec(INPUT_IDS, "int64", [BATCH, SEQ]) if input_mode == "ids"
+             else TensorSpec(INPUTS_EMBEDS, "float32", [BATCH, SEQ, hidden_size]))
+    inputs = [first, TensorSpec(POSITION_IDS, "int64", [BATCH, SEQ]),
+              TensorSpec(ATTENTION_BIAS, "float32", [BATCH, 1, SEQ, TOTAL])]
+    outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size])]
+    for i in range(num_layers):
+        inputs += [TensorSpec(past_key(i), "float32", [BATCH, num_kv_heads, PAST, head_dim]),
+                   TensorSpec(past_value(i), "float32", [BATCH, num_kv_heads, PAST, head_dim])]
+        outputs += [TensorSpec(present_key(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim]),
+                    TensorSpec(present_value(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim])]
+    return inputs, outputs
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Manifest:
+    """What `engine.json` holds. Written by export, read and checked by every backend."""
+    model_file: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    precision: str = "fp32"
+    kind: str = "decoder"
+    input_mode: str = "ids"
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    tokenizer_file: str | None = "tokenizer.json"
+    tokenizer_sha256: str | None = None
+    source_sha256: str | None = None
+    model_sha256: str | None = None
+    embedding_file: str | None = None  # embeds engines: the token embedding table, to embed ids on the host
+    edgespec_version: str = ""
+    contract_version: int = CONTRACT_VERSION
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise EngineError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.kind not in ENGINE_KINDS:
+            raise EngineError(f"kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
+        if self.input_mode not in INPUT_MODES:
+            raise EngineError(f"input_mode must be one of {INPUT_MODES}, got {self.input_mode!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.max_context <= 0:
+            raise EngineError(f"max_context must be > 0, got {self.max_context}")
+        self.inputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.inputs]
+        self.outputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.outputs]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def write(self, engine_dir: Path) -> Path:
+        path = Path(engine_dir) / MANIFEST_FILE
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> "Manifest":
+        path = Path(engine_dir) / MANIFEST_FILE
+        if not path.is_file():
+            raise EngineError(f"{engine_dir}: no {MANIFEST_FILE}; expected an engine folder made by `edgespec export`")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise EngineError(f"{path}: not valid JSON ({e})") from None
+        if data.get("contract_version") != CONTRACT_VERSION:
+            raise EngineError(f"{path}: contract_version {data.get('contract_version')} is not the supported "
+                              f"{CONTRACT_VERSION}; re-export the engine with this edgespec")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise EngineError(f"{path}: unknown manifest fields {unknown}")
+        return cls(**data)
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_files(self, engine_dir: Path, hashes: bool = True) -> list[str]:
+        """Problems between this manifest and the files beside it (empty list = consistent)."""
+        engine_dir = Path(engine_dir)
+        problems = []
+        model = engine_dir / self.model_file
+        if not model.is_file():
+            return [f"model file {self.model_file} is missing from {engine_dir}"]
+        if hashes and self.model_sha256 and file_sha256(model) != self.model_sha256:
+            problems.append(f"{self.model_file}: sha256 differs from the manifest's model_sha256 "
+                            f"(the model file was changed or replaced after export)")
+        if self.tokenizer_file:
+            tok = engine_dir / self.tokenizer_file
+            if not tok.is_file():
+                problems.append(f"tokenizer file {self.tokenizer_file} is missing from {engine_dir}")
+            elif hashes and self.tokenizer_sha256 and file_sha256(tok) != self.tokenizer_sha256:
+                problems.append(f"{self.tokenizer_file}: sha256 differs from the manifest's tokenizer_sha256")
+        if self.embedding_file and not (engine_dir / self.embedding_file).is_file():
+            problems.append(f"embedding file {self.embedding_file} is missing from {engine_dir}")
+        return problems
+
+    def check_graph_io(self, inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]]) -> list[str]:
+        """Compare the graph's (name, dtype, shape) lists with the manifest's; return what differs."""
+        problems = []
+        for kind, want, got in (("input", self.inputs, inputs), ("output", self.outputs, outputs)):
+            want_names, got_names = [t.name for t in want], [g[0] for g in got]
+            if want_names != got_names:
+                missing = [n for n in want_names if n not in got_names]
+                extra = [n for n in got_names if n not in want_names]
+                problems.append(f"{kind} names differ: missing {missing}, unexpected {extra}")
+                continue
+            for spec, (name, dtype, shape) in zip(want, got):
+                diff = spec.matches(name, dtype, shape)
+                if diff:
+                    problems.append(f"{kind} {diff}")
+        return problems
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads

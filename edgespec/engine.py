@@ -1,0 +1,76 @@
+"""ONNX Runtime engines for contract decoders.
+
+`OrtEngine.run(feeds)` is the slow, obvious path (numpy in, numpy out). The speculative runtime uses
+`OrtEngine.bind(...)` (IOBinding over preallocated buffers) — see kvcache.py.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .contract import EngineError, Manifest
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16",
+              "tensor(int32)": "int32"}
+
+
+def default_provider() -> str:
+    import onnxruntime as ort
+    avail = ort.get_available_providers()
+    return "cuda" if PROVIDERS["cuda"] in avail else "cpu"
+
+
+def session_options(threads: int | None = None):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return so
+
+
+class OrtEngine:
+    """One contract decoder in an ONNX Runtime session; checks the folder against its manifest at load."""
+
+    def __init__(self, engine_dir: str | Path, provider: str = "cpu", threads: int | None = None,
+                 check_hashes: bool = True, provider_options: dict | None = None):
+        import onnxruntime as ort
+
+        self.dir = Path(engine_dir)
+        self.manifest = Manifest.read(self.dir)
+        problems = self.manifest.check_files(self.dir, hashes=check_hashes)
+        if problems:
+            raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+        if provider not in PROVIDERS:
+            raise EngineError(f"provider must be one of {sorted(PROVIDERS)}, got {provider!r}")
+        if PROVIDERS[provider] not in ort.get_available_providers():
+            raise EngineError(f"provider {provider!r} is not available in this onnxruntime build "
+                              f"(available: {ort.get_available_providers()})")
+        providers = [(PROVIDERS[provider], provider_options or {})]
+        if provider != "cpu":
+            providers.append(("CPUExecutionProvider", {}))
+        self.provider = provider
+        self.session = ort.InferenceSession(str(self.dir / self.manifest.model_file),
+                                            sess_options=session_options(threads), providers=providers)
+        got_in = [(i.name, _ORT_TYPES.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()]
+        got_out = [(o.name, _ORT_TYPES.get(o.type, o.type), list(o.shape)) for o in self.session.get_outputs()]
+        problems = self.manifest.check_graph_io(got_in, got_out)
+        if problems:
+            raise EngineError(f"{self.dir / self.manifest.model_file}: graph does not match {self.dir}/engine.json:"
+                              "\n  - " + "\n  - ".join(problems))
+        self.input_names = [i[0] for i in got_in]
+        self.output_names = [o[0] for o in got_out]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Plain numpy call: feeds by contract name -> outputs by contract name."""
+        outs = self.session.run(self.output_names, feeds)
+        return dict(zip(self.output_names, outs))

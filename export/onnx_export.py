@@ -1,0 +1,223 @@
+"""Checkpoint folder -> engine folder (model.onnx + engine.json + tokenizer), through the validation gates.
+
+    edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int8] [--max-context N]
+
+What `export_engine` writes, in order, into a hidden staging folder beside OUT (renamed to OUT only when
+every gate passed, so a failed or interrupted export never leaves a folder that loads):
+  1) model.onnx (fp32) from `ContractDecoder` (torch.onnx, opset 17, dynamic batch/seq/past)
+  2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present)
+  3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
+  4) gates on the fp32 graph: parity vs the reference (1e-4), verify vs single steps (1e-4)
+  5) the precision variant (fp16 or int8) replacing model.onnx, with its agreement report vs fp32
+  6) engine.json (the manifest, with hashes and the gate reports)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+import edgespec
+from edgespec import contract as C
+
+from .checkpoint import CheckpointError, ModelSpec, hash_files, load_checkpoint, weight_files
+from .validate import agreement, parity_gate, require, verify_gate
+
+DEFAULT_MAX_CONTEXT = 2048
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
+    limit = spec.max_position_embeddings
+    if spec.rope.rope_type == "dynamic":  # dynamic NTK rescales beyond this; our graph is static
+        limit = min(limit, spec.rope.original_max_position_embeddings or limit)
+    if max_context is None:
+        return min(limit, DEFAULT_MAX_CONTEXT)
+    if max_context <= 8:
+        raise ValueError(f"--max-context must be > 8, got {max_context}")
+    if max_context > limit:
+        raise ValueError(f"--max-context {max_context} exceeds the model's position limit {limit} "
+                         f"(max_position_embeddings in config.json)")
+    return max_context
+
+
+def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str) -> C.Manifest:
+    inputs, outputs = C.decoder_io(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
+                                   spec.hidden_size, input_mode)
+    eos = spec.eos_token_id
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return C.Manifest(model_file="model.onnx", architecture=spec.model_type, num_layers=spec.num_layers,
+                      num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                      hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, max_context=max_context,
+                      precision=precision, input_mode=input_mode, inputs=inputs, outputs=outputs,
+                      sliding_window=spec.sliding_window, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
+                      edgespec_version=edgespec.__version__)
+
+
+def export_onnx(model, manifest: C.Manifest, path: Path, batch: int = 1, seq: int = 3, past: int = 5) -> None:
+    """Trace `model` (a ContractDecoder) with small example tensors and write ONNX with dynamic axes."""
+    import torch
+
+    m = manifest
+    if m.input_mode == "ids":
+        first = torch.zeros(batch, seq, dtype=torch.int64)
+    else:
+        first = torch.zeros(batch, seq, m.hidden_size)
+    args = [first, torch.arange(past, past + seq)[None].repeat(batch, 1), torch.zeros(batch, 1, seq, past + seq)]
+    args += [torch.zeros(batch, m.num_kv_heads, past, m.head_dim) for _ in range(2 * m.num_layers)]
+    axes = {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in m.inputs + m.outputs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, tuple(args), str(path), dynamo=False, opset_version=17,
+                          input_names=[t.name for t in m.inputs], output_names=[t.name for t in m.outputs],
+                          dynamic_axes=axes, do_constant_folding=True)
+
+
+def to_fp16(src: Path, dst: Path) -> None:
+    """fp16 weights and compute, fp32 I/O (the contract's dtypes stay as they are)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, disable_shape_infer=False)
+    onnx.save(model, str(dst))
+
+
+def to_int8(src: Path, dst: Path) -> None:
+    """Dynamic int8 quantization of the MatMul weights, per output channel (CPU / ARM)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                     op_types_to_quantize=["MatMul", "Gemm"])
+
+
+def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq: int = 256) -> tuple[list, str]:
+    """Token rows for the agreement report: held-out Python stdlib code through the checkpoint's tokenizer,
+    or random ids when the checkpoint has no tokenizer (random-init test models)."""
+    rows_needed = -(-n_tokens // seq)
+    tok_path = Path(ckpt_dir) / "tokenizer.json"
+    if tok_path.is_file():
+        import sysconfig
+
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tok_path))
+        root = Path(sysconfig.get_paths()["stdlib"])
+        ids: list[int] = []
+        for p in sorted(root.glob("*.py")):  # same held-out rule as train_demo.py
+            if zlib.crc32(str(p.relative_to(root)).encode()) % 50 == 0:
+                ids.extend(tok.encode(p.read_text(encoding="utf-8", errors="replace")).ids)
+            if len(ids) >= rows_needed * seq:
+                break
+        if len(ids) >= rows_needed * seq:
+            arr = np.asarray(ids[:rows_needed * seq], dtype=np.int64).reshape(rows_needed, seq)
+            return [r for r in arr if r.max() < vocab_size], "python-stdlib held-out code"
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, size=seq) for _ in range(rows_needed)], "random token ids"
+
+
+def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", max_context: int | None = None,
+                  input_mode: str = "ids", force: bool = False, progress: bool = True,
+                  agreement_tokens: int = 1024) -> C.Manifest:
+    from tqdm import tqdm
+
+    from edgespec.engine import OrtEngine
+
+    from .contract_model import ContractDecoder
+    from .reference import ReferenceDecoder
+
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    if dtype not in C.PRECISIONS:
+        raise ValueError(f"--dtype must be one of {C.PRECISIONS}, got {dtype!r}")
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} already exists; pass --force to replace it")
+    t0 = time.time()
+    spec, weights = load_checkpoint(ckpt_dir)
+    max_context = resolve_max_context(spec, max_context)
+    manifest = build_manifest(spec, max_context, "fp32", input_mode)
+    bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
+    stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        # 1) the fp32 graph
+        bar.set_description("export: tracing to ONNX")
+        bar.update(1)
+        export_onnx(ContractDecoder(spec, weights, input_mode), manifest, stage / "model.onnx")
+        # 2) tokenizer
+        for name in TOKENIZER_FILES:
+            if (ckpt_dir / name).is_file():
+                shutil.copy2(ckpt_dir / name, stage / name)
+        if (stage / "tokenizer.json").is_file():
+            manifest.tokenizer_sha256 = C.file_sha256(stage / "tokenizer.json")
+        else:
+            manifest.tokenizer_file = None
+        # 3) embedding table for inputs_embeds engines
+        embed = None
+        if input_mode == "embeds":
+            embed = weights["model.embed_tokens.weight"].astype(np.float32)
+            np.save(stage / "embedding.npy", embed)
+            manifest.embedding_file = "embedding.npy"
+        manifest.source_sha256 = hash_files(weight_files(ckpt_dir) + [ckpt_dir / "config.json"])
+        manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
+        manifest.write(stage)
+        # 4) gates on the fp32 graph
+        bar.set_description("export: parity gate vs reference")
+        bar.update(1)
+        engine = OrtEngine(stage)
+        reference = ReferenceDecoder(spec, weights)
+        ref_fn = reference if input_mode == "ids" else (lambda ids: reference(ids))
+        parity = parity_gate(engine, ref_fn, max_context, embed=embed)
+        require("parity vs reference", parity)
+        bar.set_description("export: verify-pass gate")
+        bar.update(1)
+        verify = verify_gate(engine, max_context, embed=embed)
+        require("verify pass vs single steps", verify)
+        validation = {"parity": parity, "verify": verify}
+        # 5) precision variant
+        bar.set_description(f"export: {dtype} variant")
+        bar.update(1)
+        if dtype != "fp32":
+            fp32_path = stage / "model.fp32.onnx"
+            os.replace(stage / "model.onnx", fp32_path)
+            (to_fp16 if dtype == "fp16" else to_int8)(fp32_path, stage / "model.onnx")
+            manifest.precision = dtype
+            manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
+            manifest.write(stage)
+            rows, source = calibration_rows(ckpt_dir, spec.vocab_size, agreement_tokens)
+            variant = OrtEngine(stage)
+            manifest.model_file = "model.fp32.onnx"
+            manifest.precision = "fp32"
+            manifest.model_sha256 = None
+            manifest.write(stage)
+            base = OrtEngine(stage)
+            agree = agreement(base, variant, rows, embed, embed)
+            agree["text"] = source
+            validation["agreement_vs_fp32"] = agree
+            del base, variant
+            fp32_path.unlink()
+            manifest.model_file, manifest.precision = "model.onnx", dtype
+            manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
+        # 6) manifest, then the atomic rename
+        bar.set_description("export: writing manifest")
+        bar.update(1)
+        manifest.extra = {"validation": validation, "export_seconds": round(time.time() - t0, 2),
+                          "source_checkpoint": ckpt_dir.name}
+        manifest.write(stage)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(stage, out_dir)
+        bar.set_description("export: done")
+        bar.update(1)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return manifest
+
+
+__all__ = ["export_engine", "CheckpointError"]

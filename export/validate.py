@@ -1,0 +1,121 @@
+"""Export-time validation gates. Each returns a report dict; `require` raises GateError with the worst diff.
+
+1. parity:  ONNX Runtime fp32 logits vs the eager reference, at past length 0, mid and near capacity,
+            with garbage in the stale cache rows (they must be masked, never read).
+2. verify:  one S = k+1 verify pass vs k+1 single-token steps on the same engine.
+3. agreement (precision variants): top-1 agreement and mean KL(fp32 || variant) over >= 1000
+            teacher-forced tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec import contract as C
+from edgespec.masks import causal_bias
+
+PARITY_TOL = 1e-4
+
+
+class GateError(RuntimeError):
+    pass
+
+
+def _empty_past(m: C.Manifest, batch: int, rows: int, rng=None) -> list[np.ndarray]:
+    shape = (batch, m.num_kv_heads, rows, m.head_dim)
+    if rng is None:
+        return [np.zeros(shape, np.float32) for _ in range(2 * m.num_layers)]
+    return [rng.standard_normal(shape).astype(np.float32) * 3 for _ in range(2 * m.num_layers)]
+
+
+def _feeds(m: C.Manifest, first: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: list[np.ndarray]) -> dict:
+    feeds = {m.inputs[0].name: first, C.POSITION_IDS: pos, C.ATTENTION_BIAS: bias}
+    for i in range(m.num_layers):
+        feeds[C.past_key(i)], feeds[C.past_value(i)] = past[2 * i], past[2 * i + 1]
+    return feeds
+
+
+def step(engine, tokens: np.ndarray, buffers: list[np.ndarray], length: int, embed=None) -> np.ndarray:
+    """Feed tokens (1, S) at committed `length` over full `buffers`; write the new rows; return logits (1, S, V)."""
+    m = engine.manifest
+    s = tokens.shape[1]
+    cap = buffers[0].shape[2]
+    pos = (length + np.arange(s, dtype=np.int64))[None]
+    bias = causal_bias(np.array([length]), s, cap, m.sliding_window)
+    first = tokens if embed is None else embed[tokens]
+    out = engine.run(_feeds(m, first, pos, bias, buffers))
+    for i in range(m.num_layers):
+        buffers[2 * i][:, :, length:length + s] = out[C.present_key(i)]
+        buffers[2 * i + 1][:, :, length:length + s] = out[C.present_value(i)]
+    return out[C.LOGITS]
+
+
+def parity_gate(engine, reference, max_context: int, seed: int = 0, embed=None) -> dict:
+    """Worst |ORT - reference| over logits of a prefill and of a 4-token step at three past lengths."""
+    import torch
+
+    m = engine.manifest
+    rng = np.random.default_rng(seed)
+    s = 4
+    report = {}
+    for label, past_len in (("past0", 0), ("mid", max_context // 2), ("near_capacity", max_context - s)):
+        past_len = max(0, min(past_len, max_context - s))
+        ids = rng.integers(0, m.vocab_size, size=(1, past_len + s), dtype=np.int64)
+        with torch.no_grad():
+            want = reference(torch.from_numpy(ids)).numpy()  # (1, P+S, V)
+        buffers = _empty_past(m, 1, max_context, rng)  # garbage everywhere: stale rows must be masked
+        worst = 0.0
+        if past_len:
+            got = step(engine, ids[:, :past_len], buffers, 0, embed)
+            worst = float(np.abs(got - want[:, :past_len]).max())
+        got = step(engine, ids[:, past_len:], buffers, past_len, embed)
+        worst = max(worst, float(np.abs(got - want[:, past_len:]).max()))
+        report[label] = {"past_length": past_len, "max_abs_diff": worst}
+    report["max_abs_diff"] = max(r["max_abs_diff"] for r in report.values())
+    report["tolerance"] = PARITY_TOL
+    return report
+
+
+def verify_gate(engine, max_context: int, k: int = 4, seed: int = 1, embed=None) -> dict:
+    """One verify pass of S = k+1 tokens vs k+1 single-token steps, from a random prefix."""
+    m = engine.manifest
+    rng = np.random.default_rng(seed)
+    prefix = min(37, max_context - k - 1)
+    ids = rng.integers(0, m.vocab_size, size=(1, prefix + k + 1), dtype=np.int64)
+    buf_a, buf_b = _empty_past(m, 1, max_context), _empty_past(m, 1, max_context)
+    step(engine, ids[:, :prefix], buf_a, 0, embed)
+    for a, b in zip(buf_a, buf_b):
+        b[...] = a
+    verify = step(engine, ids[:, prefix:], buf_a, prefix, embed)
+    singles = np.concatenate([step(engine, ids[:, prefix + j:prefix + j + 1], buf_b, prefix + j, embed)
+                              for j in range(k + 1)], axis=1)
+    cache = max(float(np.abs(a[:, :, :prefix + k + 1] - b[:, :, :prefix + k + 1]).max()) for a, b in zip(buf_a, buf_b))
+    return {"k": k, "max_abs_diff": float(np.abs(verify - singles).max()), "cache_max_abs_diff": cache,
+            "tolerance": PARITY_TOL}
+
+
+def require(name: str, report: dict, tol: float = PARITY_TOL) -> None:
+    worst = max(report["max_abs_diff"], report.get("cache_max_abs_diff", 0.0))
+    if not np.isfinite(worst) or worst > tol:
+        raise GateError(f"validation gate '{name}' failed: worst |difference| {worst:.3e} > tolerance {tol:.0e}\n"
+                        f"report: {report}")
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def agreement(base_engine, variant_engine, token_rows: list[np.ndarray], embed=None, embed_variant=None) -> dict:
+    """Teacher-force each row of tokens through both engines; top-1 agreement and mean KL(base || variant)."""
+    agree, kls, n = 0, [], 0
+    for row in token_rows:
+        ids = np.asarray(row, dtype=np.int64)[None]
+        cap = ids.shape[1]
+        a = step(base_engine, ids, _empty_past(base_engine.manifest, 1, cap), 0, embed)[0]
+        b = step(variant_engine, ids, _empty_past(variant_engine.manifest, 1, cap), 0, embed_variant)[0]
+        la, lb = log_softmax(a), log_softmax(b)
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        kls.append((np.exp(la) * (la - lb)).sum(-1))
+        n += ids.shape[1]
+    return {"tokens": n, "top1_agreement": agree / n, "mean_kl": float(np.concatenate(kls).mean())}

@@ -1,0 +1,131 @@
+"""Export through the gates, precision variants, and refusal of inconsistent engine folders."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import FAMILIES
+from edgespec import contract as C
+from edgespec.cli import main as cli_main
+from edgespec.engine import OrtEngine
+from edgespec.export import onnx_export
+from edgespec.export.onnx_export import export_engine
+from edgespec.export.validate import GateError
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tiny_checkpoints, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eng") / "llama"
+    export_engine(tiny_checkpoints["llama"][0], out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_exports_through_the_gates(tiny_checkpoints, tmp_path, family):
+    m = export_engine(tiny_checkpoints[family][0], tmp_path / family, progress=False)
+    v = m.extra["validation"]
+    assert v["parity"]["max_abs_diff"] < 1e-4
+    assert {"past0", "mid", "near_capacity"} <= set(v["parity"])
+    assert v["parity"]["near_capacity"]["past_length"] == m.max_context - 4
+    assert v["verify"]["max_abs_diff"] < 1e-4
+    assert OrtEngine(tmp_path / family).manifest == C.Manifest.read(tmp_path / family)
+
+
+@pytest.mark.parametrize("dtype,min_agree", [("fp16", 0.99), ("int8", 0.9)])
+def test_precision_variants_report_agreement(tiny_checkpoints, tmp_path, dtype, min_agree):
+    m = export_engine(tiny_checkpoints["qwen2"][0], tmp_path / dtype, dtype=dtype, progress=False)
+    a = m.extra["validation"]["agreement_vs_fp32"]
+    assert m.precision == dtype and a["tokens"] >= 1000
+    assert a["top1_agreement"] >= min_agree and 0 <= a["mean_kl"] < 1e-2
+    assert sorted(os.listdir(tmp_path / dtype)) == ["engine.json", "model.onnx"]  # the fp32 copy is gone
+
+
+def test_inputs_embeds_variant_matches_ids(tiny_checkpoints, tmp_path, llama_engine):
+    m = export_engine(tiny_checkpoints["llama"][0], tmp_path / "emb", input_mode="embeds", progress=False)
+    assert m.inputs[0].name == C.INPUTS_EMBEDS and m.extra["validation"]["parity"]["max_abs_diff"] < 1e-4
+    emb = np.load(tmp_path / "emb" / m.embedding_file)
+    ids = np.array([[5, 7, 11]], dtype=np.int64)
+    feeds = {C.POSITION_IDS: np.arange(3)[None], C.ATTENTION_BIAS: np.zeros((1, 1, 3, 3), np.float32)}
+    feeds[C.ATTENTION_BIAS][..., np.triu_indices(3, 1)[0], np.triu_indices(3, 1)[1]] = C.MASKED
+    for i in range(m.num_layers):
+        feeds[C.past_key(i)] = feeds[C.past_value(i)] = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
+    a = OrtEngine(tmp_path / "emb").run({**feeds, C.INPUTS_EMBEDS: emb[ids]})[C.LOGITS]
+    b = OrtEngine(llama_engine).run({**feeds, C.INPUT_IDS: ids})[C.LOGITS]
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_gate_catches_a_wrong_graph(tiny_checkpoints, tmp_path, monkeypatch):
+    """A graph without RoPE on the keys must fail the parity gate and leave nothing behind."""
+    from edgespec.export import contract_model
+    real = contract_model.ContractDecoder._rope
+    calls = {"n": 0}
+
+    def broken(x, cos, sin):
+        calls["n"] += 1
+        return x if calls["n"] % 2 == 0 else real(x, cos, sin)  # every key left unrotated
+    monkeypatch.setattr(contract_model.ContractDecoder, "_rope", staticmethod(broken))
+    with pytest.raises(GateError, match="parity vs reference.*worst"):
+        export_engine(tiny_checkpoints["llama"][0], tmp_path / "bad", progress=False)
+    assert os.listdir(tmp_path) == []  # no engine folder, no staging folder
+
+
+def test_interrupted_export_leaves_no_folder(tiny_checkpoints, tmp_path, monkeypatch):
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(onnx_export, "verify_gate", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        export_engine(tiny_checkpoints["llama"][0], tmp_path / "int", progress=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_max_context_beyond_position_limit_is_refused(tiny_checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="--max-context 999 exceeds the model's position limit 256"):
+        export_engine(tiny_checkpoints["llama"][0], tmp_path / "x", max_context=999, progress=False)
+
+
+def test_existing_output_needs_force(llama_engine, tiny_checkpoints):
+    with pytest.raises(FileExistsError, match="--force"):
+        export_engine(tiny_checkpoints["llama"][0], llama_engine, progress=False)
+
+
+def _copy(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_changed_model_file_is_refused_at_load(llama_engine, tmp_path):
+    eng = _copy(llama_engine, tmp_path / "e")
+    with open(eng / "model.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(C.EngineError, match="model.onnx: sha256 differs"):
+        OrtEngine(eng)
+
+
+def test_manifest_io_mismatch_is_refused_at_load(llama_engine, tmp_path):
+    eng = _copy(llama_engine, tmp_path / "e")
+    data = json.loads((eng / "engine.json").read_text())
+    data["outputs"][0]["shape"][2] = 97
+    data["inputs"][3]["name"] = "past_key_values.0.key"
+    (eng / "engine.json").write_text(json.dumps(data))
+    with pytest.raises(C.EngineError) as e:
+        OrtEngine(eng)
+    assert "missing ['past_key_values.0.key'], unexpected ['past.0.key']" in str(e.value)
+    assert "logits: shape" in str(e.value)
+
+
+def test_folder_without_manifest_is_refused(tmp_path):
+    with pytest.raises(C.EngineError, match="no engine.json"):
+        OrtEngine(tmp_path)
+
+
+def test_cli_export_and_inspect(tiny_checkpoints, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert cli_main(["export", str(tiny_checkpoints["mistral"][0]), "--out", str(out), "--quiet"]) == 0
+    assert "parity vs reference" in capsys.readouterr().out
+    assert cli_main(["inspect", str(out)]) == 0
+    assert "files and graph match the manifest: OK" in capsys.readouterr().out
+    (out / "model.onnx").write_bytes(b"broken")
+    assert cli_main(["inspect", str(out)]) == 1
+    assert "sha256 differs" in capsys.readouterr().err
