@@ -1,0 +1,103 @@
+"""A contract decoder bound to its KV cache: `Decoder(tokens)` runs S new tokens per sequence.
+
+ONNX Runtime IOBinding over preallocated arrays: the cache buffers are bound once per reallocation,
+outputs (logits and the new K/V rows) go into arrays kept per S, so a steady decode allocates nothing
+large. The call writes the new rows into the cache at the committed lengths but does not commit them:
+the caller sets `cache.lengths` to what it keeps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import contract as C
+from .engine import OrtEngine
+from .kvcache import KVCache
+from .masks import causal_bias
+
+
+class Decoder:
+    def __init__(self, engine: OrtEngine, batch: int = 1, embedding: np.ndarray | None = None):
+        import onnxruntime as ort
+
+        self.engine, self.m = engine, engine.manifest
+        m = self.m
+        self.batch = batch
+        self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context)
+        self.binding = engine.session.io_binding()
+        self._ort = ort
+        self._bound_generation = -1
+        self._outs: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}  # S -> (logits, presents)
+        self._bound_s = -1
+        self.embedding = embedding  # (V, E) for inputs_embeds engines
+        self.calls = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.m.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.m.max_context
+
+    def _bind_cache(self) -> None:
+        for i in range(self.m.num_layers):
+            k, v = self.cache.buffers[2 * i], self.cache.buffers[2 * i + 1]
+            self.binding.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(k))
+            self.binding.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(v))
+        self._bound_generation = self.cache.generation
+
+    def _bind_outputs(self, s: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        if s not in self._outs:
+            b, m = self.batch, self.m
+            logits = np.empty((b, s, m.vocab_size), np.float32)
+            presents = [np.empty((b, m.num_kv_heads, s, m.head_dim), np.float32) for _ in range(2 * m.num_layers)]
+            self._outs[s] = (logits, presents,
+                             [self._ort.OrtValue.ortvalue_from_numpy(a) for a in [logits] + presents])
+        logits, presents, ovs = self._outs[s]
+        if self._bound_s != s:
+            for name, ov in zip(self.engine.output_names, ovs):
+                self.binding.bind_ortvalue_output(name, ov)
+            self._bound_s = s
+        return logits, presents
+
+    def __call__(self, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 -> logits (B, S, V).
+
+        valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
+        The returned array is reused by the next call with the same S: read it before then.
+        """
+        b, s = tokens.shape
+        cache = self.cache
+        cache.reserve(int(cache.lengths.max()) + s)
+        if self._bound_generation != cache.generation:
+            self._bind_cache()
+        pos = cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
+        bias = causal_bias(cache.lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P+S)
+        first = np.ascontiguousarray(tokens, dtype=np.int64)
+        if self.m.input_mode == "embeds":
+            first = self.embedding[first]
+        bind = self.binding
+        bind.bind_cpu_input(self.m.inputs[0].name, first)
+        bind.bind_cpu_input(C.POSITION_IDS, pos)
+        bind.bind_cpu_input(C.ATTENTION_BIAS, bias)
+        logits, presents = self._bind_outputs(s)
+        self.engine.session.run_with_iobinding(bind)
+        self.calls += 1
+        cache.write(presents, cache.lengths)
+        return logits
+
+    def reference_call(self, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+        """The same as __call__ through plain `session.run` (slow, obvious): for tests."""
+        b, s = tokens.shape
+        cache = self.cache
+        cache.reserve(int(cache.lengths.max()) + s)
+        feeds = {self.m.inputs[0].name: tokens.astype(np.int64) if self.m.input_mode == "ids"
+                 else self.embedding[tokens],
+                 C.POSITION_IDS: cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :],
+                 C.ATTENTION_BIAS: causal_bias(cache.lengths, s, cache.capacity, self.m.sliding_window, valid)}
+        for i in range(self.m.num_layers):
+            feeds[C.past_key(i)] = cache.buffers[2 * i]
+            feeds[C.past_value(i)] = cache.buffers[2 * i + 1]
+        out = self.engine.run(feeds)
+        cache.write([out[n] for n in self.engine.output_names[1:]], cache.lengths)
+        return out[C.LOGITS]

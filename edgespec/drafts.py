@@ -1,0 +1,140 @@
+"""Drafts: anything that proposes up to γ next tokens per sequence.
+
+    propose(contexts, gamma, pick, active) -> Proposal   # contexts[b]: prompt + emitted tokens (last = pending)
+    commit(accepted)                                    # accepted (B,): draft tokens the target kept this round
+
+Kinds: `DraftModel` (a small engine with its own KV cache) and `NgramDraft` (prompt lookup, no model).
+Trees and feature-based drafts fit the same two verbs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .decoder import Decoder
+
+# pick(logits (B, V), positions (B,)) -> (tokens (B,), q (B, V) or None): how a model draft chooses a token
+Picker = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, "np.ndarray | None"]]
+
+
+@dataclass
+class Proposal:
+    tokens: np.ndarray  # (B, γ) int64, padded past counts[b]
+    counts: np.ndarray  # (B,) proposals per sequence, <= γ
+    q: np.ndarray | None = None  # (B, γ, V) draft distributions; None = deterministic (point mass)
+
+
+class Drafter(ABC):
+    name = "draft"
+
+    @abstractmethod
+    def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
+
+    def commit(self, accepted: np.ndarray) -> None:
+        """The target kept accepted[b] of sequence b's proposals (before its correction/bonus token)."""
+
+    def room(self, contexts: list[list[int]], active: np.ndarray) -> int:
+        """The most tokens this draft can propose now (its own capacity limit)."""
+        return 1 << 30
+
+    def reset(self, b: int) -> None:
+        """Sequence b finished: forget its state."""
+
+
+class DraftModel(Drafter):
+    """A small decoder engine drafting autoregressively from its own cache.
+
+    Its cache covers the context up to the pending token after a catch-up call (1 token, or 2 when the
+    last round accepted everything), then it feeds d_1..d_{γ-1}; rows of rejected drafts are rolled back.
+    """
+    name = "model"
+
+    def __init__(self, decoder: Decoder):
+        self.dec = decoder
+        self._ctx_len = np.zeros(decoder.batch, dtype=np.int64)
+
+    def room(self, contexts, active) -> int:
+        longest = max((len(c) for c, a in zip(contexts, active) if a), default=0)
+        return self.dec.max_context - longest + 1
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        cache, b = self.dec.cache, self.dec.batch
+        n_ctx = np.array([len(c) if a else 0 for c, a in zip(contexts, active)], dtype=np.int64)
+        n_new = n_ctx - cache.lengths  # (B,) catch-up tokens, >= 1 for active sequences
+        s = int(n_new.max())
+        feed = np.zeros((b, s), dtype=np.int64)
+        for i in range(b):
+            if n_new[i]:
+                feed[i, :n_new[i]] = contexts[i][int(cache.lengths[i]):]
+        valid = np.arange(s)[None, :] < n_new[:, None] if (n_new != s).any() else None
+        logits = self.dec(feed, valid)  # (B, s, V)
+        last = logits[np.arange(b), np.maximum(n_new - 1, 0)]  # (B, V)
+        cache.lengths = n_ctx.copy()
+        self._ctx_len = n_ctx
+        tokens = np.zeros((b, gamma), dtype=np.int64)
+        qs = None
+        for j in range(gamma):
+            tok, q = pick(last, n_ctx + j)  # token at position n_ctx + j
+            tokens[:, j] = tok
+            if q is not None:
+                if qs is None:
+                    qs = np.empty((b, gamma, q.shape[-1]), dtype=q.dtype)
+                qs[:, j] = q
+            if j + 1 < gamma:
+                last = self.dec(tokens[:, j:j + 1])[:, 0]
+                cache.lengths += 1
+        return Proposal(tokens, np.full(b, gamma, dtype=np.int64), qs)
+
+    def commit(self, accepted) -> None:
+        c = self.dec.cache
+        c.lengths = np.minimum(c.lengths, self._ctx_len + accepted)
+
+    def reset(self, b) -> None:
+        self.dec.cache.lengths[b] = 0
+        self._ctx_len[b] = 0
+
+
+class NgramDraft(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest n first)
+    and propose what followed it. Costs microseconds, needs no model; pays on repetitive text and code."""
+    name = "ngram"
+
+    def __init__(self, batch: int, max_ngram: int = 4, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_n, self.min_n = max_ngram, min_ngram
+        self._index = [dict() for _ in range(batch)]  # (n-gram tuple) -> end index of its latest occurrence
+        self._upto = [0] * batch  # context positions already indexed
+
+    def _extend(self, b: int, ctx: list[int]) -> None:
+        idx, end = self._index[b], len(ctx) - 1  # index n-grams ending before the last token only
+        for e in range(self._upto[b] + 1, end + 1):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                idx[tuple(ctx[e - n:e])] = e
+        self._upto[b] = max(self._upto[b], end)
+
+    def lookup(self, b: int, ctx: list[int], gamma: int) -> list[int]:
+        self._extend(b, ctx)
+        idx = self._index[b]
+        for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+            e = idx.get(tuple(ctx[-n:]))
+            if e is not None and e < len(ctx):
+                return ctx[e:e + gamma]
+        return []
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        b = len(contexts)
+        tokens = np.zeros((b, max(gamma, 1)), dtype=np.int64)
+        counts = np.zeros(b, dtype=np.int64)
+        for i, (ctx, a) in enumerate(zip(contexts, active)):
+            if a and gamma:
+                got = self.lookup(i, ctx, gamma)
+                tokens[i, :len(got)] = got
+                counts[i] = len(got)
+        return Proposal(tokens[:, :gamma], counts, None)
+
+    def reset(self, b) -> None:
+        self._index[b], self._upto[b] = {}, 0

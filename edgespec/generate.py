@@ -1,0 +1,368 @@
+"""The public API: `load` an engine pair, then `generate` / `stream`.
+
+    gen = edgespec.load("engines/demo-target", draft="engines/demo-draft")   # or draft="ngram" / None
+    out = gen.generate("def fibonacci(n):", max_new_tokens=64)
+    print(out.text, out.stats.tokens_per_second, out.stats.acceptance_rate)
+    for piece in gen.stream("import os\n", max_new_tokens=64): print(piece, end="")
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .contract import EngineError
+from .costmodel import AcceptanceEstimator, CostModel, median_time
+from .decoder import Decoder
+from .drafts import DraftModel, Drafter, NgramDraft
+from .engine import OrtEngine, default_provider
+from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, probs, sample
+from .speculative import speculative_round
+from .tokenizer import TextTokenizer, check_pair
+
+GAMMA_MAX = 8  # longest draft `auto` considers
+PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
+
+
+class Timer:
+    """Named wall-clock sections (draft / verify / sampling / prefill); the rest of the wall is 'other'."""
+
+    def __init__(self):
+        self.t = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.t[name] += time.perf_counter() - t0
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts kept at position i
+    tried_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts proposed at position i
+    histogram: list = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))  # rounds that kept k drafts
+    gamma_history: list = field(default_factory=list)  # (new tokens so far, γ chosen)
+    time_s: dict = field(default_factory=dict)  # prefill, draft, verify, sampling, other, decode, total
+    target_calls: int = 0
+    draft_calls: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.new_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of decoding (after the prompt's prefill)."""
+        d = self.time_s.get("decode", 0.0)
+        return self.new_tokens / d if d else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_per_round=self.mean_accepted_per_round,
+                 tokens_per_round=self.tokens_per_round, tokens_per_second=self.tokens_per_second,
+                 acceptance_by_position=[a / t if t else None for a, t in
+                                         zip(self.accepted_by_position, self.tried_by_position)])
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop" | "capacity"
+    stats: Stats
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    ctx: list[int]
+    finish: str | None = None
+    text_len: int | None = None  # where a stop string cut the text
+
+
+class Generator:
+    def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
+                 tokenizer: TextTokenizer | None = None, gamma: int | str = "auto", gamma_max: int = GAMMA_MAX):
+        self.target, self.draft, self.drafter_kind, self.tok = target, draft, drafter_kind, tokenizer
+        if not (gamma == "auto" or (isinstance(gamma, int) and 0 <= gamma <= gamma_max)):
+            raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}], got {gamma!r}")
+        self.gamma, self.gamma_max = gamma, gamma_max
+        self.eos = set(target.manifest.eos_token_ids)
+        self.cost: CostModel | None = None
+        self._embed = {}
+
+    # -- building blocks -------------------------------------------------------------------------
+    def _decoder(self, engine: OrtEngine, batch: int) -> Decoder:
+        emb = None
+        if engine.manifest.input_mode == "embeds":
+            if engine not in self._embed:
+                self._embed[engine] = np.load(engine.dir / engine.manifest.embedding_file)
+            emb = self._embed[engine]
+        return Decoder(engine, batch, emb)
+
+    def _drafter(self, batch: int) -> Drafter | None:
+        if self.drafter_kind == "model":
+            return DraftModel(self._decoder(self.draft, batch))
+        if self.drafter_kind == "ngram":
+            return NgramDraft(batch)
+        return None
+
+    def measure_costs(self, reps: int = 5, context: int = 64) -> CostModel:
+        """Time target calls of S = 1..γmax+1 and one draft step on this device, at a short context."""
+        m = self.target.manifest
+        context = min(context, m.max_context - self.gamma_max - 2)
+        rng = np.random.default_rng(0)
+        tgt = self._decoder(self.target, 1)
+        tgt(rng.integers(0, m.vocab_size, (1, context)))
+        tgt.cache.lengths[:] = context
+        t_verify = []
+        for s in range(1, self.gamma_max + 2):
+            ids = rng.integers(0, m.vocab_size, (1, s))
+            tgt(ids)  # warm this shape
+            t_verify.append(median_time(lambda: tgt(ids), reps))
+        if self.drafter_kind == "model":
+            d = self._decoder(self.draft, 1)
+            d(rng.integers(0, m.vocab_size, (1, context)))
+            d.cache.lengths[:] = context
+            one = rng.integers(0, m.vocab_size, (1, 1))
+            d(one)
+            t_draft = median_time(lambda: d(one)[:, 0].argmax(-1), reps * 2)
+        elif self.drafter_kind == "ngram":
+            ng, ctx = NgramDraft(1), [list(rng.integers(0, m.vocab_size, 512))]
+            t_draft = median_time(lambda: ng.propose(ctx, 4, None, np.ones(1, bool)), reps) / 4
+        else:
+            t_draft = 0.0
+        self.cost = CostModel(t_verify, t_draft, t_round=5e-5)
+        return self.cost
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tok is None:
+                raise ValueError("this engine folder has no tokenizer.json; pass token ids instead of text")
+            ids = self.tok.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.manifest.vocab_size]
+            if bad:
+                raise ValueError(f"token ids must be in [0, {self.target.manifest.vocab_size}), got {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        cap = self.target.manifest.max_context
+        if len(ids) >= cap:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the engine's context capacity is {cap} "
+                             f"(prompt plus at least one new token must fit)")
+        if self.draft is not None and len(ids) >= self.draft.manifest.max_context:
+            raise ValueError(f"the prompt has {len(ids)} tokens but the draft's context capacity is "
+                             f"{self.draft.manifest.max_context}")
+        return ids
+
+    def _run(self, prompts: list[list[int]], max_new_tokens: int, cfg: SamplingConfig, mode: str,
+             gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
+        """Prefill, then rounds until every sequence is finished; yields after every round."""
+        b = len(prompts)
+        stats, timer = Stats(prompt_tokens=sum(map(len, prompts))), Timer()
+        rng = np.random.default_rng(cfg.seed)
+        noise = GumbelNoise(cfg.seed or 0, self.target.manifest.vocab_size) if mode == "coupled" else None
+        t0 = time.perf_counter()
+
+        def pick(logits, positions):  # logits (B, V) -> tokens (B,), q (B, V) | None
+            if mode == "greedy":
+                return logits.argmax(-1), None
+            check_finite(logits, "draft", int(positions.max()))
+            if mode == "coupled":
+                return np.array([noise.pick(logits[i], cfg, i, int(positions[i])) for i in range(b)]), None
+            q = probs(logits, cfg)
+            return np.array([sample(q[i], rng) for i in range(b)]), q
+
+        target, drafter = self._decoder(self.target, b), self._drafter(b)
+        seqs = [_Seq(p, list(p)) for p in prompts]
+        # prefill the prompts; the first new token comes from the prefill's last logits
+        with timer("prefill"):
+            lens = np.array([len(p) for p in prompts], dtype=np.int64)
+            feed = np.zeros((b, int(lens.max())), dtype=np.int64)
+            for i, p in enumerate(prompts):
+                feed[i, :len(p)] = p
+            valid = np.arange(feed.shape[1])[None] < lens[:, None] if (lens != lens.max()).any() else None
+            logits = target(feed, valid)
+            last = logits[np.arange(b), lens - 1]
+            check_finite(last, "target", 0)
+            first, _ = pick(last, lens)
+            target.cache.lengths = lens.copy()
+        t_first = time.perf_counter()
+        for s, tok in zip(seqs, first):
+            self._append(s, [int(tok)], max_new_tokens, stop)
+        stats.new_tokens = b
+        est = AcceptanceEstimator()
+        cap = self.target.manifest.max_context
+        while not all(s.finish for s in seqs):
+            active = np.array([s.finish is None for s in seqs])
+            g = self._choose_gamma(gamma, est, stats)
+            longest = max(len(s.ctx) for s in seqs if s.finish is None)
+            left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
+            g = max(0, min(g, cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0))
+            stats.gamma_history.append((stats.new_tokens, g))
+            new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
+                                          noise, pick, timer)
+            stats.rounds += 1
+            for i, s in enumerate(seqs):
+                if not active[i]:
+                    continue
+                stats.drafted += int(n[i])
+                stats.accepted += int(k[i])
+                stats.histogram[int(k[i])] += 1
+                for j in range(int(n[i])):
+                    stats.tried_by_position[j] += 1
+                    stats.accepted_by_position[j] += int(j < k[i])
+                est.update(int(k[i]), int(n[i]))
+                stats.new_tokens += self._append(s, new[i], max_new_tokens, stop)
+                if s.finish is None and len(s.ctx) > cap:
+                    s.finish = "capacity"
+                if s.finish:
+                    target.cache.lengths[i] = 0  # its rows are no longer needed
+                    if drafter:
+                        drafter.reset(i)
+            stats.time_s = self._times(timer, t0, t_first)
+            stats.target_calls = target.calls
+            stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
+            yield seqs, stats
+        stats.time_s = self._times(timer, t0, t_first)
+        yield seqs, stats
+
+    @staticmethod
+    def _times(timer: Timer, t0: float, t_first: float) -> dict:
+        now = time.perf_counter()
+        t = dict(timer.t)
+        named = sum(v for k, v in t.items() if k != "prefill")
+        return {"prefill": t.get("prefill", 0.0), "draft": t.get("draft", 0.0), "verify": t.get("verify", 0.0),
+                "sampling": t.get("sampling", 0.0), "other": max(0.0, (now - t_first) - named),
+                "decode": now - t_first, "total": now - t0}
+
+    def _choose_gamma(self, gamma, est: AcceptanceEstimator, stats: Stats) -> int:
+        if self.drafter_kind is None:
+            return 0
+        if gamma != "auto":
+            return gamma
+        if self.cost is None:
+            self.measure_costs()
+        g = self.cost.best_gamma(est.alpha, self.gamma_max)
+        if g == 0 and stats.rounds % PROBE_EVERY == PROBE_EVERY - 1:
+            g = 1  # probe: keep the acceptance estimate alive while not speculating
+        return g
+
+    def _append(self, s: _Seq, toks: list[int], max_new: int, stop: list[str]) -> int:
+        """Append emitted tokens up to the first stop condition; return how many were kept."""
+        kept = 0
+        for t in toks:
+            s.ctx.append(t)
+            kept += 1
+            if t in self.eos:
+                s.finish = "eos"
+            elif len(s.ctx) - len(s.prompt) >= max_new:
+                s.finish = "length"
+            if stop and self.tok is not None:
+                text = self.tok.decode(s.ctx[len(s.prompt):])
+                cut = min((text.find(x) for x in stop if x in text), default=-1)
+                if cut >= 0:
+                    s.finish, s.text_len = "stop", cut
+            if s.finish:
+                break
+        return kept
+
+    def _result(self, s: _Seq, stats: Stats) -> GenerationResult:
+        ids = s.ctx[len(s.prompt):]
+        text = self.tok.decode(ids) if self.tok is not None else ""
+        if s.text_len is not None:
+            text = text[:s.text_len]
+        return GenerationResult(text, ids, s.finish or "length", stats)
+
+    def _prepare(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, acceptance, gamma, stop):
+        cfg = SamplingConfig(temperature, top_k, top_p, seed)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        mode = acceptance or ("greedy" if cfg.greedy else "rejection")
+        if mode not in ACCEPTANCE_MODES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_MODES}, got {mode!r}")
+        if mode == "greedy" and not cfg.greedy:
+            raise ValueError(f"acceptance 'greedy' needs temperature 0, got {temperature}; "
+                             f"use 'rejection' or 'coupled' to sample")
+        if mode != "greedy" and cfg.greedy:
+            mode = "greedy"  # temperature 0: every mode reduces to greedy
+        gamma = self.gamma if gamma is None else gamma
+        if not (gamma == "auto" or (isinstance(gamma, int) and 0 <= gamma <= self.gamma_max)):
+            raise ValueError(f"gamma must be 'auto' or an integer in [0, {self.gamma_max}], got {gamma!r}")
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop)):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+        return [self.encode(p) for p in prompts], cfg, mode, gamma, list(stop or [])
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, acceptance: str | None = None,
+                 gamma: int | str | None = None, stop: list[str] | None = None):
+        """One prompt (text or ids) -> GenerationResult; a list of prompts -> a list (decoded as one batch)."""
+        batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, np.integer))
+        prompts = prompt if batch else [prompt]
+        ids, cfg, mode, gamma, stop = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p,
+                                                    seed, acceptance, gamma, stop)
+        for seqs, stats in self._run(ids, max_new_tokens, cfg, mode, gamma, stop):
+            pass
+        out = [self._result(s, stats) for s in seqs]
+        return out if batch else out[0]
+
+    def stream(self, prompt, max_new_tokens: int = 128, **kw) -> Iterator[str]:
+        """Yield text as tokens are committed (one prompt). Stop strings are never streamed."""
+        ids, cfg, mode, gamma, stop = self._prepare([prompt], max_new_tokens, kw.get("temperature", 0.0),
+                                                    kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"),
+                                                    kw.get("acceptance"), kw.get("gamma"), kw.get("stop"))
+        if self.tok is None:
+            raise ValueError("stream needs a tokenizer.json in the engine folder")
+        sent, hold = 0, max((len(x) for x in stop), default=1) - 1
+        for seqs, stats in self._run(ids, max_new_tokens, cfg, mode, gamma, stop):
+            s = seqs[0]
+            text = self._result(s, stats).text
+            upto = len(text) if s.finish else max(sent, len(text) - hold)
+            if text[:upto].endswith("\ufffd") and not s.finish:
+                upto -= 1  # an incomplete UTF-8 sequence: wait for its next byte
+            if upto > sent:
+                yield text[sent:upto]
+                sent = upto
+        self.last_stats = stats
+
+
+def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
+         threads: int | None = None, gamma: int | str = "auto") -> Generator:
+    """Load a target engine folder and an optional draft ('ngram' or an engine folder)."""
+    provider = provider or default_provider()
+    tgt = OrtEngine(target, provider=provider, threads=threads)
+    tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
+    dft, kind = None, None
+    if draft is not None and str(draft) == "ngram":
+        kind = "ngram"
+    elif draft is not None:
+        dft = OrtEngine(draft, provider=provider, threads=threads)
+        check_pair(tgt.manifest, dft.manifest, target, draft)
+        kind = "model"
+    if gamma != "auto" and kind is None and gamma != 0:
+        raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
+    return Generator(tgt, kind, dft, tok, gamma)

@@ -1,0 +1,38 @@
+"""Text tokenizer of an engine folder (tokenizers' tokenizer.json), and the draft/target compatibility check."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .contract import EngineError, Manifest
+
+
+class TextTokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.path = Path(path)
+        self.tok = Tokenizer.from_file(str(self.path))
+
+    @classmethod
+    def from_engine(cls, engine_dir: Path, manifest: Manifest) -> "TextTokenizer | None":
+        return cls(Path(engine_dir) / manifest.tokenizer_file) if manifest.tokenizer_file else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    def token_to_id(self, s: str) -> int | None:
+        return self.tok.token_to_id(s)
+
+
+def check_pair(target: Manifest, draft: Manifest, target_dir, draft_dir) -> None:
+    """A draft must share the target's vocabulary and tokenizer; refuse otherwise, saying what differs."""
+    if draft.vocab_size != target.vocab_size:
+        raise EngineError(f"draft {draft_dir} has vocabulary size {draft.vocab_size} but target {target_dir} has "
+                          f"{target.vocab_size}; a draft must share the target's tokenizer")
+    if target.tokenizer_sha256 and draft.tokenizer_sha256 and target.tokenizer_sha256 != draft.tokenizer_sha256:
+        raise EngineError(f"draft {draft_dir} and target {target_dir} ship different tokenizers (tokenizer.json "
+                          f"sha256 {draft.tokenizer_sha256[:12]}… vs {target.tokenizer_sha256[:12]}…); "
+                          f"a draft must share the target's tokenizer")
