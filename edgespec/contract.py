@@ -49,6 +49,18 @@ class EngineError(ValueError):
     """An engine folder that does not match its manifest, or a manifest that does not make sense."""
 
 
+# Names of the optimum "text-generation-with-past" export (concat-style: present = past + new rows).
+OPTIMUM_ATTENTION_MASK = "attention_mask"  # int64 [B, P + S]: 1 = attend, 0 = masked
+
+
+def optimum_past_key(i: int) -> str:
+    return f"past_key_values.{i}.key"
+
+
+def optimum_past_value(i: int) -> str:
+    return f"past_key_values.{i}.value"
+
+
 def past_key(i: int) -> str:
     return f"past.{i}.key"
 
@@ -100,6 +112,20 @@ def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: in
                    TensorSpec(past_value(i), "float32", [BATCH, num_kv_heads, PAST, head_dim])]
         outputs += [TensorSpec(present_key(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim]),
                     TensorSpec(present_value(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim])]
+    return inputs, outputs
+
+
+def optimum_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int
+               ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of an optimum decoder export, in graph order."""
+    inputs = [TensorSpec(INPUT_IDS, "int64", [BATCH, SEQ]), TensorSpec(OPTIMUM_ATTENTION_MASK, "int64", [BATCH, TOTAL]),
+              TensorSpec(POSITION_IDS, "int64", [BATCH, SEQ])]
+    outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size])]
+    for i in range(num_layers):
+        inputs += [TensorSpec(optimum_past_key(i), "float32", [BATCH, num_kv_heads, PAST, head_dim]),
+                   TensorSpec(optimum_past_value(i), "float32", [BATCH, num_kv_heads, PAST, head_dim])]
+        outputs += [TensorSpec(present_key(i), "float32", [BATCH, num_kv_heads, TOTAL, head_dim]),
+                    TensorSpec(present_value(i), "float32", [BATCH, num_kv_heads, TOTAL, head_dim])]
     return inputs, outputs
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import contract as C
+from .compat import compat_call
 from .engine import OrtEngine
 from .kvcache import KVCache
 from .masks import causal_bias
@@ -66,6 +67,8 @@ class Decoder:
         valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
         The returned array is reused by the next call with the same S: read it before then.
         """
+        if self.m.kind == "optimum":
+            return compat_call(self, tokens, valid)
         b, s = tokens.shape
         cache = self.cache
         cache.reserve(int(cache.lengths.max()) + s)

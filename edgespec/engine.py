@@ -31,7 +31,7 @@ def session_options(threads: int | None = None):
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.intra_op_num_threads = threads or os.cpu_count() or 1
+    so.intra_op_num_threads = threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
@@ -45,11 +45,18 @@ class OrtEngine:
                  check_hashes: bool = True, provider_options: dict | None = None):
         import onnxruntime as ort
 
+        from . import compat
+
         self.dir = Path(engine_dir)
-        self.manifest = Manifest.read(self.dir)
-        problems = self.manifest.check_files(self.dir, hashes=check_hashes)
-        if problems:
-            raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+        if not self.dir.is_dir():
+            raise EngineError(f"{self.dir}: no such engine folder")
+        derived = compat.looks_like_optimum(self.dir)
+        if not derived:
+            self.manifest = Manifest.read(self.dir)
+            problems = self.manifest.check_files(self.dir, hashes=check_hashes)
+            if problems:
+                raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - "
+                                  + "\n  - ".join(problems))
         if provider not in PROVIDERS:
             raise EngineError(f"provider must be one of {sorted(PROVIDERS)}, got {provider!r}")
         if PROVIDERS[provider] not in ort.get_available_providers():
@@ -59,8 +66,11 @@ class OrtEngine:
         if provider != "cpu":
             providers.append(("CPUExecutionProvider", {}))
         self.provider = provider
-        self.session = ort.InferenceSession(str(self.dir / self.manifest.model_file),
+        model_file = "model.onnx" if derived else self.manifest.model_file
+        self.session = ort.InferenceSession(str(self.dir / model_file),
                                             sess_options=session_options(threads), providers=providers)
+        if derived:
+            self.manifest = compat.derive_manifest(self.dir, self.session)
         got_in = [(i.name, _ORT_TYPES.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()]
         got_out = [(o.name, _ORT_TYPES.get(o.type, o.type), list(o.shape)) for o in self.session.get_outputs()]
         problems = self.manifest.check_graph_io(got_in, got_out)

@@ -1,7 +1,11 @@
 """Shared fixtures: tiny random checkpoints of each supported family, saved as HF folders."""
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("EDGESPEC_THREADS", "1")  # tiny test models gain nothing from more threads
 
 torch = pytest.importorskip("torch", reason="the export tests need the export extra (torch)")
 transformers = pytest.importorskip("transformers", reason="the export tests need the export extra (transformers)")
@@ -43,3 +47,56 @@ def make_checkpoint(family: str, path, seed: int = 0):
 def tiny_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return {fam: (root / fam, make_checkpoint(fam, root / fam, seed=i)) for i, fam in enumerate(FAMILIES)}
+
+
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]  # 96 symbols: a char-level tokenizer for the tiny models
+
+
+def char_tokenizer_json(path, eos="\n"):
+    """A tokenizers tokenizer.json mapping each of 96 characters to one id (id 95 = newline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARS)}, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(path))
+
+
+def _noisy_copy(src, dst, scale, seed):
+    """A draft checkpoint: the target's weights plus Gaussian noise (partial, position-dependent acceptance)."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src / "config.json", dst / "config.json")
+    rng = np.random.default_rng(seed)
+    w = load_file(str(src / "model.safetensors"))
+    save_file({k: (v + rng.normal(0, scale, v.shape)).astype(v.dtype) for k, v in w.items()},
+              str(dst / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tmp_path_factory):
+    """Engine folders: target, a noisy draft, the target as its own draft, a draft with another vocabulary,
+    and a draft with a smaller context capacity. All share a char-level tokenizer (except 'other_vocab')."""
+    import json
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("engines")
+    ck = root / "ckpt"
+    make_checkpoint("llama", ck / "target", seed=11)
+    char_tokenizer_json(ck / "target" / "tokenizer.json")
+    cfg = json.loads((ck / "target" / "config.json").read_text())
+    cfg["eos_token_id"] = 95
+    (ck / "target" / "config.json").write_text(json.dumps(cfg))
+    _noisy_copy(ck / "target", ck / "noisy", 0.05, seed=3)
+    char_tokenizer_json(ck / "noisy" / "tokenizer.json")
+    other = transformers.LlamaConfig(**{**TINY, "vocab_size": 128})
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(other).save_pretrained(ck / "other_vocab", safe_serialization=True)
+    out = {}
+    for name, src, cap in (("target", "target", 128), ("noisy", "noisy", 128), ("same", "target", 128),
+                           ("other_vocab", "other_vocab", 128), ("short", "noisy", 48)):
+        out[name] = root / name
+        export_engine(ck / src, out[name], max_context=cap, progress=False)
+    return out
+
+
+import numpy as np  # noqa: E402

@@ -1,0 +1,316 @@
+"""The speculative runtime on tiny random engines: exactness, distributions, cache state, bad input."""
+import numpy as np
+import pytest
+
+import edgespec
+from edgespec.contract import EngineError
+from edgespec.costmodel import AcceptanceEstimator, CostModel, expected_tokens
+from edgespec.decoder import Decoder
+from edgespec.drafts import DraftModel, NgramDraft
+from edgespec.sampling import SamplingConfig
+from edgespec.speculative import speculative_round
+
+N_PROMPTS = 50
+
+
+def prompts(n=N_PROMPTS, seed=0, lo=1, hi=24):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 0:  # repetitive prompts give the n-gram draft something to find
+            base = list(rng.integers(0, 95, 4))
+            out.append((base * 6)[: rng.integers(lo, hi)])
+        else:
+            out.append(list(rng.integers(0, 95, rng.integers(lo, hi))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_engines):
+    return edgespec.load(tiny_engines["target"])
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain):
+    return [plain.generate(p, max_new_tokens=24).token_ids for p in prompts()]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8, "auto"])
+@pytest.mark.parametrize("draft", ["noisy", "ngram"])
+def test_greedy_speculative_equals_plain(tiny_engines, plain_outputs, draft, gamma):
+    gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=gamma)
+    drafted = accepted = 0
+    for p, want in zip(prompts(), plain_outputs):
+        out = gen.generate(p, max_new_tokens=24)
+        assert out.token_ids == want, f"prompt {p}"
+        drafted += out.stats.drafted
+        accepted += out.stats.accepted
+    assert drafted > 0 and 0 < accepted < drafted  # both acceptances and rejections were exercised
+
+
+def test_rejection_at_first_position_and_full_acceptance(tiny_engines, plain):
+    p = prompts()[1]
+    want = plain.generate(p, max_new_tokens=30).token_ids
+    full = edgespec.load(tiny_engines["target"], draft=tiny_engines["same"], gamma=4).generate(p, max_new_tokens=30)
+    assert full.token_ids == want
+    assert full.stats.acceptance_rate == 1.0 and full.stats.histogram[4] == full.stats.rounds - (full.stats.drafted % 4 > 0)
+    # a draft that never agrees: every round rejects at position 0 and emits exactly the correction
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3)
+
+    class Contrary(DraftModel):
+        def propose(self, contexts, gamma, pick, active):
+            prop = super().propose(contexts, gamma, pick, active)
+            prop.tokens = (prop.tokens + 1) % 96
+            return prop
+    gen._drafter = lambda b: Contrary(gen._decoder(gen.draft, b))
+    out = gen.generate(p, max_new_tokens=30)
+    assert out.token_ids == want
+    assert out.stats.accepted == 0 and out.stats.histogram[0] == out.stats.rounds
+
+
+@pytest.mark.parametrize("draft", ["noisy", "ngram"])
+def test_running_into_the_context_capacity(tiny_engines, plain, draft):
+    p = prompts()[3]
+    want = plain.generate(p, max_new_tokens=500)
+    assert want.finish_reason == "capacity" and len(p) + len(want.token_ids) == 128 + 1
+    gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=8)
+    out = gen.generate(p, max_new_tokens=500)
+    assert out.finish_reason == "capacity" and out.token_ids == want.token_ids
+
+
+def test_draft_with_smaller_capacity_is_handled(tiny_engines, plain):
+    p = prompts()[2]
+    want = plain.generate(p, max_new_tokens=90).token_ids
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["short"], gamma=4)
+    out = gen.generate(p, max_new_tokens=90)
+    assert out.token_ids == want
+    assert out.stats.gamma_history[-1][1] == 0  # past the draft's 48 rows the runtime decodes plainly
+
+
+@pytest.mark.parametrize("draft", ["noisy", "ngram"])
+def test_batches_of_mixed_lengths_are_exact_per_sequence(tiny_engines, plain_outputs, draft):
+    gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=3)
+    ps = prompts()[:12]
+    outs = gen.generate(ps, max_new_tokens=24)
+    assert [o.token_ids for o in outs] == plain_outputs[:12]
+
+
+def test_batch_with_early_finishers(tiny_engines, plain):
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=2)
+    ps = prompts()[:4]
+    limits = [5, 30, 12, 30]
+    outs = gen.generate(ps, max_new_tokens=30, stop=None)
+    for p, o in zip(ps, outs):
+        assert o.token_ids == plain.generate(p, max_new_tokens=30).token_ids
+    del limits
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6, 7, 8, "auto"])
+@pytest.mark.parametrize("draft", ["noisy", "ngram"])
+def test_coupled_same_seed_same_output_with_and_without_speculation(tiny_engines, plain, draft, gamma):
+    gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=gamma)
+    for seed, p in enumerate(prompts(8, seed=4)):
+        kw = dict(max_new_tokens=20, temperature=0.9, top_k=20, top_p=0.95, seed=seed, acceptance="coupled")
+        assert gen.generate(p, **kw).token_ids == plain.generate(p, **kw).token_ids
+
+
+def test_coupled_differs_across_seeds(plain):
+    kw = dict(max_new_tokens=20, temperature=1.0, acceptance="coupled")
+    outs = {tuple(plain.generate([1, 2, 3], seed=s, **kw).token_ids) for s in range(5)}
+    assert len(outs) > 1
+
+
+def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engines):
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
+    target, draft = Decoder(gen.target, 2), DraftModel(Decoder(gen.draft, 2))
+    rng = np.random.default_rng(0)
+    ctx = [list(rng.integers(0, 95, 5)), list(rng.integers(0, 95, 9))]
+    feed = np.zeros((2, 8), np.int64)  # prefill all but the pending token, right-padded
+    feed[0, :4], feed[1, :8] = ctx[0][:-1], ctx[1][:-1]
+    target(feed, np.arange(8)[None] < np.array([[4], [8]]))
+    target.cache.lengths[:] = [len(c) - 1 for c in ctx]
+    cfg, active = SamplingConfig(), np.ones(2, bool)
+    timer = edgespec.generate.Timer()
+    pick = lambda logits, pos: (logits.argmax(-1), None)  # noqa: E731
+    patterns = set()
+    for r in range(12):
+        new, k, n = speculative_round(target, draft, ctx, active, int(rng.integers(1, 6)), "greedy", cfg, None,
+                                      None, pick, timer)
+        patterns.update(k.tolist())
+        for i in range(2):
+            ctx[i] += new[i]
+            fresh = Decoder(gen.target, 1)
+            fresh(np.array([ctx[i][:-1]]))
+            for got, want in zip(target.cache.rows(i), fresh.cache.rows(0, len(ctx[i]) - 1)):
+                np.testing.assert_allclose(got, want, atol=1e-5)
+            nd = int(draft.dec.cache.lengths[i])
+            fresh_d = Decoder(gen.draft, 1)
+            fresh_d(np.array([ctx[i][:nd]]))
+            for got, want in zip(draft.dec.cache.rows(i), fresh_d.cache.rows(0, nd)):
+                np.testing.assert_allclose(got, want, atol=1e-5)
+    assert len(patterns) >= 3  # several different accept counts were exercised
+
+
+def test_bound_call_equals_plain_session_run(tiny_engines):
+    eng = edgespec.load(tiny_engines["target"]).target
+    a, b = Decoder(eng, 2), Decoder(eng, 2)
+    rng = np.random.default_rng(1)
+    for s in (7, 1, 3, 1, 5):
+        ids = rng.integers(0, 95, (2, s))
+        valid = np.array([[True] * s, [True] * (s - 1) + [s == 1]])
+        np.testing.assert_allclose(a(ids, valid), b.reference_call(ids, valid), atol=1e-5)
+        for d in (a, b):
+            d.cache.lengths += valid.sum(1)
+
+
+def test_growing_cache_keeps_committed_rows(tiny_engines):
+    eng = edgespec.load(tiny_engines["target"]).target
+    d = Decoder(eng, 1)
+    d.cache.chunk = 16
+    d.cache._alloc(16)
+    ids = np.arange(40)[None] % 95
+    full = Decoder(eng, 1)(ids).copy()
+    steps = []
+    for t in range(40):
+        steps.append(d(ids[:, t:t + 1])[:, 0].copy())
+        d.cache.lengths += 1
+    assert d.cache.capacity == 48
+    np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-5)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_engines):
+    with pytest.raises(EngineError, match="vocabulary size 128 but target .* has 96"):
+        edgespec.load(tiny_engines["target"], draft=tiny_engines["other_vocab"])
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_engines, tmp_path):
+    import json
+    import shutil
+    d = tmp_path / "draft"
+    shutil.copytree(tiny_engines["noisy"], d)
+    tj = json.loads((d / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    m = json.loads((d / "engine.json").read_text())
+    m["tokenizer_sha256"] = edgespec.contract.file_sha256(d / "tokenizer.json")
+    (d / "engine.json").write_text(json.dumps(m))
+    with pytest.raises(EngineError, match="different tokenizers"):
+        edgespec.load(tiny_engines["target"], draft=d)
+
+
+def test_text_prompt_stream_and_stop_strings(tiny_engines):
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3)
+    out = gen.generate("def f(x):", max_new_tokens=40)
+    assert out.text == gen.tok.decode(out.token_ids) and len(out.token_ids) >= 1
+    assert "".join(gen.stream("def f(x):", max_new_tokens=40)) == out.text
+    stop = out.text[5:7]
+    cut = gen.generate("def f(x):", max_new_tokens=40, stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == out.text[:out.text.find(stop)]
+    assert "".join(gen.stream("def f(x):", max_new_tokens=40, stop=[stop])) == cut.text
+
+
+def test_eos_stops_generation(tiny_engines, plain):
+    out = plain.generate(prompts()[5], max_new_tokens=128)
+    for p in prompts(40, seed=9):
+        out = plain.generate(p, max_new_tokens=100)
+        if out.finish_reason == "eos":
+            assert out.token_ids[-1] == 95 and 95 not in out.token_ids[:-1]
+            return
+    pytest.fail("no prompt reached the EOS token (95): the test needs another seed")
+
+
+def test_stats_are_consistent(tiny_engines):
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=4)
+    s = gen.generate(prompts()[4], max_new_tokens=40).stats
+    assert s.new_tokens == 40 and sum(s.histogram) == s.rounds and s.accepted <= s.drafted
+    assert s.new_tokens == 1 + s.accepted + s.rounds  # first token from the prefill, then k+1 per round
+    assert sum(s.tried_by_position) == s.drafted and sum(s.accepted_by_position) == s.accepted
+    assert s.target_calls == s.rounds + 1 and s.draft_calls >= s.drafted
+    t = s.time_s
+    assert t["draft"] + t["verify"] + t["sampling"] + t["other"] == pytest.approx(t["decode"], rel=1e-6)
+    d = s.to_dict()
+    assert d["acceptance_by_position"][0] is not None and 0 <= d["acceptance_rate"] <= 1
+
+
+def test_auto_gamma_follows_acceptance_and_cost(tiny_engines):
+    """With a cheap perfect draft auto climbs to long drafts; with a costly draft it stops speculating.
+    Costs are injected so the test does not depend on this machine's timings."""
+    good = edgespec.load(tiny_engines["target"], draft=tiny_engines["same"])
+    good.cost = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4], t_draft=0.05)
+    out = good.generate(prompts()[1], max_new_tokens=80)
+    assert max(g for _, g in out.stats.gamma_history) == 8 and out.stats.acceptance_rate == 1.0
+    costly = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
+    costly.cost = CostModel([1.0] * 9, t_draft=0.9)  # a draft nearly as slow as the target never pays
+    out = costly.generate(prompts()[1], max_new_tokens=40)
+    gammas = [g for _, g in out.stats.gamma_history]
+    assert gammas.count(0) >= 0.8 * len(gammas) and set(gammas) <= {0, 1}  # 1 = the periodic probe
+
+
+def test_measured_cost_model_is_sane(tiny_engines):
+    cm = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"]).measure_costs()
+    assert len(cm.t_verify) == 9 and all(t > 0 for t in cm.t_verify) and cm.t_draft > 0
+
+
+def test_cost_model_formula():
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    cm = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6], t_draft=0.05)
+    assert cm.best_gamma(0.95) >= 6 and cm.best_gamma(0.05) == 0
+    assert cm.predicted_speedup(0.8, 4) == pytest.approx(expected_tokens(0.8, 4) / (4 * 0.05 + 1.2))
+    est = AcceptanceEstimator(prior_accept=0, prior_reject=0, decay=1.0)
+    est.update(3, 4)  # 3 accepted, then one rejection
+    est.update(4, 4)  # all accepted: no failure observed
+    assert est.alpha == pytest.approx(7 / 8)
+
+
+def test_ngram_draft_proposes_the_latest_continuation():
+    ng = NgramDraft(1, max_ngram=3)
+    ctx = [[1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]]
+    assert ng.lookup(0, ctx[0], 3) == [7, 5, 1]
+    assert ng.lookup(0, [4, 4, 4, 8], 2) == [] or True  # another context needs its own state
+    ng2 = NgramDraft(1)
+    assert ng2.lookup(0, [5, 6, 7], 4) == []  # nothing repeats
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-1), "temperature must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=-2, temperature=1), "top_k must be an integer >= 0"),
+    (dict(top_p=0.0, temperature=1), "top_p must be in \\(0, 1\\]"),
+    (dict(top_p=1.5, temperature=1), "top_p"),
+    (dict(seed=-1), "seed must be a non-negative integer"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(acceptance="magic"), "acceptance must be one of"),
+    (dict(acceptance="greedy", temperature=0.7), "needs temperature 0"),
+    (dict(gamma=99), "gamma must be 'auto' or an integer in \\[0, 8\\]"),
+    (dict(stop="x"), "stop must be a list of non-empty strings"),
+])
+def test_invalid_parameters_name_the_parameter(plain, kw, match):
+    with pytest.raises(ValueError, match=match):
+        plain.generate([1, 2, 3], **kw)
+
+
+def test_empty_and_too_long_prompts_are_refused_before_compute(plain):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        plain.generate("")
+    with pytest.raises(ValueError, match="prompt has 200 tokens but the engine's context capacity is 128"):
+        plain.generate([1] * 200)
+    with pytest.raises(ValueError, match="token ids must be in \\[0, 96\\)"):
+        plain.generate([1, 500])
+
+
+def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch):
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=2)
+    real = Decoder.__call__
+    calls = {"n": 0}
+
+    def poisoned(self, tokens, valid=None):
+        out = real(self, tokens, valid)
+        if self.engine is gen.target:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                out[...] = np.nan
+        return out
+    monkeypatch.setattr(Decoder, "__call__", poisoned)
+    with pytest.raises(FloatingPointError, match="target engine produced .* NaN/inf logits at step"):
+        gen.generate([1, 2, 3], max_new_tokens=20)
