@@ -1,5 +1,7 @@
 """The `edgespec` command line.
 
+    edgespec demo                                   # bundled pair: text, tokens/s, acceptance, speedup
+    edgespec generate --target engines/demo-target --draft engines/demo-draft --prompt "def f(x):"
     edgespec export models/demo-target --out engines/demo-target --dtype fp32 --max-context 2048
     edgespec inspect engines/demo-target
 """
@@ -71,6 +73,127 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _gamma(v: str):
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gamma must be an integer or 'auto', got {v!r}") from None
+
+
+def _read_batch_file(path: Path) -> list[str]:
+    """One prompt per line; a line that is a JSON string (\"...\") may hold newlines as \\n."""
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.startswith('"'):
+            try:
+                line = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: line starts with a quote but is not a JSON string ({e})") from None
+        prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (expected one per line)")
+    return prompts
+
+
+def _stats_line(st) -> str:
+    t = st.time_s
+    line = (f"{st.new_tokens} tokens, {st.tokens_per_second:.1f} tok/s, prefill {t['prefill'] * 1e3:.0f} ms")
+    if st.drafted:
+        line += (f", acceptance {st.acceptance_rate:.2f}, {st.tokens_per_round:.2f} tokens/round "
+                 f"over {st.rounds} rounds")
+    dec = t["decode"] or 1.0
+    line += (f" | draft {100 * t['draft'] / dec:.0f}% verify {100 * t['verify'] / dec:.0f}% "
+             f"sampling {100 * t['sampling'] / dec:.0f}% other {100 * t['other'] / dec:.0f}%")
+    return line
+
+
+def cmd_generate(args) -> int:
+    import edgespec
+
+    if (args.prompt is None) == (args.batch_file is None):
+        raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
+    if args.batch_file is not None:
+        outs = gen.generate(_read_batch_file(args.batch_file), **kw)
+        if args.json:
+            print(json.dumps({"results": [{"text": o.text, "token_ids": o.token_ids,
+                                           "finish_reason": o.finish_reason} for o in outs],
+                              "stats": outs[0].stats.to_dict()}))
+        else:
+            for i, o in enumerate(outs):
+                print(f"--- [{i}] ({o.finish_reason})\n{o.text}")
+            print(_stats_line(outs[0].stats), file=sys.stderr)
+        return 0
+    if args.json:
+        o = gen.generate(args.prompt, **kw)
+        print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                          "stats": o.stats.to_dict()}))
+        return 0
+    sys.stdout.write(args.prompt)
+    for piece in gen.stream(args.prompt, **kw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    print()
+    print(_stats_line(gen.last_stats), file=sys.stderr)
+    return 0
+
+
+DEMO_PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(argv=None):\n",
+    "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
+    "def read_config(path):\n    with open(path) as f:\n",
+]
+
+
+def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
+    """engines/demo-{target,draft}, exported from models/ on first use (needs the export extra)."""
+    out = []
+    for name in ("demo-target", "demo-draft"):
+        eng = engines / name
+        if not (eng / "engine.json").is_file():
+            if not (models / name / "config.json").is_file():
+                raise FileNotFoundError(f"neither {eng} nor the checkpoint {models / name} exists; run from the "
+                                        f"repository root, or pass --engines/--models")
+            _need_export_extra()
+            from edgespec.export.onnx_export import export_engine
+            print(f"exporting {models / name} -> {eng} (first run only)", file=sys.stderr)
+            export_engine(models / name, eng, max_context=2048)
+        out.append(eng)
+    return out[0], out[1]
+
+
+def cmd_demo(args) -> int:
+    import edgespec
+
+    target, draft = ensure_demo_engines(args.models, args.engines)
+    prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
+    plain = edgespec.load(target, provider=args.provider)
+    spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma)
+    kw = dict(max_new_tokens=args.max_new_tokens)
+    spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
+    plain.generate(prompts[0], max_new_tokens=8)
+    tp = ts = n = 0.0
+    for prompt in prompts:
+        a = plain.generate(prompt, **kw)
+        b = spec.generate(prompt, **kw)
+        same = "identical to plain decoding" if a.token_ids == b.token_ids else "DIFFERS from plain decoding"
+        print(f"\033[2m{prompt}\033[0m{b.text}\n")
+        print(f"  plain       : {_stats_line(a.stats)}")
+        print(f"  speculative : {_stats_line(b.stats)}  [{same}]\n")
+        tp += a.stats.time_s["decode"]
+        ts += b.stats.time_s["decode"]
+        n += b.stats.new_tokens
+    print(f"speedup over plain decoding (same engines, same run): {tp / ts:.2f}x "
+          f"({n / tp:.1f} -> {n / ts:.1f} tok/s, greedy, {len(prompts)} prompts)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on edge devices.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -86,6 +209,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
 
+    def sampling_flags(p):
+        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None,
+                       help="default: greedy at temperature 0, else rejection")
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+
+    p = sub.add_parser("generate", help="generate text with a target engine and an optional draft")
+    p.add_argument("--target", type=Path, required=True, help="target engine folder")
+    p.add_argument("--draft", default=None, help="draft engine folder, or 'ngram' (prompt lookup)")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
+    p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
+    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
+    sampling_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="speculative vs plain decoding on the bundled demo pair")
+    p.add_argument("--engines", type=Path, default=Path("engines"))
+    p.add_argument("--models", type=Path, default=Path("models"))
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=_gamma, default="auto")
+    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.set_defaults(func=cmd_demo)
+
     p = sub.add_parser("inspect", help="print an engine's manifest and check its files against it")
     p.add_argument("engine_dir", type=Path)
     p.add_argument("--json", action="store_true", help="print engine.json only")
@@ -97,7 +250,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

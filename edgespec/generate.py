@@ -330,13 +330,18 @@ class Generator:
         out = [self._result(s, stats) for s in seqs]
         return out if batch else out[0]
 
-    def stream(self, prompt, max_new_tokens: int = 128, **kw) -> Iterator[str]:
-        """Yield text as tokens are committed (one prompt). Stop strings are never streamed."""
-        ids, cfg, mode, gamma, stop = self._prepare([prompt], max_new_tokens, kw.get("temperature", 0.0),
-                                                    kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("seed"),
-                                                    kw.get("acceptance"), kw.get("gamma"), kw.get("stop"))
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, acceptance: str | None = None,
+               gamma: int | str | None = None, stop: list[str] | None = None) -> Iterator[str]:
+        """Yield text as tokens are committed (one prompt). Stop strings are never streamed.
+        Arguments are checked before the first token (errors raise here, not at the first next())."""
         if self.tok is None:
             raise ValueError("stream needs a tokenizer.json in the engine folder")
+        ids, cfg, mode, gamma, stop = self._prepare([prompt], max_new_tokens, temperature, top_k, top_p, seed,
+                                                    acceptance, gamma, stop)
+        return self._stream(ids, max_new_tokens, cfg, mode, gamma, stop)
+
+    def _stream(self, ids, max_new_tokens, cfg, mode, gamma, stop) -> Iterator[str]:
         sent, hold = 0, max((len(x) for x in stop), default=1) - 1
         for seqs, stats in self._run(ids, max_new_tokens, cfg, mode, gamma, stop):
             s = seqs[0]
