@@ -1,0 +1,74 @@
+"""TensorRT profiles and ORT TensorRT-EP options (pure Python, always run); the native build and its
+parity check need an NVIDIA GPU with tensorrt and skip elsewhere with the reason."""
+import shutil
+
+import numpy as np
+import pytest
+
+from edgespec import contract as C
+from edgespec.export.tensorrt import ProfileSpec, default_profiles, ort_trt_options, profile_shapes
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoints, tmp_path_factory):
+    from edgespec.export.onnx_export import export_engine
+    out = tmp_path_factory.mktemp("trt") / "e"
+    export_engine(tiny_checkpoints["qwen2"][0], out, dtype="fp16", progress=False)
+    return out
+
+
+def test_profiles_cover_decode_verify_prefill(engine):
+    m = C.Manifest.read(engine)
+    profs = default_profiles(m.max_context, gamma_max=8, prefill_max=64, batch=2)
+    assert [p.name for p in profs] == ["decode", "verify", "prefill"]
+    shapes = {p.name: profile_shapes(m, p) for p in profs}
+    assert shapes["decode"][C.INPUT_IDS] == ((1, 1), (1, 1), (2, 1))
+    assert shapes["verify"][C.INPUT_IDS][2] == (2, 9)  # S = γmax + 1
+    assert shapes["verify"][C.ATTENTION_BIAS][2] == (2, 1, 9, m.max_context + 9)
+    assert shapes["prefill"][C.past_key(0)][0] == (1, m.num_kv_heads, 0, m.head_dim)
+    assert set(shapes["decode"]) == {t.name for t in m.inputs}  # every dynamic input is given
+
+
+def test_ort_options_repeat_each_input_once_per_profile(engine):
+    m = C.Manifest.read(engine)
+    opts = ort_trt_options(m, engine, default_profiles(m.max_context))
+    mins = opts["trt_profile_min_shapes"].split(",")
+    assert len(mins) == 3 * len(m.inputs)
+    assert f"{C.INPUT_IDS}:1x1" in mins and opts["trt_engine_cache_enable"] and opts["trt_fp16_enable"]
+    assert opts["trt_engine_cache_path"].endswith("trt_cache")
+
+
+def test_bad_profile_is_refused():
+    with pytest.raises(ValueError, match="seq needs 0 <= min <= opt <= max"):
+        ProfileSpec("x", (4, 2, 8), (0, 0, 16))
+
+
+def _gpu_tensorrt():
+    trt = pytest.importorskip("tensorrt", reason="needs the `trt` extra (tensorrt) and an NVIDIA GPU")
+    if shutil.which("nvidia-smi") is None:
+        pytest.skip("needs an NVIDIA GPU (no nvidia-smi on this machine)")
+    return trt
+
+
+@pytest.mark.gpu
+def test_native_tensorrt_build_and_parity(engine, tmp_path):
+    _gpu_tensorrt()
+    from edgespec.export.tensorrt import build_engine
+    info = build_engine(engine, default_profiles(C.Manifest.read(engine).max_context))
+    assert (engine / "model.plan").stat().st_size > 0 and info["profiles"]
+
+
+@pytest.mark.gpu
+def test_ort_tensorrt_provider_matches_cpu(engine):
+    import onnxruntime as ort
+    if "TensorrtExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu with the TensorRT execution provider and an NVIDIA GPU")
+    from edgespec.decoder import Decoder
+    from edgespec.engine import OrtEngine
+    m = C.Manifest.read(engine)
+    trt_eng = OrtEngine(engine, provider="tensorrt",
+                        provider_options=ort_trt_options(m, engine, default_profiles(m.max_context)))
+    cpu_eng = OrtEngine(engine)
+    ids = np.arange(20)[None] % m.vocab_size
+    a, b = Decoder(trt_eng)(ids), Decoder(cpu_eng)(ids)
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.99
