@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,9 @@ def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.
     for i in range(m.num_layers):
         feeds[C.optimum_past_key(i)] = cache.buffers[2 * i]
         feeds[C.optimum_past_value(i)] = cache.buffers[2 * i + 1]
+    t0 = time.perf_counter()
     out = dec.engine.run(feeds)
+    dec.engine_s += time.perf_counter() - t0
     cache.write([out[n][:, :, p:] for n in dec.engine.output_names[1:]], cache.lengths)
     dec.calls += 1
     return out[C.LOGITS]

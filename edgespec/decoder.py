@@ -7,6 +7,8 @@ the caller sets `cache.lengths` to what it keeps.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import contract as C
@@ -31,6 +33,7 @@ class Decoder:
         self._bound_s = -1
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
+        self.engine_s = 0.0  # wall time inside the engine's run (the rest of a call is host overhead)
 
     @property
     def vocab_size(self) -> int:
@@ -84,7 +87,9 @@ class Decoder:
         bind.bind_cpu_input(C.POSITION_IDS, pos)
         bind.bind_cpu_input(C.ATTENTION_BIAS, bias)
         logits, presents = self._bind_outputs(s)
+        t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
+        self.engine_s += time.perf_counter() - t0
         self.calls += 1
         cache.write(presents, cache.lengths)
         return logits

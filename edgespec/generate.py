@@ -51,6 +51,7 @@ class Stats:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # rounds that stopped at a rejected draft (α̂ = accepted / (accepted + rejections))
     accepted_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts kept at position i
     tried_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts proposed at position i
     histogram: list = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))  # rounds that kept k drafts
@@ -58,6 +59,7 @@ class Stats:
     time_s: dict = field(default_factory=dict)  # prefill, draft, verify, sampling, other, decode, total
     target_calls: int = 0
     draft_calls: int = 0
+    engine_s: float = 0.0  # time inside engine runs (target + draft) while decoding
 
     @property
     def acceptance_rate(self) -> float:
@@ -66,6 +68,12 @@ class Stats:
     @property
     def mean_accepted_per_round(self) -> float:
         return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def host_fraction(self) -> float:
+        """Share of decode wall time spent outside engine runs (Python, numpy, binding)."""
+        d = self.time_s.get("decode", 0.0)
+        return 1.0 - self.engine_s / d if d else 0.0
 
     @property
     def tokens_per_round(self) -> float:
@@ -81,6 +89,7 @@ class Stats:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(acceptance_rate=self.acceptance_rate, mean_accepted_per_round=self.mean_accepted_per_round,
                  tokens_per_round=self.tokens_per_round, tokens_per_second=self.tokens_per_second,
+                 host_fraction=self.host_fraction,
                  acceptance_by_position=[a / t if t else None for a, t in
                                          zip(self.accepted_by_position, self.tried_by_position)])
         return d
@@ -212,6 +221,7 @@ class Generator:
             first, _ = pick(last, lens)
             target.cache.lengths = lens.copy()
         t_first = time.perf_counter()
+        prefill_engine_s = target.engine_s
         for s, tok in zip(seqs, first):
             self._append(s, [int(tok)], max_new_tokens, stop)
         stats.new_tokens = b
@@ -233,6 +243,7 @@ class Generator:
                 stats.drafted += int(n[i])
                 stats.accepted += int(k[i])
                 stats.histogram[int(k[i])] += 1
+                stats.rejections += int(k[i] < n[i])
                 for j in range(int(n[i])):
                     stats.tried_by_position[j] += 1
                     stats.accepted_by_position[j] += int(j < k[i])
@@ -247,6 +258,8 @@ class Generator:
             stats.time_s = self._times(timer, t0, t_first)
             stats.target_calls = target.calls
             stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
+            stats.engine_s = target.engine_s - prefill_engine_s + (
+                drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
             yield seqs, stats
         stats.time_s = self._times(timer, t0, t_first)
         yield seqs, stats
