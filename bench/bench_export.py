@@ -1,0 +1,95 @@
+"""Export benchmark for the bundled pair: export time, engine sizes, fp16/int8 agreement with fp32,
+the target's single-token vs 5-token verify cost, and the pair's greedy acceptance on held-out code.
+
+    python bench/bench_export.py --out bench/results/export.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edgespec  # noqa: E402
+from bench_speculative import machine  # noqa: E402
+from edgespec.decoder import Decoder  # noqa: E402
+from edgespec.export.onnx_export import export_engine  # noqa: E402
+from prompts import code_prompts  # noqa: E402
+
+
+def dir_size(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def verify_cost(engine_dir: Path, context: int = 128, reps: int = 30) -> dict:
+    gen = edgespec.load(engine_dir)
+    d = Decoder(gen.target, 1)
+    rng = np.random.default_rng(0)
+    d(rng.integers(0, gen.target.manifest.vocab_size, (1, context)))
+    d.cache.lengths[:] = context
+    out = {}
+    for s in (1, 5):
+        ids = rng.integers(0, gen.target.manifest.vocab_size, (1, s))
+        for _ in range(3):
+            d(ids)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            d(ids)
+            ts.append(time.perf_counter() - t)
+        out[s] = float(np.median(ts))
+    return {"single_token_ms": out[1] * 1e3, "verify_5_ms": out[5] * 1e3, "verify5_over_single": out[5] / out[1],
+            "context": context}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/export.json"))
+    ap.add_argument("--models", type=Path, default=Path("models"))
+    ap.add_argument("--engines", type=Path, default=Path("engines"))
+    args = ap.parse_args(argv)
+    report = {"command": "python bench/bench_export.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": machine(), "engines": {}}
+    train = args.models / "demo-train.json"
+    if train.is_file():
+        t = json.loads(train.read_text())
+        report["training"] = {"params": t["params"], "target_val_loss": t["target"]["val_loss"],
+                              "draft_val_loss": t["draft"]["val_loss"],
+                              "draft_top1_agreement_with_target": t["draft"].get("top1_agreement_with_target"),
+                              "train_wall_s": t["wall_s"], "command": t["command"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("demo-target", "demo-draft"):
+            for dtype in ("fp32", "fp16", "int8"):
+                out = args.engines / name if dtype == "fp32" else Path(tmp) / f"{name}-{dtype}"
+                t0 = time.time()
+                m = export_engine(args.models / name, out, dtype=dtype, max_context=2048, force=True, progress=False)
+                entry = {"export_s": round(time.time() - t0, 2), "engine_bytes": dir_size(out),
+                         "model_bytes": (out / m.model_file).stat().st_size,
+                         "parity_max_abs_diff": m.extra["validation"]["parity"]["max_abs_diff"],
+                         "verify_max_abs_diff": m.extra["validation"]["verify"]["max_abs_diff"]}
+                if "agreement_vs_fp32" in m.extra["validation"]:
+                    entry["agreement_vs_fp32"] = m.extra["validation"]["agreement_vs_fp32"]
+                if name == "demo-target":
+                    entry["verify_cost"] = verify_cost(out)
+                report["engines"][f"{name}/{dtype}"] = entry
+                print(f"{name}/{dtype}: {json.dumps(entry)}", flush=True)
+    gen = edgespec.load(args.engines / "demo-target", draft=args.engines / "demo-draft", gamma=4)
+    acc = drafted = rej = 0
+    for p in code_prompts(gen.tok, 20):
+        st = gen.generate(p, max_new_tokens=128).stats
+        acc, drafted, rej = acc + st.accepted, drafted + st.drafted, rej + st.rejections
+    report["greedy_acceptance_held_out_code"] = {"gamma": 4, "prompts": 20, "max_new_tokens": 128,
+                                                 "acceptance_rate": acc / drafted, "alpha": acc / (acc + rej)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["greedy_acceptance_held_out_code"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
