@@ -144,6 +144,43 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    import edgespec
+    from edgespec.profiling import profile
+
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
+    prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
+    gen.generate(prompts[0], max_new_tokens=8)  # warm-up
+    kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
+    report, trace = profile(gen, prompts, args.max_new_tokens, args.lossless_check, **kw)
+    if args.trace:
+        args.trace.write_text(json.dumps(trace))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{report['tokens']} tokens from {report['prompts']} prompts, {report['tokens_per_s']:.1f} tok/s")
+    print(f"{'ms':>14s} {'p50':>8s} {'p95':>8s} {'p99':>8s}")
+    rows = [("per token", report["token_ms"]), ("TTFT", report["ttft_ms"])]
+    rows += [(f"round {k}", v) for k, v in report["round_ms"].items()]
+    for name, p in rows:
+        if p["n"]:
+            print(f"{name:>14s} {p['p50']:8.3f} {p['p95']:8.3f} {p['p99']:8.3f}")
+    share = report["round_time_share"]
+    print("round time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in share.items()))
+    tg = report["tegrastats"]
+    if tg["available"]:
+        print(f"tegrastats: EMC {tg['emc_pct_mean']}%, power {tg['power_mw_mean']}, "
+              f"{tg.get('joules_per_token')} J/token")
+    else:
+        print(f"tegrastats: {tg['reason']}")
+    if "lossless_check" in report:
+        lc = report["lossless_check"]
+        print(f"lossless check: {lc.get('diverged', 0)}/{lc['checked']} prompts diverged from plain decoding"
+              + (f" ({lc['reason']})" if "reason" in lc else ""))
+    if args.trace:
+        print(f"trace: {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 DEMO_PROMPTS = [
     "import os\nimport sys\n\n\ndef main(argv=None):\n",
     "class Stack:\n    \"\"\"A last-in first-out stack.\"\"\"\n\n    def __init__(self):\n",
@@ -238,6 +275,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("profile", help="latency profile: per-round timeline, percentiles, Perfetto trace")
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--draft", default=None, help="draft engine folder, or 'ngram'")
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line (JSON strings allowed)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=_gamma, default="auto")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)
+    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON (Perfetto)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
+    p.add_argument("--lossless-check", type=int, default=0, metavar="N",
+                   help="shadow-decode N prompts without speculation and report the divergence rate")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("inspect", help="print an engine's manifest and check its files against it")
     p.add_argument("engine_dir", type=Path)

@@ -34,6 +34,9 @@ class Decoder:
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
         self.engine_s = 0.0  # wall time inside the engine's run (the rest of a call is host overhead)
+        self.kv_write_s = 0.0  # copying the new rows into the cache
+        self.trace: list | None = None  # (name, start, end) events when profiling
+        self.trace_name = "engine"
 
     @property
     def vocab_size(self) -> int:
@@ -89,9 +92,15 @@ class Decoder:
         logits, presents = self._bind_outputs(s)
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
-        self.engine_s += time.perf_counter() - t0
-        self.calls += 1
+        t1 = time.perf_counter()
         cache.write(presents, cache.lengths)
+        t2 = time.perf_counter()
+        self.engine_s += t1 - t0
+        self.kv_write_s += t2 - t1
+        self.calls += 1
+        if self.trace is not None:
+            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
+            self.trace.append((f"{self.trace_name}.kv_write", t1, t2))
         return logits
 
     def reference_call(self, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:

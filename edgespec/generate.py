@@ -30,10 +30,12 @@ PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many ro
 
 
 class Timer:
-    """Named wall-clock sections (draft / verify / sampling / prefill); the rest of the wall is 'other'."""
+    """Named wall-clock sections (draft / verify / sampling / prefill); the rest of the wall is 'other'.
+    With `events` (a list), every section is also recorded as (name, start, end) for a trace."""
 
-    def __init__(self):
+    def __init__(self, events: list | None = None):
         self.t = defaultdict(float)
+        self.events = events
 
     @contextmanager
     def __call__(self, name: str):
@@ -41,7 +43,10 @@ class Timer:
         try:
             yield
         finally:
-            self.t[name] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.t[name] += t1 - t0
+            if self.events is not None:
+                self.events.append((name, t0, t1))
 
 
 @dataclass
@@ -121,6 +126,7 @@ class Generator:
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
         self._embed = {}
+        self.trace: list | None = None  # set to a list to record (name, start, end) events (edgespec profile)
 
     # -- building blocks -------------------------------------------------------------------------
     def _decoder(self, engine: OrtEngine, batch: int) -> Decoder:
@@ -129,7 +135,11 @@ class Generator:
             if engine not in self._embed:
                 self._embed[engine] = np.load(engine.dir / engine.manifest.embedding_file)
             emb = self._embed[engine]
-        return Decoder(engine, batch, emb)
+        dec = Decoder(engine, batch, emb)
+        if self.trace is not None:
+            dec.trace = self.trace
+            dec.trace_name = "target" if engine is self.target else "draft"
+        return dec
 
     def _drafter(self, batch: int) -> Drafter | None:
         if self.drafter_kind == "model":
@@ -192,7 +202,7 @@ class Generator:
              gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
         """Prefill, then rounds until every sequence is finished; yields after every round."""
         b = len(prompts)
-        stats, timer = Stats(prompt_tokens=sum(map(len, prompts))), Timer()
+        stats, timer = Stats(prompt_tokens=sum(map(len, prompts))), Timer(self.trace)
         rng = np.random.default_rng(cfg.seed)
         noise = GumbelNoise(cfg.seed or 0, self.target.manifest.vocab_size) if mode == "coupled" else None
         t0 = time.perf_counter()
@@ -234,8 +244,9 @@ class Generator:
             left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
             g = max(0, min(g, cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0))
             stats.gamma_history.append((stats.new_tokens, g))
-            new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
-                                          noise, pick, timer)
+            with timer("round"):
+                new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
+                                              noise, pick, timer)
             stats.rounds += 1
             for i, s in enumerate(seqs):
                 if not active[i]:
@@ -268,7 +279,7 @@ class Generator:
     def _times(timer: Timer, t0: float, t_first: float) -> dict:
         now = time.perf_counter()
         t = dict(timer.t)
-        named = sum(v for k, v in t.items() if k != "prefill")
+        named = sum(v for k, v in t.items() if k not in ("prefill", "round"))
         return {"prefill": t.get("prefill", 0.0), "draft": t.get("draft", 0.0), "verify": t.get("verify", 0.0),
                 "sampling": t.get("sampling", 0.0), "other": max(0.0, (now - t_first) - named),
                 "decode": now - t_first, "total": now - t0}

@@ -1,0 +1,74 @@
+"""tegrastats parsing against recorded sample lines, and the profile report / trace on tiny engines."""
+import json
+from pathlib import Path
+
+import pytest
+
+import edgespec
+from edgespec.cli import main as cli_main
+from edgespec.profiling import TegrastatsSampler, parse_tegrastats, percentiles
+
+SAMPLES = Path(__file__).parent / "fixtures" / "tegrastats-samples.txt"
+
+
+def sample_pairs():
+    lines = [ln.rstrip("\n") for ln in SAMPLES.read_text().splitlines() if ln and not ln.startswith("#")]
+    return [(a, b[len("expect: "):]) for a, b in zip(lines, lines[1:]) if b.startswith("expect:") and not a.startswith("expect:")]
+
+
+@pytest.mark.parametrize("line,expect", sample_pairs())
+def test_tegrastats_lines_parse_to_the_expected_figures(line, expect):
+    got = parse_tegrastats(line)
+    for item in expect.split():
+        key, val = item.split("=")
+        want = None if val == "None" else int(val)
+        have = got["power_mw"].get(key.split(".", 1)[1]) if key.startswith("power_mw.") else got[key]
+        assert have == want, f"{key}: got {have}, expected {want}"
+
+
+def test_sample_file_has_cases():
+    assert len(sample_pairs()) >= 5
+
+
+def test_no_tegrastats_says_so_instead_of_zeros(monkeypatch):
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    s = TegrastatsSampler().summary(tokens=10)
+    assert s["available"] is False and "no tegrastats" in s["reason"] and "joules_per_token" not in s
+
+
+def test_percentiles():
+    p = percentiles(range(1, 101))
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["n"] == 100
+
+
+def test_profile_report_trace_and_lossless_check(tiny_engines, tmp_path, capsys):
+    trace, report = tmp_path / "trace.json", tmp_path / "report.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('"def f(x):\\n"\nabcabcabc\n')
+    rc = cli_main(["profile", "--target", str(tiny_engines["target"]), "--draft", str(tiny_engines["noisy"]),
+                   "--prompts-file", str(prompts), "--max-new-tokens", "24", "--gamma", "3",
+                   "--trace", str(trace), "--json", str(report), "--lossless-check", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "per token" in out and "tegrastats:" in out and "lossless check: 0/2" in out
+    r = json.loads(report.read_text())
+    assert r["tokens"] == 48 and r["round_ms"]["total"]["n"] > 0
+    assert r["round_ms"]["verify"]["p50"] > 0 and r["round_ms"]["draft"]["p50"] > 0
+    assert sum(r["round_time_share"][k] for k in ("engine", "kv_write", "python")) == pytest.approx(1.0)
+    t = json.loads(trace.read_text())
+    names = {e["name"] for e in t["traceEvents"]}
+    assert {"round", "draft", "verify", "sampling"} <= names and any(n.startswith("target.run") for n in names)
+
+
+def test_lossless_check_catches_a_divergence(tiny_engines):
+    from edgespec.profiling import lossless
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=2)
+    real = gen.generate
+
+    def broken(p, **kw):  # a speculative path that corrupts its last token
+        out = real(p, **kw)
+        out.token_ids[-1] = (out.token_ids[-1] + 1) % 96
+        return out
+    gen.generate = broken
+    r = lossless(gen, [[1, 2, 3], [4, 5]], 10)
+    assert r["diverged"] == 2 and r["first_divergent_token"] == [9, 9]
