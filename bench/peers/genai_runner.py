@@ -1,0 +1,314 @@
+"""Peer runner: ONNX Runtime GenAI (plain, draft-model speculative, n-gram speculative), greedy.
+
+Runs inside .venv-genai (see bench/setup_peers.sh), as a subprocess of the benchmark harness:
+
+    .venv-genai/bin/python bench/peers/genai_runner.py --target models/demo-target \
+        --draft models/demo-draft --prompts prompts.json --max-new-tokens 128 --repeats 3 \
+        --work .cache/peers/genai --mode draft --gamma 4
+
+Prints exactly ONE JSON object on stdout (everything else goes to stderr):
+
+    {"system": "onnxruntime-genai 0.18.0", "mode": ..., "config": {...},
+     "results": [{"prompt_index", "repeat", "prompt_token_ids", "token_ids", "new_tokens",
+                  "tokens_per_s", "ttft_s", "decode_s", "total_s", "speculative_stats"}, ...],
+     "speculative_stats": {...summed over the timed runs...} | null, "peak_rss_bytes": ...}
+
+Models: each Hugging Face folder is converted once with GenAI's own model builder
+(`python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`) into --work, keyed by
+the folder's path, file sizes and mtimes and the GenAI version; a finished build is reused.
+
+Speculative API of onnxruntime-genai 0.18 (verified against the installed package):
+  * the draft model is a `model.draft` section of the target's genai_config.json, shaped like
+    `model.decoder` (filename, inputs, outputs, head/layer sizes). The builder has no flag for
+    it, so it is added here with `og.Config(target).overlay(json)`, its `filename` pointing at the
+    draft build relative to the target build;
+  * `GeneratorParams.set_speculative_options(max_draft_tokens=K, ngram_size=N,
+    ngram_chained_lookup=bool, min_adaptive_k=int, cooldown=bool)`; `ngram_size >= 2` turns on
+    n-gram (prompt lookup) drafting from the target alone; it cannot be combined with a draft;
+  * `Generator.get_speculative_stats()` -> dict of counters (rounds, draft_tokens_proposed,
+    draft_tokens_accepted, acceptance_rate, acceptance_length_histogram, ...).
+  The generator still hands out one token per `generate_next_token()` (verified tokens are
+  queued), so the token loop is the same in every mode.
+
+Timing (same convention as edgespec's Stats): t0 just before the Generator is created (prompt
+already tokenized); ttft_s = until the first new token is returned by get_next_tokens();
+decode_s = from that first token to the last; tokens_per_s = new_tokens / decode_s;
+total_s = t0 to the last token.
+
+Exit status: 0 with results; 0 with {"error": ...} when the installed GenAI does not support the
+requested mode (the exact exception text); 2 with {"error": ...} for any other failure (bad
+arguments, model build failure, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+MODES = ("plain", "draft", "ngram")
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# The one JSON object goes to the real stdout; anything else (native libraries' prints included)
+# is sent to stderr by pointing fd 1 there.
+_JSON_OUT = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def emit(obj: dict, code: int = 0):
+    _JSON_OUT.write(json.dumps(obj) + "\n")
+    _JSON_OUT.flush()
+    sys.exit(code)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class BuildError(RuntimeError):
+    def __init__(self, msg: str, log_tail: list[str]):
+        super().__init__(msg)
+        self.log_tail = log_tail
+
+
+def folder_key(hf_dir: Path, version: str) -> str:
+    h = hashlib.sha1(f"{hf_dir.resolve()}|{version}".encode())
+    for p in sorted(hf_dir.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"|{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
+def build(hf_dir: Path, work: Path, version: str, precision: str) -> Path:
+    """GenAI model builder on one HF folder; reuses a finished build."""
+    out = work / f"{hf_dir.resolve().name}-{precision}-{folder_key(hf_dir, version)}"
+    if (out / "genai_config.json").is_file():
+        log(f"[genai] reusing build {out}")
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp),
+           "-p", precision, "-e", "cpu", "-c", str(work / "builder_cache")]
+    log("[genai] building: " + " ".join(cmd))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    logf = work / f"{out.name}.build.log"
+    with open(logf, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0 or not (tmp / "genai_config.json").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        lines = [ln for ln in logf.read_text(errors="replace").splitlines() if ln.strip()]
+        last = lines[-1].strip() if lines else "(no output)"
+        raise BuildError(f"model builder failed (exit {r.returncode}) for {hf_dir}: {last} (full log: {logf})",
+                         lines[-25:])
+    os.replace(tmp, out)
+    return out
+
+
+def draft_overlay(target_build: Path, draft_build: Path) -> dict:
+    """The `model.draft` section: the draft build's decoder section, its file relative to the target."""
+    dec = json.loads((draft_build / "genai_config.json").read_text())["model"]["decoder"]
+    dec = dict(dec)
+    dec["filename"] = os.path.relpath(draft_build / dec["filename"], target_build)
+    return {"model": {"draft": dec}}
+
+
+def threads_overlay(threads: int, sections) -> dict:
+    return {"model": {s: {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}
+                      for s in sections}}
+
+
+def merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_prompts(path: Path) -> list:
+    prompts = json.loads(path.read_text())
+    if not isinstance(prompts, list) or not prompts:
+        raise ValueError(f"{path}: expected a non-empty JSON list of strings (or of token-id lists)")
+    return prompts
+
+
+def sum_stats(all_stats: list[dict]) -> dict | None:
+    if not all_stats:
+        return None
+    total: dict = {}
+    for s in all_stats:
+        for k, v in s.items():
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+            elif isinstance(v, list) and all(isinstance(x, int) for x in v):
+                cur = total.setdefault(k, [0] * len(v))
+                if len(cur) < len(v):
+                    cur.extend([0] * (len(v) - len(cur)))
+                for i, x in enumerate(v):
+                    cur[i] += x
+    ev = total.get("draft_tokens_evaluated", 0)
+    total["acceptance_rate"] = total.get("draft_tokens_accepted", 0) / ev if ev else 0.0
+    total["runs"] = len(all_stats)
+    total["note"] = ("integer counters and the histogram summed over the timed runs; "
+                     "acceptance_rate = draft_tokens_accepted / draft_tokens_evaluated; per-run dicts in results")
+    return total
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, default=None, help="required for --mode draft")
+    ap.add_argument("--prompts", type=Path, required=True, help="JSON list of strings (or of token-id lists)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--work", type=Path, required=True, help="cache of built ONNX models")
+    ap.add_argument("--mode", choices=MODES, default="plain")
+    ap.add_argument("--gamma", type=int, default=None,
+                    help="speculative.max_draft_tokens (1..16); GenAI's default (4) when omitted")
+    ap.add_argument("--ngram-size", type=int, default=3, help="speculative.ngram_size for --mode ngram (>= 2)")
+    ap.add_argument("--ngram-chained", action="store_true", help="speculative.ngram_chained_lookup")
+    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (0 = ORT default)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "int8", "int4"])
+    ap.add_argument("--warmup", type=int, default=1, help="untimed generations (16 tokens) before timing")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    base = {"mode": args.mode}
+    try:
+        import onnxruntime_genai as og
+        version = og.__version__
+    except Exception as e:  # noqa: BLE001
+        emit({**base, "system": "onnxruntime-genai (not importable)", "error": f"{type(e).__name__}: {e}"}, 2)
+    base = {"system": f"onnxruntime-genai {version}", **base}
+
+    # ---- inputs and model builds (failures here are not "unsupported mode": exit 2)
+    try:
+        if args.max_new_tokens < 1 or args.repeats < 1:
+            raise ValueError("--max-new-tokens and --repeats must be >= 1")
+        if args.mode == "draft" and args.draft is None:
+            raise ValueError("--mode draft needs --draft")
+        prompts = load_prompts(args.prompts)
+        args.work.mkdir(parents=True, exist_ok=True)
+        target_build = build(args.target, args.work, version, args.precision)
+        draft_build = build(args.draft, args.work, version, args.precision) if args.mode == "draft" else None
+    except BuildError as e:
+        emit({**base, "error": str(e), "stage": "build", "build_log_tail": e.log_tail}, 2)
+    except Exception as e:  # noqa: BLE001
+        emit({**base, "error": f"{type(e).__name__}: {e}", "stage": "setup"}, 2)
+
+    config = {"target_build": str(target_build), "draft_build": str(draft_build) if draft_build else None,
+              "builder_command": f"{sys.executable} -m onnxruntime_genai.models.builder -i <hf folder> "
+                                 f"-o <out> -p {args.precision} -e cpu -c {args.work / 'builder_cache'}",
+              "precision": args.precision, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "repeats": args.repeats, "warmup": args.warmup, "search": {"do_sample": False, "top_k": 1}}
+
+    # ---- model + speculative options (an exception here means the mode is unsupported: exit 0)
+    spec_opts: dict = {}
+    if args.mode in ("draft", "ngram") and args.gamma is not None:
+        spec_opts["max_draft_tokens"] = args.gamma
+    if args.mode == "ngram":
+        spec_opts["ngram_size"] = args.ngram_size
+        if args.ngram_chained:
+            spec_opts["ngram_chained_lookup"] = True
+    config["speculative_options"] = spec_opts
+    try:
+        cfg = og.Config(str(target_build))
+        overlay: dict = {}
+        if args.threads > 0:
+            overlay = threads_overlay(args.threads, ["decoder"] + (["draft"] if draft_build else []))
+        if draft_build:
+            overlay = merge(overlay, draft_overlay(target_build, draft_build))
+        if overlay:
+            cfg.overlay(json.dumps(overlay))
+        config["config_overlay"] = overlay
+        model = og.Model(cfg)
+        tokenizer = og.Tokenizer(model) if any(isinstance(p, str) for p in prompts) else None
+
+        def new_params(max_length):
+            params = og.GeneratorParams(model)
+            params.set_search_options(do_sample=False, top_k=1, num_beams=1, max_length=max_length)
+            if args.mode != "plain":
+                params.set_speculative_options(**spec_opts)
+                got = params.get_speculative_options()
+                config["speculative_options_effective"] = got
+            return params
+
+        encoded = [list(map(int, tokenizer.encode(p))) if isinstance(p, str) else [int(t) for t in p]
+                   for p in prompts]
+        # Probe once: creating a generator is where GenAI validates the speculative setup.
+        probe = og.Generator(model, new_params(len(encoded[0]) + 1))
+        probe.append_tokens(encoded[0])
+        probe.generate_next_token()
+        del probe
+    except Exception as e:  # noqa: BLE001
+        log(traceback.format_exc())
+        emit({**base, "config": config, "error": str(e) or f"{type(e).__name__}", "stage": "speculative setup",
+              "peak_rss_bytes": peak_rss_bytes()}, 0)
+
+    def run_one(ids: list[int], max_new: int):
+        limit = len(ids) + max_new
+        params = new_params(limit)
+        t0 = time.perf_counter()
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        out: list[int] = []
+        t_first = None
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+            if t_first is None:
+                t_first = time.perf_counter()
+        t_end = time.perf_counter()
+        seq = [int(x) for x in gen.get_sequence(0)][len(ids):]
+        stats = None
+        if args.mode != "plain" and hasattr(gen, "get_speculative_stats"):
+            stats = gen.get_speculative_stats()
+        return out, seq, t0, t_first, t_end, stats
+
+    results, all_stats = [], []
+    try:
+        for _ in range(args.warmup):
+            run_one(encoded[0], min(16, args.max_new_tokens))
+        for rep in range(args.repeats):
+            for i, ids in enumerate(encoded):
+                out, seq, t0, t_first, t_end, stats = run_one(ids, args.max_new_tokens)
+                decode = t_end - t_first if t_first is not None else 0.0
+                r = {"prompt_index": i, "repeat": rep, "prompt_token_ids": ids, "token_ids": out,
+                     "new_tokens": len(out), "tokens_per_s": len(out) / decode if decode > 0 else None,
+                     "ttft_s": (t_first - t0) if t_first is not None else None, "decode_s": decode,
+                     "total_s": t_end - t0}
+                if seq != out:  # tokens streamed vs final sequence: should never differ
+                    r["sequence_token_ids"] = seq
+                if stats is not None:
+                    r["speculative_stats"] = stats
+                    all_stats.append(stats)
+                results.append(r)
+                log(f"[genai {args.mode}] rep {rep} prompt {i}: {len(out)} tok, "
+                    f"ttft {r['ttft_s']:.4f}s, {r['tokens_per_s'] or 0:.1f} tok/s")
+    except Exception as e:  # noqa: BLE001
+        log(traceback.format_exc())
+        emit({**base, "config": config, "error": str(e) or type(e).__name__, "stage": "generate",
+              "results": results, "peak_rss_bytes": peak_rss_bytes()}, 2)
+
+    emit({**base, "config": config, "results": results,
+          "speculative_stats": sum_stats(all_stats) if args.mode != "plain" else None,
+          "peak_rss_bytes": peak_rss_bytes()}, 0)
+
+
+if __name__ == "__main__":
+    main()
