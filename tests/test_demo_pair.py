@@ -61,3 +61,20 @@ def test_demo_draft_is_accepted_and_exact(demo_engines):
     a, b = plain.generate(PROMPT, max_new_tokens=64), spec.generate(PROMPT, max_new_tokens=64)
     assert a.token_ids == b.token_ids
     assert b.stats.acceptance_rate > 0.5, f"the distilled draft should be accepted often: {b.stats.acceptance_rate}"
+
+
+def test_demo_command_reports_speedup_and_exactness(demo_engines, capsys):
+    from edgespec.cli import main as cli_main
+    assert cli_main(["demo", "--engines", str(demo_engines[0].parent), "--max-new-tokens", "24", "--gamma", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("identical to plain decoding") == 3 and "DIFFERS" not in out
+    assert "speedup over plain decoding (same engines, same run):" in out
+
+
+def test_generate_json_output(demo_engines, capsys):
+    import json as _json
+    from edgespec.cli import main as cli_main
+    assert cli_main(["generate", "--target", str(demo_engines[0]), "--draft", "ngram", "--prompt", PROMPT,
+                     "--max-new-tokens", "12", "--json"]) == 0
+    got = _json.loads(capsys.readouterr().out)
+    assert len(got["token_ids"]) == 12 and got["stats"]["new_tokens"] == 12 and isinstance(got["text"], str)
