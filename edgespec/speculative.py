@@ -69,7 +69,7 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
         logits = target(feed, valid)  # (B, s, V): logits[b, i] predicts position committed[b] + i + 1
     # 3) accept / reject, then the correction or bonus token
     with timer("sampling"):
-        check_finite(logits[active], "target", int(committed.max()))
+        check_finite(logits if active.all() else logits[active], "target", int(committed.max()))
         out, k = [], np.zeros(b, dtype=np.int64)
         for i in range(b):
             if not active[i]:
