@@ -44,6 +44,14 @@ class CostModel:
         top = self.gamma_max if limit is None else min(limit, self.gamma_max)
         return max(range(top + 1), key=lambda g: self.rate(alpha, g))
 
+    def observe(self, gamma: int, draft_s: float, verify_s: float, weight: float = 0.1) -> None:
+        """Blend in one round's measured costs (in the loop a draft step costs more than in isolation:
+        the target's weights evict the draft's from the cache)."""
+        if gamma > 0 and draft_s > 0:
+            self.t_draft += weight * (draft_s / gamma - self.t_draft)
+        if 0 <= gamma < len(self.t_verify) and verify_s > 0:
+            self.t_verify[gamma] += weight * (verify_s - self.t_verify[gamma])
+
     def to_dict(self) -> dict:
         return {"t_verify_ms": [round(t * 1e3, 4) for t in self.t_verify], "t_draft_ms": round(self.t_draft * 1e3, 4),
                 "t_round_ms": round(self.t_round * 1e3, 4)}

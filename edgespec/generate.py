@@ -244,9 +244,12 @@ class Generator:
             left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
             g = max(0, min(g, cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0))
             stats.gamma_history.append((stats.new_tokens, g))
+            t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             with timer("round"):
                 new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
                                               noise, pick, timer)
+            if gamma == "auto" and self.cost is not None:  # refine the cost model with what rounds really cost
+                self.cost.observe(g, timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0)
             stats.rounds += 1
             for i, s in enumerate(seqs):
                 if not active[i]:
@@ -379,8 +382,12 @@ class Generator:
         self.last_stats = stats
 
 
+DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread pool would fight the
+#                   target's pool for the cores (measured: 1.6x slower rounds on 2 cores)
+
+
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
-         threads: int | None = None, gamma: int | str = "auto") -> Generator:
+         threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder)."""
     provider = provider or default_provider()
     tgt = OrtEngine(target, provider=provider, threads=threads)
@@ -389,7 +396,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if draft is not None and str(draft) == "ngram":
         kind = "ngram"
     elif draft is not None:
-        dft = OrtEngine(draft, provider=provider, threads=threads)
+        dft = OrtEngine(draft, provider=provider, threads=draft_threads or threads)
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
