@@ -125,6 +125,7 @@ class Generator:
         self.gamma, self.gamma_max = gamma, gamma_max
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
+        self.refine_costs = True  # auto γ: blend measured round costs into the load-time cost model
         self._embed = {}
         self.trace: list | None = None  # set to a list to record (name, start, end) events (edgespec profile)
 
@@ -248,7 +249,7 @@ class Generator:
             with timer("round"):
                 new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
                                               noise, pick, timer)
-            if gamma == "auto" and self.cost is not None:  # refine the cost model with what rounds really cost
+            if gamma == "auto" and self.cost is not None and self.refine_costs:  # what rounds really cost
                 self.cost.observe(g, timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0)
             stats.rounds += 1
             for i, s in enumerate(seqs):

@@ -238,13 +238,23 @@ def test_auto_gamma_follows_acceptance_and_cost(tiny_engines):
     Costs are injected so the test does not depend on this machine's timings."""
     good = edgespec.load(tiny_engines["target"], draft=tiny_engines["same"])
     good.cost = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4], t_draft=0.05)
+    good.refine_costs = False
     out = good.generate(prompts()[1], max_new_tokens=80)
     assert max(g for _, g in out.stats.gamma_history) == 8 and out.stats.acceptance_rate == 1.0
     costly = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
     costly.cost = CostModel([1.0] * 9, t_draft=0.9)  # a draft nearly as slow as the target never pays
+    costly.refine_costs = False
     out = costly.generate(prompts()[1], max_new_tokens=40)
     gammas = [g for _, g in out.stats.gamma_history]
     assert gammas.count(0) >= 0.8 * len(gammas) and set(gammas) <= {0, 1}  # 1 = the periodic probe
+
+
+def test_cost_model_learns_from_observed_rounds():
+    cm = CostModel([1.0] * 9, t_draft=0.1)
+    for _ in range(100):
+        cm.observe(4, draft_s=4 * 0.3, verify_s=2.0)
+    assert cm.t_draft == pytest.approx(0.3, rel=1e-3) and cm.t_verify[4] == pytest.approx(2.0, rel=1e-3)
+    assert cm.t_verify[3] == 1.0
 
 
 def test_measured_cost_model_is_sane(tiny_engines):
