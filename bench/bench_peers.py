@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-repeats", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=None, help="edgespec/peer draft length (default: edgespec auto, peers 4)")
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--only", default=None, help="comma-separated system names to (re)run; others are read "
+                                                  "from the previous run's .cache/peers/raw.json")
     ap.add_argument("--edgespec-runner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
@@ -159,6 +161,9 @@ def main(argv=None) -> int:
     hf = [str(ROOT / ".venv-hf" / "bin" / "python"), str(HERE / "peers" / "hf_runner.py"), "--target", tgt,
           "--draft", dft, "--prompts", str(pfile), "--max-new-tokens", str(args.max_new_tokens),
           "--repeats", str(args.peer_repeats)]
+    optimum = [str(ROOT / ".venv-optimum" / "bin" / "python"), str(HERE / "peers" / "optimum_runner.py"),
+               "--target", tgt, "--prompts", str(pfile), "--max-new-tokens", str(args.max_new_tokens),
+               "--repeats", str(args.peer_repeats), "--work", str(work / "optimum")]
     eg = [] if args.gamma is None else ["--gamma", str(args.gamma)]
     systems = {
         "edgespec plain": me + ["--mode", "plain", "--repeats", str(args.repeats)],
@@ -170,9 +175,13 @@ def main(argv=None) -> int:
         "HF plain": hf + ["--mode", "plain"],
         "HF assisted": hf + ["--mode", "assisted", "--gamma", g_peer],
         "HF prompt lookup": hf + ["--mode", "prompt_lookup", "--gamma", g_peer],
+        "optimum ORTModelForCausalLM plain": optimum,
         "edgespec draft sampled T=0.8": me + ["--mode", "draft", "--repeats", "1", "--temperature", "0.8"] + eg,
     }
-    raw = {name: run_system(name, cmd, args.timeout) for name, cmd in systems.items()}
+    prev = json.loads((work / "raw.json").read_text()) if args.only and (work / "raw.json").is_file() else {}
+    only = set(args.only.split(",")) if args.only else set(systems)
+    raw = {name: run_system(name, cmd, args.timeout) if name in only or name not in prev else prev[name]
+           for name, cmd in systems.items()}
     (work / "raw.json").write_text(json.dumps(raw))
     ref = raw["edgespec plain"] if "error" not in raw["edgespec plain"] else None
     table = {name: summarize(out, ref if "sampled" not in name else None, len(prompts)) for name, out in raw.items()}

@@ -4,6 +4,7 @@
 #     bash bench/setup_peers.sh            # both environments
 #     bash bench/setup_peers.sh genai      # only .venv-genai
 #     bash bench/setup_peers.sh hf         # only .venv-hf
+#     bash bench/setup_peers.sh optimum    # only .venv-optimum (optimum-onnx pins an older transformers)
 #
 # .venv-genai  ONNX Runtime GenAI + what its model builder needs (onnx, onnx-ir, torch, transformers,
 #              numpy, onnxruntime), for bench/peers/genai_runner.py
@@ -113,10 +114,19 @@ setup_hf() {
     setup_venv .venv-hf "$HF_CHECK" "" "${HF_REQS[@]}"
 }
 
+# optimum-onnx pins an older transformers (< 4.58), hence its own environment.
+OPTIMUM_REQS=("torch==${TORCH_VERSION}" "optimum-onnx" "onnx" "onnxruntime==${ORT_VERSION}" "safetensors")
+OPTIMUM_CHECK='import torch, optimum.onnxruntime, transformers; assert torch.version.cuda is None; print("optimum ok, transformers", transformers.__version__)'
+
+setup_optimum() {
+    setup_venv .venv-optimum "$OPTIMUM_CHECK" "" "${OPTIMUM_REQS[@]}"
+}
+
 case "${1:-all}" in
-    all) setup_genai; setup_hf ;;
+    all) setup_genai; setup_hf; setup_optimum ;;
     genai) setup_genai ;;
     hf) setup_hf ;;
-    *) die "unknown argument '$1' (expected: all, genai or hf)" ;;
+    optimum) setup_optimum ;;
+    *) die "unknown argument '$1' (expected: all, genai, hf or optimum)" ;;
 esac
 echo "peer environments ready"
