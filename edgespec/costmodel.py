@@ -31,18 +31,21 @@ class CostModel:
     def gamma_max(self) -> int:
         return len(self.t_verify) - 1
 
-    def rate(self, alpha: float, gamma: int) -> float:
-        """Expected tokens per second at acceptance α with γ drafts."""
+    def rate(self, alpha: float, gamma: int, tokens: float | None = None) -> float:
+        """Expected tokens per second with γ drafts: the paper's E[tokens] at acceptance α, or `tokens`
+        (expected tokens per round from measured position-wise acceptance) when given."""
         if gamma == 0:
             return 1.0 / self.t_verify[0]
-        return expected_tokens(alpha, gamma) / (gamma * self.t_draft + self.t_verify[gamma] + self.t_round)
+        e = expected_tokens(alpha, gamma) if tokens is None else tokens
+        return e / (gamma * self.t_draft + self.t_verify[gamma] + self.t_round)
 
     def predicted_speedup(self, alpha: float, gamma: int) -> float:
         return self.rate(alpha, gamma) / self.rate(alpha, 0)
 
-    def best_gamma(self, alpha: float, limit: int | None = None) -> int:
+    def best_gamma(self, alpha: float, limit: int | None = None, expected=None) -> int:
+        """argmax over γ in 0..limit of expected tokens/s; `expected(γ)` overrides the i.i.d. formula."""
         top = self.gamma_max if limit is None else min(limit, self.gamma_max)
-        return max(range(top + 1), key=lambda g: self.rate(alpha, g))
+        return max(range(top + 1), key=lambda g: self.rate(alpha, g, expected(g) if expected and g else None))
 
     def observe(self, gamma: int, draft_s: float, verify_s: float, weight: float = 0.1) -> None:
         """Blend in one round's measured costs (in the loop a draft step costs more than in isolation:
@@ -66,7 +69,8 @@ class AcceptanceEstimator:
     decay: float = 0.97
     accepted: float = 0.0
     rejected: float = 0.0
-    history: list = field(default_factory=list)
+    tried_at: list = field(default_factory=lambda: [0.0] * 16)  # decayed drafts tried at position i
+    kept_at: list = field(default_factory=lambda: [0.0] * 16)  # ... and kept
 
     @property
     def alpha(self) -> float:
@@ -77,6 +81,21 @@ class AcceptanceEstimator:
             return
         self.accepted = self.accepted * self.decay + accepted
         self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
+        for i in range(min(drafted, len(self.tried_at))):
+            self.tried_at[i] = self.tried_at[i] * self.decay + 1
+            self.kept_at[i] = self.kept_at[i] * self.decay + (i < accepted)
+
+    def expected_tokens(self, gamma: int, prior: float = 2.0) -> float:
+        """E[tokens per round] = 1 + sum_i prod_{j<=i} a_j from position-wise acceptance a_j (shrunk toward
+        the pooled α where a position has few observations). Acceptance is not i.i.d. (easy stretches accept
+        everything, hard ones reject at once), so this can differ from the paper's formula either way."""
+        alpha, e, run = self.alpha, 1.0, 1.0
+        for j in range(gamma):
+            t = self.tried_at[j] if j < len(self.tried_at) else 0.0
+            k = self.kept_at[j] if j < len(self.kept_at) else 0.0
+            run *= (k + prior * alpha) / (t + prior)
+            e += run
+        return e
 
 
 def median_time(fn, reps: int) -> float:

@@ -295,7 +295,7 @@ class Generator:
             return gamma
         if self.cost is None:
             self.measure_costs()
-        g = self.cost.best_gamma(est.alpha, self.gamma_max)
+        g = self.cost.best_gamma(est.alpha, self.gamma_max, expected=est.expected_tokens)
         if g == 0 and stats.rounds % PROBE_EVERY == PROBE_EVERY - 1:
             g = 1  # probe: keep the acceptance estimate alive while not speculating
         return g

@@ -324,3 +324,17 @@ def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch):
     monkeypatch.setattr(Decoder, "__call__", poisoned)
     with pytest.raises(FloatingPointError, match="target engine produced .* NaN/inf logits at step"):
         gen.generate([1, 2, 3], max_new_tokens=20)
+
+
+def test_positionwise_acceptance_sees_bursty_drafts():
+    """Rounds that either reject at once or accept all 6: pooled α is 6/7, but a_1 = 0.5 and a_2..a_6 = 1,
+    so a round yields 1 + 6 * 0.5 = 4 tokens, not the 4.62 of the i.i.d. formula."""
+    est = AcceptanceEstimator(prior_accept=0, prior_reject=0, decay=1.0)
+    for _ in range(50):
+        est.update(0, 6)
+        est.update(6, 6)
+    assert est.alpha == pytest.approx(6 / 7)
+    e6 = est.expected_tokens(6)
+    assert e6 == pytest.approx(1 + 6 * 0.5, rel=0.05)  # a_1 = 0.5, then every later draft is kept
+    assert expected_tokens(est.alpha, 6) == pytest.approx(4.62, abs=0.01)
+    assert est.expected_tokens(1) == pytest.approx(1.5, rel=0.05)
