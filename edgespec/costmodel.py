@@ -81,9 +81,10 @@ class AcceptanceEstimator:
             return
         self.accepted = self.accepted * self.decay + accepted
         self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
-        for i in range(min(drafted, len(self.tried_at))):
-            self.tried_at[i] = self.tried_at[i] * self.decay + 1
-            self.kept_at[i] = self.kept_at[i] * self.decay + (i < accepted)
+        for i in range(len(self.tried_at)):  # position i is tried only when 0..i-1 were all kept
+            tried = i < drafted and i <= accepted
+            self.tried_at[i] = self.tried_at[i] * self.decay + tried
+            self.kept_at[i] = self.kept_at[i] * self.decay + (tried and i < accepted)
 
     def expected_tokens(self, gamma: int, prior: float = 2.0) -> float:
         """E[tokens per round] = 1 + sum_i prod_{j<=i} a_j from position-wise acceptance a_j (shrunk toward
