@@ -212,6 +212,12 @@ def save_hf(model, tok, out: Path) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
                                    unk_token=None, model_max_length=model.config.max_position_embeddings)
     fast.save_pretrained(out)
+    # transformers 5 writes tokenizer_class "TokenizersBackend", which transformers 4.x (optimum-onnx pins
+    # < 4.58) cannot load; PreTrainedTokenizerFast is understood by both.
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN,
+        "pad_token": None, "unk_token": None, "model_max_length": model.config.max_position_embeddings,
+        "clean_up_tokenization_spaces": False}, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
