@@ -233,6 +233,9 @@ def main(argv=None) -> int:
     report = {"command": "python bench/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "prompts": {"code": args.code_prompts, "prose": len(prompts) - args.code_prompts},
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
+              "rerun_only": sorted(only) if args.only else None,
+              "note": (f"rows other than {sorted(only)} come from the previous full run (.cache/peers/raw.json), "
+                       "same prompts and settings" if args.only else None),
               "systems": table, "ratios": ratios, "roofline": roofline, "edgespec_predicted_vs_measured": pred}
     from bench_speculative import machine
     report["machine"] = machine()
@@ -267,7 +270,7 @@ def markdown(r: dict) -> str:
         p = r["edgespec_predicted_vs_measured"]
         rows.append(f"edgespec draft: α = {p['alpha']:.3f}, mean γ {p['mean_gamma']}, predicted speedup "
                     f"{p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x")
-    rows.append(f"\nCommand: `{r['command']}`")
+    rows.append(f"\nCommand: `{r['command']}`" + (f" ({r['note']})" if r.get("note") else ""))
     return "\n".join(rows) + "\n"
 
 
@@ -289,7 +292,7 @@ def plot(r: dict, path: Path) -> None:
     ax.axvline(r["roofline"]["roofline_tokens_per_s"], color="grey", ls="--", lw=1, label="plain-decode roofline")
     ax.invert_yaxis()
     ax.set_xlabel("tokens/s (median over repeats; bars: min–max)")
-    ax.set_title("Bundled pair on this CPU: edgespec vs ONNX Runtime GenAI vs HF transformers")
+    ax.set_title("Bundled pair, 2-core CPU: edgespec vs ONNX Runtime GenAI vs HF")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
