@@ -153,6 +153,7 @@ def cmd_profile(args) -> int:
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
     report, trace = profile(gen, prompts, args.max_new_tokens, args.lossless_check, **kw)
+    report["command"] = "edgespec " + " ".join(sys.argv[1:])
     if args.trace:
         args.trace.write_text(json.dumps(trace))
     if args.json:
