@@ -135,8 +135,9 @@ def cmd_generate(args) -> int:
         print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                           "stats": o.stats.to_dict()}))
         return 0
+    pieces = gen.stream(args.prompt, **kw)  # checks the prompt and settings before anything is printed
     sys.stdout.write(args.prompt)
-    for piece in gen.stream(args.prompt, **kw):
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     print()
@@ -310,6 +311,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # e.g. `edgespec inspect ... | head`
+        sys.stderr.close()
+        return 0
     except (ValueError, FileExistsError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -402,4 +402,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
         raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
-    return Generator(tgt, kind, dft, tok, gamma)
+    gen = Generator(tgt, kind, dft, tok, gamma)
+    if gamma == "auto" and kind is not None:
+        gen.measure_costs()  # at load, so the first generate's timings are its own
+    return gen
