@@ -1,1 +1,1 @@
-"""edgespec.robots: control-loop adapter and ROS 2-compatible node (see DESIGN.md; not built yet)."""
+"""edgespec.robots: robot interface, action-chunk queue and fixed-rate control loop (the ROS 2 node is not built yet)."""

@@ -59,6 +59,17 @@ class LoopReport:
     queue_dropped_stale: int = 0  # chunk actions whose time had passed when they landed or came due
 
 
+def summarize(rep: "LoopReport", dt: float) -> dict:
+    """p50/p95/p99 per section, tick-period jitter against dt, deadline misses, starved ticks, inference."""
+    from edgespec.profiling import percentiles
+    periods = np.diff(rep.tick_start_s) if len(rep.tick_start_s) > 1 else np.array([])
+    return {"ticks": rep.ticks, "hz": 1 / dt, "deadline_misses": rep.deadline_misses, "starved_ticks": rep.starved,
+            "held_ticks": rep.held, "stopped_ticks": rep.stopped_ticks, "faults": list(rep.faults),
+            "sections_ms": {k: percentiles(v) for k, v in rep.sections_ms.items()},
+            "jitter_ms": percentiles(np.abs(periods - dt) * 1e3), "inference_ms": percentiles(rep.inference_ms),
+            "safe_stop_reason": rep.safe_stop_reason}
+
+
 class ControlLoop:
     def __init__(self, robot: Robot, policy: Policy, cfg: LoopConfig | None = None):
         self.robot, self.policy, self.cfg = robot, policy, cfg or LoopConfig()

@@ -75,6 +75,15 @@ def test_malformed_observation_is_reported():
     assert any("bad observation" in f for f in rep.faults) and rep.sent == 0
 
 
+def test_latency_summary_has_percentiles_for_every_section():
+    from edgespec.robots.loop import summarize
+    robot, rep = run(chunked_policy(), seconds=0.3)
+    s = summarize(rep, 1 / 50)
+    assert set(s["sections_ms"]) == {"observe", "infer", "act", "wait"}
+    assert s["jitter_ms"]["n"] == rep.ticks - 1 and s["inference_ms"]["n"] >= 1
+    assert all(s["sections_ms"][k]["p99"] >= s["sections_ms"][k]["p50"] for k in s["sections_ms"])
+
+
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="hz must be in"):
         LoopConfig(hz=0)
