@@ -116,13 +116,17 @@ class _Seq:
     text_len: int | None = None  # where a stop string cut the text
 
 
+def check_gamma(gamma, gamma_max: int):
+    if not (gamma == "auto" or (isinstance(gamma, int) and not isinstance(gamma, bool) and 0 <= gamma <= gamma_max)):
+        raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}], got {gamma!r}")
+    return gamma
+
+
 class Generator:
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto", gamma_max: int = GAMMA_MAX):
         self.target, self.draft, self.drafter_kind, self.tok = target, draft, drafter_kind, tokenizer
-        if not (gamma == "auto" or (isinstance(gamma, int) and 0 <= gamma <= gamma_max)):
-            raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}], got {gamma!r}")
-        self.gamma, self.gamma_max = gamma, gamma_max
+        self.gamma, self.gamma_max = check_gamma(gamma, gamma_max), gamma_max
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
         self.refine_costs = True  # auto γ: blend measured round costs into the load-time cost model
@@ -338,9 +342,7 @@ class Generator:
                              f"use 'rejection' or 'coupled' to sample")
         if mode != "greedy" and cfg.greedy:
             mode = "greedy"  # temperature 0: every mode reduces to greedy
-        gamma = self.gamma if gamma is None else gamma
-        if not (gamma == "auto" or (isinstance(gamma, int) and 0 <= gamma <= self.gamma_max)):
-            raise ValueError(f"gamma must be 'auto' or an integer in [0, {self.gamma_max}], got {gamma!r}")
+        gamma = check_gamma(self.gamma if gamma is None else gamma, self.gamma_max)
         if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) and x for x in stop)):
             raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         return [self.encode(p) for p in prompts], cfg, mode, gamma, list(stop or [])
