@@ -1,0 +1,389 @@
+"""Train the bundled tiny VLA pair on the three-target MuJoCo reacher by behaviour cloning.
+
+    python -m edgespec.export.train_vla --out models/vla-reacher      # ~50 min on 2 CPU cores, resumable
+
+1. Demonstrations: the scripted expert (two-link IK + joint-space waypoints, PD-tracked) runs --episodes
+   episodes; half of them execute the expert's action with Gaussian noise (DART-style, so the data covers
+   recoveries) while the label is always the clean expert chunk from the state actually reached.
+2. Model: an encoder (CNN with coordinate channels, FiLM-conditioned on the instruction, spatial-softmax
+   keypoints -> image tokens; a state token; instruction word tokens) makes P prefix embeddings; a Llama
+   target decoder emits the H x D action tokens after them (native id space 0..255, OpenVLA binning);
+   a 1-layer draft decoder reads the same (detached) prefix and is trained with CE + KL to the target.
+3. Writes OUT/{policy.json, action_stats.json, encoder.safetensors (fp16), target/, draft/ (HF Llama
+   folders, fp16), train.json (losses, token accuracy, closed-loop success of the torch policy)}.
+
+Checkpoints go to --work every epoch; rerunning the command resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+SEED = 7
+WORDS = ["<pad>", "reach", "go", "to", "touch", "the", "red", "green", "blue", "target"]
+
+
+@dataclass
+class VLAConfig:
+    episodes: int = 1500
+    val_episodes: int = 100
+    horizon: int = 8
+    dims: int = 2
+    n_bins: int = 256
+    image_size: int = 64
+    instr_len: int = 6
+    img_tokens: int = 4
+    keypoints: int = 32
+    hidden: int = 256
+    target_layers: int = 4
+    target_inter: int = 512
+    draft_layers: int = 1
+    draft_inter: int = 256
+    heads: int = 4
+    epochs: int = 6
+    batch: int = 128
+    lr: float = 1.5e-3
+    noise_std: float = 0.15  # rad, on the executed action of noisy episodes
+    eval_episodes: int = 50
+
+    def __post_init__(self):
+        for k in ("episodes", "horizon", "dims", "epochs", "batch", "hidden", "target_layers", "draft_layers"):
+            if getattr(self, k) <= 0:
+                raise ValueError(f"{k} must be > 0, got {getattr(self, k)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+
+    @property
+    def prefix_len(self) -> int:
+        return self.img_tokens + 1 + self.instr_len
+
+    @property
+    def action_len(self) -> int:
+        return self.horizon * self.dims
+
+
+def words_to_ids(instruction: str, length: int) -> np.ndarray:
+    """The instruction's word ids, right-padded with <pad> to `length`; unknown words are an error."""
+    words = instruction.lower().split()
+    unknown = [w for w in words if w not in WORDS]
+    if unknown:
+        raise ValueError(f"unknown words {unknown} in {instruction!r}; known words: {WORDS[1:]}")
+    if len(words) > length:
+        raise ValueError(f"instruction has {len(words)} words, the policy takes at most {length}")
+    return np.array([WORDS.index(w) for w in words] + [0] * (length - len(words)), np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# demonstrations
+# ---------------------------------------------------------------------------------------------------
+def _collect(args) -> dict:
+    seeds, cfg_d, noisy_every = args
+    from edgespec.robots.reacher import ThreeTargetReacher
+    cfg = VLAConfig(**cfg_d)
+    env = ThreeTargetReacher()
+    imgs, states, instr, chunks = [], [], [], []
+    try:
+        for seed in seeds:
+            obs = env.reset(seed=int(seed))
+            rng = np.random.default_rng(int(seed) + 10_000)
+            noisy = seed % noisy_every == 0
+            done = False
+            while not done:
+                chunk = env.expert(cfg.horizon)
+                imgs.append(obs["image"]); states.append(obs["state"])
+                instr.append(words_to_ids(obs["instruction"], cfg.instr_len)); chunks.append(chunk)
+                a = chunk[0] + (rng.normal(0, cfg.noise_std, 2) if noisy else 0.0)
+                obs, _, done, _ = env.step(a)
+    finally:
+        env.close()
+    return {"image": np.stack(imgs), "state": np.stack(states).astype(np.float32),
+            "instr": np.stack(instr), "chunk": np.stack(chunks).astype(np.float32)}
+
+
+def demonstrations(cfg: VLAConfig, work: Path, split: str, seeds: np.ndarray, workers: int = 2) -> dict:
+    path = work / f"demos-{split}-{len(seeds)}.npz"
+    if path.exists():
+        return dict(np.load(path))
+    from multiprocessing import get_context
+    parts = np.array_split(seeds, workers * 4)
+    t0 = time.time()
+    with get_context("spawn").Pool(workers) as pool:
+        outs = []
+        for i, out in enumerate(pool.imap(_collect, [(p, asdict(cfg), 2) for p in parts])):
+            outs.append(out)
+            print(f"[demos {split}] {i + 1}/{len(parts)} parts, {time.time() - t0:.0f}s", flush=True)
+    data = {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+    np.savez(path, **data)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------------
+def build_encoder(cfg: VLAConfig):
+    import torch
+    import torch.nn as nn
+
+    class Encoder(nn.Module):
+        """image (B,S,S,3) uint8, state (B,4) f32, instr (B,L) int64 -> prefix (B, P, E) f32."""
+
+        def __init__(self):
+            super().__init__()
+            e, k = cfg.hidden, cfg.keypoints
+            self.words = nn.Embedding(len(WORDS), e)
+            self.instr_pos = nn.Parameter(torch.zeros(cfg.instr_len, e))
+            self.conv1 = nn.Conv2d(5, 32, 5, stride=2, padding=2)   # S/2
+            self.conv2 = nn.Conv2d(32, 32, 3, stride=2, padding=1)  # S/4
+            self.conv3 = nn.Conv2d(32, k, 3, padding=1)
+            self.film = nn.Linear(e, 2 * 32)
+            self.img = nn.Linear(2 * k + 32, cfg.img_tokens * e)
+            self.state = nn.Linear(8, e)
+            self.kind = nn.Parameter(torch.zeros(3, e))
+            s = cfg.image_size
+            yy, xx = torch.meshgrid(torch.linspace(-1, 1, s), torch.linspace(-1, 1, s), indexing="ij")
+            self.register_buffer("coords", torch.stack([xx, yy])[None], persistent=False)  # (1,2,S,S)
+            s4 = s // 4
+            yy, xx = torch.meshgrid(torch.linspace(-1, 1, s4), torch.linspace(-1, 1, s4), indexing="ij")
+            self.register_buffer("grid", torch.stack([xx.reshape(-1), yy.reshape(-1)], 1), persistent=False)
+
+        def forward(self, image, state, instr):
+            b = image.shape[0]
+            x = image.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+            x = torch.cat([x, self.coords.expand(b, -1, -1, -1)], 1)
+            w = self.words(instr)  # (B, L, E)
+            real = (instr > 0).float()[..., None]
+            pooled = (w * real).sum(1) / real.sum(1).clamp(min=1.0)
+            gamma, beta = self.film(pooled).chunk(2, -1)
+            h = torch.relu(self.conv1(x))
+            h = torch.relu(self.conv2(h) * (1 + gamma[:, :, None, None]) + beta[:, :, None, None])
+            h = self.conv3(h)  # (B, K, S/4, S/4)
+            attn = torch.softmax(h.flatten(2), -1)  # spatial softmax
+            kp = attn @ self.grid  # (B, K, 2) expected x, y
+            feat = torch.cat([kp.flatten(1), torch.relu(h).mean((2, 3))[:, :32]], 1)
+            img = self.img(feat).view(b, cfg.img_tokens, -1) + self.kind[0]
+            q, qd = state[:, :2], state[:, 2:]
+            sf = torch.cat([torch.cos(q), torch.sin(q), q / math.pi, qd / 10.0], 1)
+            st = (self.state(sf) + self.kind[1])[:, None]
+            ins = w + self.instr_pos + self.kind[2]
+            return torch.cat([img, st, ins], 1)
+
+    return Encoder()
+
+
+def llama_config(cfg: VLAConfig, layers: int, inter: int):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=cfg.n_bins, hidden_size=cfg.hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+                       max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+class Pair:
+    def __init__(self, cfg: VLAConfig):
+        import torch
+        from transformers import LlamaForCausalLM
+        torch.manual_seed(SEED)
+        self.cfg = cfg
+        self.encoder = build_encoder(cfg)
+        self.target = LlamaForCausalLM(llama_config(cfg, cfg.target_layers, cfg.target_inter))
+        self.draft = LlamaForCausalLM(llama_config(cfg, cfg.draft_layers, cfg.draft_inter))
+
+    def modules(self):
+        return {"encoder": self.encoder, "target": self.target, "draft": self.draft}
+
+    def logits(self, batch, ids):
+        """-> target and draft logits (B, T, V) predicting the T action ids after the prefix."""
+        import torch
+        prefix = self.encoder(batch["image"], batch["state"], batch["instr"])  # (B, P, E)
+        t = ids.shape[1]
+        out = {}
+        for name, model, pre in (("target", self.target, prefix), ("draft", self.draft, prefix.detach())):
+            emb = model.get_input_embeddings()(ids[:, :-1])
+            x = torch.cat([pre, emb], 1)
+            out[name] = model(inputs_embeds=x).logits[:, -t:]
+        return out["target"], out["draft"]
+
+
+def to_torch(data: dict, idx: np.ndarray) -> dict:
+    import torch
+    return {"image": torch.from_numpy(data["image"][idx]), "state": torch.from_numpy(data["state"][idx]),
+            "instr": torch.from_numpy(data["instr"][idx])}
+
+
+def losses(pair: Pair, batch, ids):
+    import torch.nn.functional as F
+    lt, ld = pair.logits(batch, ids)
+    v = lt.shape[-1]
+    ce_t = F.cross_entropy(lt.reshape(-1, v), ids.reshape(-1))
+    ce_d = F.cross_entropy(ld.reshape(-1, v), ids.reshape(-1))
+    kl = F.kl_div(F.log_softmax(ld, -1), F.log_softmax(lt.detach(), -1), log_target=True, reduction="batchmean")
+    kl = kl / ids.shape[1]
+    return ce_t, ce_d, kl, lt, ld
+
+
+def evaluate(pair: Pair, data: dict, ids_all: np.ndarray) -> dict:
+    import torch
+    n = len(ids_all)
+    tot = {"target_ce": 0.0, "draft_ce": 0.0, "target_acc": 0.0, "draft_acc": 0.0, "agree": 0.0}
+    with torch.no_grad():
+        for s in range(0, n, 512):
+            idx = np.arange(s, min(n, s + 512))
+            ids = torch.from_numpy(ids_all[idx])
+            ce_t, ce_d, _, lt, ld = losses(pair, to_torch(data, idx), ids)
+            w = len(idx) / n
+            tot["target_ce"] += ce_t.item() * w
+            tot["draft_ce"] += ce_d.item() * w
+            tot["target_acc"] += (lt.argmax(-1) == ids).float().mean().item() * w
+            tot["draft_acc"] += (ld.argmax(-1) == ids).float().mean().item() * w
+            tot["agree"] += (lt.argmax(-1) == ld.argmax(-1)).float().mean().item() * w
+    return {k: round(v, 4) for k, v in tot.items()}
+
+
+def greedy_chunk(pair: Pair, obs: dict, cfg: VLAConfig, tok) -> np.ndarray:
+    """Plain greedy decoding with the torch target (no cache; slow, obvious) -> (H, D) actions."""
+    import torch
+    batch = {"image": torch.from_numpy(obs["image"][None].copy()),
+             "state": torch.from_numpy(obs["state"][None].astype(np.float32)),
+             "instr": torch.from_numpy(words_to_ids(obs["instruction"], cfg.instr_len)[None])}
+    with torch.no_grad():
+        x = pair.encoder(**batch)
+        ids = []
+        for _ in range(cfg.action_len):
+            nxt = int(pair.target(inputs_embeds=x).logits[0, -1].argmax())
+            ids.append(nxt)
+            x = torch.cat([x, pair.target.get_input_embeddings()(torch.tensor([[nxt]]))], 1)
+    return tok.decode_chunk(np.array(ids), cfg.horizon, cfg.dims)
+
+
+def closed_loop(pair: Pair, cfg: VLAConfig, tok, episodes: int, execute: int = 4, seed0: int = 900_000) -> dict:
+    from edgespec.robots.reacher import ThreeTargetReacher
+    env = ThreeTargetReacher()
+    succ, rets = [], []
+    try:
+        for ep in range(episodes):
+            obs, done, ret = env.reset(seed=seed0 + ep), False, 0.0
+            while not done:
+                chunk = greedy_chunk(pair, obs, cfg, tok)
+                for a in chunk[:execute]:
+                    obs, r, done, info = env.step(a)
+                    ret += r
+                    if done:
+                        break
+            succ.append(info["success"]); rets.append(ret)
+    finally:
+        env.close()
+    return {"success": float(np.mean(succ)), "mean_return": float(np.mean(rets)), "episodes": episodes}
+
+
+def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
+    import torch
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    stats.save(out / "action_stats.json")
+    enc = {k: v.detach().to(torch.float16).contiguous() for k, v in pair.encoder.state_dict().items()}
+    save_file(enc, str(out / "encoder.safetensors"))
+    for name in ("target", "draft"):
+        m = getattr(pair, name).to(torch.float16)
+        m.save_pretrained(out / name, safe_serialization=True)
+        getattr(pair, name).to(torch.float32)
+    policy = {"format": "edgespec-vla/1", "task": "three-target reacher (MuJoCo Reacher-v5, 64x64 RGB)",
+              "horizon": cfg.horizon, "dims": cfg.dims, "n_bins": cfg.n_bins, "vocab_end": cfg.n_bins,
+              "image_size": cfg.image_size, "state_dim": 4, "instr_len": cfg.instr_len, "words": WORDS,
+              "prefix_len": cfg.prefix_len, "binary_dims": [], "action_units": "rad (joint position targets)",
+              "config": asdict(cfg)}
+    (out / "policy.json").write_text(json.dumps(policy, indent=2) + "\n")
+    (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="models/vla-reacher")
+    ap.add_argument("--work", default=".cache/vla")
+    ap.add_argument("--episodes", type=int, default=VLAConfig.episodes)
+    ap.add_argument("--epochs", type=int, default=VLAConfig.epochs)
+    ap.add_argument("--eval-episodes", type=int, default=VLAConfig.eval_episodes)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    import torch
+    from edgespec.actions import ActionStats, ActionTokenizer
+
+    torch.set_num_threads(args.threads)
+    cfg = VLAConfig(episodes=args.episodes, epochs=args.epochs, eval_episodes=args.eval_episodes)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    train = demonstrations(cfg, work, "train", np.arange(cfg.episodes))
+    val = demonstrations(cfg, work, "val", np.arange(500_000, 500_000 + cfg.val_episodes))
+    flat = train["chunk"].reshape(-1, cfg.dims)
+    stats = ActionStats(np.quantile(flat, 0.01, axis=0), np.quantile(flat, 0.99, axis=0))
+    tok = ActionTokenizer.native(cfg.n_bins, stats)
+    ids_train = tok.encode(train["chunk"]).reshape(len(train["chunk"]), -1)  # (N, H*D) time-major
+    ids_val = tok.encode(val["chunk"]).reshape(len(val["chunk"]), -1)
+    print(f"train {len(ids_train)} samples, val {len(ids_val)}; stats q01 {stats.q01} q99 {stats.q99}", flush=True)
+
+    pair = Pair(cfg)
+    params = [p for m in pair.modules().values() for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    steps_per_epoch = len(ids_train) // cfg.batch
+    total = steps_per_epoch * cfg.epochs
+    ckpt = work / "ckpt.pt"
+    epoch0, history = 0, []
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        for k, m in pair.modules().items():
+            m.load_state_dict(state[k])
+        opt.load_state_dict(state["opt"])
+        epoch0, history = state["epoch"], state["history"]
+        print(f"resumed after epoch {epoch0}", flush=True)
+    rng = np.random.default_rng(SEED)
+    for epoch in range(epoch0, cfg.epochs):
+        for m in pair.modules().values():
+            m.train()
+        order = np.random.default_rng(SEED + epoch).permutation(len(ids_train))
+        t0 = time.time()
+        for i in range(steps_per_epoch):
+            step = epoch * steps_per_epoch + i
+            lr = cfg.lr * min(1.0, (step + 1) / 200) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = np.sort(order[i * cfg.batch:(i + 1) * cfg.batch])
+            ids = torch.from_numpy(ids_train[idx])
+            ce_t, ce_d, kl, _, _ = losses(pair, to_torch(train, idx), ids)
+            loss = ce_t + 0.5 * ce_d + 0.5 * kl
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            if i % 50 == 0:
+                print(f"epoch {epoch} step {i}/{steps_per_epoch} ce_t {ce_t.item():.3f} ce_d {ce_d.item():.3f} "
+                      f"kl {kl.item():.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
+        for m in pair.modules().values():
+            m.eval()
+        ev = evaluate(pair, val, ids_val)
+        ev["epoch"], ev["epoch_s"] = epoch + 1, round(time.time() - t0, 1)
+        history.append(ev)
+        print("val", ev, flush=True)
+        torch.save({**{k: m.state_dict() for k, m in pair.modules().items()}, "opt": opt.state_dict(),
+                    "epoch": epoch + 1, "history": history}, ckpt)
+    for m in pair.modules().values():
+        m.eval()
+    loop = closed_loop(pair, cfg, tok, cfg.eval_episodes)
+    print("closed loop (torch, fp32, plain greedy)", loop, flush=True)
+    n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in pair.modules().items()}
+    report = {"params": n_params, "history": history, "closed_loop_torch": loop,
+              "train_samples": int(len(ids_train)), "wall_s": round(time.time() - t_start, 1),
+              "command": "python -m edgespec.export.train_vla --out " + str(out)}
+    save(pair, cfg, stats, out, report)
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
