@@ -19,6 +19,14 @@ The runtime owns one buffer per layer and a committed length L per sequence; it 
 `past` (stale rows beyond L are masked in `attention_bias`, never cleared) and writes `present` into rows
 L..L+S-1. Rolling back is lowering L. Every query row of `attention_bias` must leave at least one key
 unmasked (a padded query attends to itself).
+
+VLA encoder graph (`encoder.onnx` of a policy folder; its decoders are inputs_embeds engines):
+
+    image            uint8   [1, S, S, 3]      RGB
+    state            float32 [1, N]            joint positions then velocities
+    instruction      int64   [1, L]            word ids, right-padded with 0
+      ──▶
+    prefix_embeds    float32 [1, P, E]         fed to the decoders as inputs_embeds at positions 0..P-1
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ INPUTS_EMBEDS = "inputs_embeds"
 POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
 LOGITS = "logits"
+
+ENC_IMAGE, ENC_STATE, ENC_INSTRUCTION, ENC_PREFIX = "image", "state", "instruction", "prefix_embeds"
+POLICY_FILE = "policy.json"
 
 # Symbolic dimension names used in shapes.
 BATCH, SEQ, PAST, TOTAL = "batch", "seq", "past", "total"

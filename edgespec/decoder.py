@@ -67,14 +67,21 @@ class Decoder:
             self._bound_s = s
         return logits, presents
 
-    def __call__(self, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
+    def __call__(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
+                 embeds: np.ndarray | None = None) -> np.ndarray:
         """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 -> logits (B, S, V).
 
         valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
+        embeds (B, S, E) float32 replaces `tokens` on inputs_embeds engines (a VLA encoder's prefix).
         The returned array is reused by the next call with the same S: read it before then.
         """
         if self.m.kind == "optimum":
             return compat_call(self, tokens, valid)
+        if embeds is not None:
+            if self.m.input_mode != "embeds" or embeds.ndim != 3 or embeds.shape[2] != self.m.hidden_size:
+                raise ValueError(f"embeds must be (B, S, {self.m.hidden_size}) for an inputs_embeds engine; "
+                                 f"got {embeds.shape} for a {self.m.input_mode!r} engine")
+            tokens = np.zeros(embeds.shape[:2], np.int64)
         b, s = tokens.shape
         cache = self.cache
         cache.reserve(int(cache.lengths.max()) + s)
@@ -83,7 +90,9 @@ class Decoder:
         pos = cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
         bias = causal_bias(cache.lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P+S)
         first = np.ascontiguousarray(tokens, dtype=np.int64)
-        if self.m.input_mode == "embeds":
+        if embeds is not None:
+            first = np.ascontiguousarray(embeds, dtype=np.float32)
+        elif self.m.input_mode == "embeds":
             first = self.embedding[first]
         bind = self.binding
         bind.bind_cpu_input(self.m.inputs[0].name, first)

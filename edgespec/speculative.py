@@ -39,6 +39,18 @@ def accept_rejection(drafts: np.ndarray, p: np.ndarray, q: np.ndarray | None, rn
     return len(drafts), sample(p[len(drafts)], rng)  # all accepted: bonus token from p
 
 
+def accept_relaxed(drafts: np.ndarray, logits: np.ndarray, lo: int, hi: int, radius: np.ndarray) -> tuple[int, int]:
+    """Action tokens (lossy, opt-in). drafts (n,); logits (n+1, V); radius (n,) bins allowed per draft
+    position (0 = exact, e.g. a binary dimension). The target's choice is its argmax over the action ids
+    lo..hi-1 (ids are bins, so |id difference| = bin distance); keep a draft while it is an action id within
+    radius[i] of that choice. With radius 0 everywhere this is exact greedy decoding constrained to actions."""
+    t = logits[:, lo:hi].argmax(-1) + lo  # (n+1,)
+    k = 0
+    while k < len(drafts) and lo <= drafts[k] < hi and abs(int(drafts[k]) - int(t[k])) <= radius[k]:
+        k += 1
+    return k, int(t[k])
+
+
 def accept_coupled(drafts: np.ndarray, logits: np.ndarray, cfg: SamplingConfig, noise: GumbelNoise,
                    b: int, pos0: int) -> tuple[int, int]:
     """The target draws position pos0+i with the same Gumbel noise the draft used; keep while equal."""
@@ -50,8 +62,10 @@ def accept_coupled(drafts: np.ndarray, logits: np.ndarray, cfg: SamplingConfig, 
 
 
 def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[list[int]], active: np.ndarray,
-                      gamma: int, mode: str, cfg: SamplingConfig, rng, noise, pick, timer) -> tuple[list, np.ndarray]:
-    """One round for every active sequence. Returns (new tokens per sequence, accepted (B,), drafted (B,))."""
+                      gamma: int, mode: str, cfg: SamplingConfig, rng, noise, pick, timer,
+                      relax=None) -> tuple[list, np.ndarray]:
+    """One round for every active sequence. Returns (new tokens per sequence, accepted (B,), drafted (B,)).
+    mode "relaxed" (action tokens) calls relax(drafts (n,), logits (n+1, V), first draft position) -> (k, next)."""
     b = len(contexts)
     committed = target.cache.lengths.copy()  # (B,) target rows; contexts[b][-1] is the pending token
     # 1) draft: up to γ proposals per sequence, for positions committed+1 ...
@@ -81,6 +95,8 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
             elif mode == "rejection":
                 q = None if prop.q is None else prop.q[i, :n[i]]
                 k[i], nxt = accept_rejection(d, probs(lg, cfg), q, rng)
+            elif mode == "relaxed":
+                k[i], nxt = relax(d, lg, int(committed[i]) + 1)
             else:
                 k[i], nxt = accept_coupled(d, lg, cfg, noise, i, int(committed[i]) + 1)
             out.append([int(t) for t in d[:k[i]]] + [nxt])

@@ -143,7 +143,7 @@ def build_encoder(cfg: VLAConfig):
             self.conv2 = nn.Conv2d(32, 32, 3, stride=2, padding=1)  # S/4
             self.conv3 = nn.Conv2d(32, k, 3, padding=1)
             self.film = nn.Linear(e, 2 * 32)
-            self.img = nn.Linear(2 * k + 32, cfg.img_tokens * e)
+            self.img = nn.Linear(3 * k, cfg.img_tokens * e)
             self.state = nn.Linear(8, e)
             self.kind = nn.Parameter(torch.zeros(3, e))
             s = cfg.image_size
@@ -166,7 +166,7 @@ def build_encoder(cfg: VLAConfig):
             h = self.conv3(h)  # (B, K, S/4, S/4)
             attn = torch.softmax(h.flatten(2), -1)  # spatial softmax
             kp = attn @ self.grid  # (B, K, 2) expected x, y
-            feat = torch.cat([kp.flatten(1), torch.relu(h).mean((2, 3))[:, :32]], 1)
+            feat = torch.cat([kp.flatten(1), torch.relu(h).mean((2, 3))], 1)  # (B, 3K)
             img = self.img(feat).view(b, cfg.img_tokens, -1) + self.kind[0]
             q, qd = state[:, :2], state[:, 2:]
             sf = torch.cat([torch.cos(q), torch.sin(q), q / math.pi, qd / 10.0], 1)

@@ -100,3 +100,45 @@ def tiny_engines(tmp_path_factory):
 
 
 import numpy as np  # noqa: E402
+
+
+def make_tiny_policy(model_dir, seed: int = 0, binary_dims=()):
+    """A random-init VLA policy model folder in train_vla.py's format (tiny shapes), no training."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from edgespec.actions import ActionStats
+    from edgespec.export.train_vla import Pair, VLAConfig, save
+
+    cfg = VLAConfig(hidden=64, heads=2, target_layers=2, target_inter=128, draft_layers=1, draft_inter=64,
+                    keypoints=8, horizon=4, dims=3)
+    torch.manual_seed(seed)
+    pair = Pair(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so argmax ties never happen
+        for p in pair.target.lm_head.parameters():
+            p.mul_(20)
+    stats = ActionStats([-1.0, -2.0, 0.0], [1.0, 2.0, 1.0], [True, True, not binary_dims])
+    save(pair, cfg, stats, model_dir, {"note": "random init, for tests"})
+    if binary_dims:
+        meta = json.loads((model_dir / "policy.json").read_text())
+        meta["binary_dims"] = list(binary_dims)
+        (model_dir / "policy.json").write_text(json.dumps(meta))
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_policies(tmp_path_factory):
+    """Exported policy folders: 'plain' (random target + random draft) and 'self' (the target as its own
+    draft, so every greedy draft is accepted)."""
+    import shutil
+
+    from edgespec.export.vla import export_policy
+    root = tmp_path_factory.mktemp("policies")
+    make_tiny_policy(root / "model")
+    export_policy(root / "model", root / "plain", progress=False)
+    shutil.rmtree(root / "model" / "draft")
+    shutil.copytree(root / "model" / "target", root / "model" / "draft")
+    export_policy(root / "model", root / "self", progress=False)
+    return {"plain": root / "plain", "self": root / "self", "model": root / "model"}

@@ -1,0 +1,241 @@
+"""VLA policies: image + state + instruction -> an H x D chunk of continuous actions, decoded as action
+tokens with optional speculative decoding.
+
+    policy = edgespec.load_policy("engines/vla-reacher", draft=True)             # exact (greedy) by default
+    actions = policy.act(image, state, "reach the red target")                  # (H, D) float64
+    policy.last_info  # encode_ms, decode_ms, rounds, accepted, drafted, tokens_per_round, max_dev_bins, ...
+
+A policy folder (export/vla.py) holds encoder.onnx (image, state, instruction -> prefix embeddings), a
+target decoder and optionally a draft decoder (inputs_embeds engines that read the prefix, then action
+ids), policy.json and action_stats.json. Decoding is constrained to the action ids.
+
+Acceptance:
+  "greedy"   exact: the actions are identical to plain greedy decoding with the target;
+  "relaxed"  opt-in, lossy: a draft action token is kept when it is within `radius` bins of the target's
+             choice at that position (same action dimension by construction); binary dimensions and
+             non-action tokens are never relaxed. `worst_case_deviation()` gives the bound per token in
+             action units; last_info reports the largest bin distance actually accepted.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import contract as C
+from .actions import ActionStats, ActionTokenizer
+from .decoder import Decoder
+from .drafts import DraftModel
+from .engine import OrtEngine, session_options
+from .generate import Timer
+from .sampling import SamplingConfig
+from .speculative import accept_relaxed, speculative_round
+
+MODES = ("greedy", "relaxed")
+
+
+@dataclass
+class PolicyConfig:
+    mode: str = "greedy"
+    radius: int = 5  # relaxed: bins a draft token may differ from the target's choice
+    gamma: int = 8  # draft tokens per round
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.radius, int) or self.radius < 0:
+            raise ValueError(f"radius must be an integer >= 0 (bins), got {self.radius!r}")
+        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 32:
+            raise ValueError(f"gamma must be an integer in [1, 32], got {self.gamma!r}")
+
+
+class Policy:
+    def __init__(self, policy_dir: str | Path, draft: bool = False, cfg: PolicyConfig | None = None,
+                 provider: str = "cpu", threads: int | None = 1, check_hashes: bool = True):
+        import onnxruntime as ort
+
+        self.dir = Path(policy_dir)
+        self.cfg = cfg or PolicyConfig()
+        path = self.dir / C.POLICY_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.dir} is not a policy folder: no {C.POLICY_FILE} "
+                                    f"(export one with `edgespec export-policy`)")
+        self.meta = meta = json.loads(path.read_text())
+        self.horizon, self.dims = int(meta["horizon"]), int(meta["dims"])
+        self.image_size, self.state_dim = int(meta["image_size"]), int(meta["state_dim"])
+        self.words, self.instr_len = list(meta["words"]), int(meta["instr_len"])
+        self.prefix_len = int(meta["prefix_len"])
+        stats = ActionStats.load(self.dir / "action_stats.json")
+        if stats.dims != self.dims:
+            raise ValueError(f"{self.dir}/action_stats.json has {stats.dims} dimensions but the policy emits "
+                             f"{self.dims} per step")
+        self.tok = ActionTokenizer(int(meta["vocab_end"]), int(meta["n_bins"]), stats)
+        enc_path = self.dir / meta.get("encoder_file", "encoder.onnx")
+        if check_hashes and meta.get("encoder_sha256") and C.file_sha256(enc_path) != meta["encoder_sha256"]:
+            raise C.EngineError(f"{enc_path} does not match the sha256 in {path}")
+        self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
+                                            providers=["CPUExecutionProvider"])
+        self.target = self._decoder(OrtEngine(self.dir / "target", provider, threads, check_hashes))
+        self.draft = None
+        if draft:
+            if not (self.dir / "draft").is_dir():
+                raise FileNotFoundError(f"{self.dir} has no draft/ engine; load without draft=True")
+            self.draft = DraftModel(self._decoder(OrtEngine(self.dir / "draft", provider, threads, check_hashes)))
+            if self.draft.dec.m.vocab_size != self.target.m.vocab_size:
+                raise ValueError(f"draft vocabulary {self.draft.dec.m.vocab_size} != target "
+                                 f"{self.target.m.vocab_size}")
+        n = self.horizon * self.dims
+        if self.prefix_len + n > self.target.m.max_context:
+            raise ValueError(f"prefix {self.prefix_len} + {n} action tokens exceed the decoder's context "
+                             f"{self.target.m.max_context}")
+        # per chunk position: how many bins a relaxed draft may be off (0 on binary / unmasked dims)
+        binary = set(meta.get("binary_dims", [])) | set(np.nonzero(~stats.mask)[0].tolist())
+        r = self.cfg.radius if self.cfg.mode == "relaxed" else 0
+        self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n + 1 + 32)], np.int64)
+        self.last_info: dict = {}
+
+    @staticmethod
+    def _decoder(engine: OrtEngine) -> Decoder:
+        emb = np.load(engine.dir / engine.manifest.embedding_file)
+        return Decoder(engine, 1, emb)
+
+    # -- inputs ------------------------------------------------------------------------------------
+    def instruction_ids(self, instruction: str) -> np.ndarray:
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise ValueError(f"instruction must be a non-empty string, got {instruction!r}")
+        words = instruction.lower().split()
+        unknown = [w for w in words if w not in self.words]
+        if unknown:
+            raise ValueError(f"unknown words {unknown} in instruction {instruction!r}; the policy knows "
+                             f"{[w for w in self.words if w != '<pad>']}")
+        if len(words) > self.instr_len:
+            raise ValueError(f"instruction has {len(words)} words; the policy takes at most {self.instr_len}")
+        ids = np.zeros((1, self.instr_len), np.int64)
+        ids[0, :len(words)] = [self.words.index(w) for w in words]
+        return ids
+
+    def check_inputs(self, image, state) -> tuple[np.ndarray, np.ndarray]:
+        image, state = np.asarray(image), np.asarray(state)
+        want = (self.image_size, self.image_size, 3)
+        if image.shape != want or image.dtype != np.uint8:
+            raise ValueError(f"image must be {want} uint8 RGB, got {image.shape} {image.dtype}")
+        if state.shape != (self.state_dim,):
+            raise ValueError(f"state must have shape ({self.state_dim},) (joint positions then velocities), "
+                             f"got {state.shape}")
+        if not np.isfinite(state).all():
+            raise ValueError(f"state contains NaN or inf: {state.tolist()}")
+        return image[None], state.astype(np.float32)[None]
+
+    def encode(self, image, state, instruction: str) -> np.ndarray:
+        """-> prefix embeddings (1, P, E)."""
+        img, st = self.check_inputs(image, state)
+        feeds = {C.ENC_IMAGE: img, C.ENC_STATE: st, C.ENC_INSTRUCTION: self.instruction_ids(instruction)}
+        return self.encoder.run([C.ENC_PREFIX], feeds)[0]
+
+    # -- decoding ----------------------------------------------------------------------------------
+    def _pick(self, logits: np.ndarray, positions=None):  # logits (B, V) -> action ids (B,), constrained
+        lo, hi = self.tok.first_id, self.tok.vocab_end
+        return logits[:, lo:hi].argmax(-1) + lo, None
+
+    def act(self, image, state, instruction: str) -> np.ndarray:
+        """-> (H, D) continuous actions in robot units (here: joint position targets, rad)."""
+        t0 = time.perf_counter()
+        prefix = self.encode(image, state, instruction)  # (1, P, E)
+        t1 = time.perf_counter()
+        ids, info = self.decode_ids(prefix)
+        t2 = time.perf_counter()
+        actions = self.tok.decode_chunk(np.asarray(ids), self.horizon, self.dims)
+        info.update(encode_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, act_ms=(time.perf_counter() - t0) * 1e3)
+        self.last_info = info
+        return actions
+
+    def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None) -> tuple[list[int], dict]:
+        """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics."""
+        n, p = self.horizon * self.dims, prefix.shape[1]
+        target = self.target
+        target.cache.lengths[:] = 0
+        first = self._pick(target(None, embeds=prefix)[:, -1])[0]  # the prefill's last logits
+        target.cache.lengths[:] = p
+        ids = [int(first[0])]
+        info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 1, "draft_calls": 0, "max_dev_bins": 0}
+        draft = self.draft if use_draft is None or use_draft else None
+        if draft is None:
+            while len(ids) < n:  # plain decoding
+                ids.append(int(self._pick(target(np.array([[ids[-1]]]))[:, 0])[0][0]))
+                target.cache.lengths += 1
+            info["target_calls"] = n
+            info["tokens_per_round"] = 1.0
+            return ids, info
+        dd = draft.dec
+        dd.cache.lengths[:] = 0
+        dd(None, embeds=prefix)
+        dd.cache.lengths[:] = p
+        draft._ctx_len[:] = p
+        ctx = [0] * p + ids  # placeholder ids stand for the prefix rows already in both caches
+        timer, radius, dev = Timer(), self._radius, [0]
+        lo, hi = self.tok.first_id, self.tok.vocab_end
+
+        def relax(d, lg, pos):  # d (k,), lg (k+1, V), pos: absolute position of d[0]
+            k, nxt = accept_relaxed(d, lg, lo, hi, radius[pos - p:pos - p + len(d)])
+            if k:
+                t = lg[:k, lo:hi].argmax(-1) + lo
+                dev[0] = max(dev[0], int(np.abs(d[:k] - t).max()))
+            return k, nxt
+
+        calls0 = dd.calls
+        while len(ids) < n:
+            g = min(self.cfg.gamma, n - len(ids) - 1)
+            if g == 0:
+                ids.append(int(self._pick(target(np.array([[ids[-1]]]))[:, 0])[0][0]))
+                target.cache.lengths += 1
+                info["target_calls"] += 1
+                continue
+            new, k, m = speculative_round(target, draft, [ctx], np.ones(1, bool), g, "relaxed", SamplingConfig(),
+                                          None, None, self._pick, timer, relax=relax)
+            ids += new[0]
+            ctx += new[0]
+            info["rounds"] += 1
+            info["drafted"] += int(m[0])
+            info["accepted"] += int(k[0])
+            info["target_calls"] += 1
+        info["draft_calls"] = dd.calls - calls0 + 1
+        info["max_dev_bins"] = dev[0]
+        info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
+        return ids[:n], info
+
+    def worst_case_deviation(self) -> np.ndarray:
+        """(D,) the most a relaxed token can differ from the target's choice, in action units (rad)."""
+        s = self.tok.stats
+        r = self._radius[:self.dims].astype(np.float64)
+        return r * (s.q99 - s.q01) / (self.tok.n_bins - 1) * np.where(s.mask, 1.0, 0.0)
+
+    def reference_ids(self, prefix: np.ndarray) -> list[int]:
+        """Plain greedy decoding through `Decoder.reference_call` (slow, obvious): for tests."""
+        n = self.horizon * self.dims
+        sess = self.target.engine
+        ids: list[int] = []
+        seq = prefix[0]
+        emb = self.target.embedding
+        for _ in range(n):  # no cache: the whole sequence every step
+            x = np.concatenate([seq, emb[ids]], 0)[None] if ids else seq[None]
+            s = x.shape[1]
+            feeds = {self.target.m.inputs[0].name: x.astype(np.float32),
+                     C.POSITION_IDS: np.arange(s, dtype=np.int64)[None],
+                     C.ATTENTION_BIAS: np.where(np.tril(np.ones((s, s), bool)), 0.0, C.MASKED)
+                     .astype(np.float32)[None, None]}
+            for i in range(self.target.m.num_layers):
+                empty = np.zeros((1, self.target.m.num_kv_heads, 0, self.target.m.head_dim), np.float32)
+                feeds[C.past_key(i)] = empty
+                feeds[C.past_value(i)] = empty
+            logits = sess.run(feeds)[C.LOGITS][0, -1]
+            ids.append(int(self._pick(logits[None])[0][0]))
+        return ids
+
+
+def load_policy(policy_dir: str | Path, draft: bool = False, mode: str = "greedy", radius: int = 5,
+                gamma: int = 8, provider: str = "cpu", threads: int | None = 1) -> Policy:
+    """Load an exported VLA policy folder. draft=True decodes speculatively with its draft decoder."""
+    return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma), provider, threads)

@@ -1,0 +1,116 @@
+"""VLA policy folder (from train_vla.py) -> policy engine folder the runtime loads with `edgespec.load_policy`.
+
+    edgespec export-policy models/vla-reacher --out engines/vla-reacher [--dtype fp32|fp16|int8]
+
+Writes, into a staging folder renamed into place only when every gate passed:
+  encoder.onnx          image, state, instruction -> prefix_embeds (contract.py names), fp32
+  target/, draft/       inputs_embeds decoder engines (export_engine: parity and verify gates, manifest)
+  policy.json           the model folder's policy.json + encoder hash + the encoder gate report
+  action_stats.json     q01 / q99 / mask of the action dimensions
+Encoder gate: ORT vs the torch encoder on random images/states/instructions, max |diff| <= 1e-4.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from edgespec import contract as C
+
+from .onnx_export import export_engine
+
+ENCODER_FILE = "encoder.onnx"
+ENCODER_TOL = 1e-4
+
+
+def load_encoder(model_dir: Path):
+    """The torch encoder of a policy model folder, fp32, eval mode."""
+    import torch
+    from safetensors.torch import load_file
+
+    from .train_vla import VLAConfig, build_encoder
+
+    policy = json.loads((model_dir / C.POLICY_FILE).read_text())
+    cfg = VLAConfig(**policy["config"])
+    enc = build_encoder(cfg)
+    state = {k: v.to(torch.float32) for k, v in load_file(str(model_dir / "encoder.safetensors")).items()}
+    missing, unexpected = enc.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}/encoder.safetensors does not match the encoder: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return enc.eval(), policy, cfg
+
+
+def example_inputs(policy: dict, n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    s, l, words = policy["image_size"], policy["instr_len"], len(policy["words"])
+    out = []
+    for _ in range(n):
+        img = rng.integers(0, 256, (1, s, s, 3), dtype=np.uint8)
+        state = rng.normal(0, 1.5, (1, policy["state_dim"])).astype(np.float32)
+        k = int(rng.integers(1, l + 1))
+        instr = np.zeros((1, l), np.int64)
+        instr[0, :k] = rng.integers(1, words, k)
+        out.append((img, state, instr))
+    return out
+
+
+def export_encoder(model_dir: Path, path: Path) -> dict:
+    """Trace the encoder to ONNX and gate it against torch. Returns the gate report."""
+    import onnxruntime as ort
+    import torch
+
+    enc, policy, _ = load_encoder(model_dir)
+    img, state, instr = example_inputs(policy, 1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(enc, (torch.from_numpy(img), torch.from_numpy(state), torch.from_numpy(instr)),
+                          str(path), dynamo=False, opset_version=17,
+                          input_names=[C.ENC_IMAGE, C.ENC_STATE, C.ENC_INSTRUCTION], output_names=[C.ENC_PREFIX],
+                          do_constant_folding=True)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    with torch.no_grad():
+        for img, state, instr in example_inputs(policy, 8, seed=1):
+            ref = enc(torch.from_numpy(img), torch.from_numpy(state), torch.from_numpy(instr)).numpy()
+            got = sess.run(None, {C.ENC_IMAGE: img, C.ENC_STATE: state, C.ENC_INSTRUCTION: instr})[0]
+            worst = max(worst, float(np.abs(ref - got).max()))
+    report = {"gate": "encoder parity vs torch", "cases": 8, "max_abs_diff": worst, "tol": ENCODER_TOL,
+              "passed": worst <= ENCODER_TOL}
+    if not report["passed"]:
+        raise ValueError(f"encoder gate failed: ORT vs torch max |diff| {worst:.3g} > {ENCODER_TOL}")
+    return report
+
+
+def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,
+                  progress: bool = True) -> dict:
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    needed = [C.POLICY_FILE, "action_stats.json", "encoder.safetensors", "target/config.json"]
+    missing = [n for n in needed if not (model_dir / n).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{model_dir} is not a VLA policy folder: missing {missing}")
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} already exists; pass --force to replace it")
+    stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        gate = export_encoder(model_dir, stage / ENCODER_FILE)
+        for name in ("target", "draft"):
+            if (model_dir / name / "config.json").is_file():
+                export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress)
+        shutil.copy2(model_dir / "action_stats.json", stage / "action_stats.json")
+        policy = json.loads((model_dir / C.POLICY_FILE).read_text())
+        policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),
+                       "encoder_gate": gate, "precision": dtype})
+        (stage / C.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        stage.rename(out_dir)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return policy
