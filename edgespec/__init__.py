@@ -2,11 +2,15 @@
 
     gen = edgespec.load("engines/demo-target", draft="engines/demo-draft")
     out = gen.generate("def fib(n):", max_new_tokens=64)
+
+    policy = edgespec.load_policy("engines/vla-reacher", draft=True)      # VLA: action chunks
+    actions = policy.act(image, state, "reach the red target")           # (H, D)
 """
 __version__ = "0.1.0"
 
 from .contract import EngineError  # noqa: E402
 from .generate import GenerationResult, Generator, Stats, load  # noqa: E402
+from .policy import Policy, load_policy  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
-__all__ = ["load", "Generator", "GenerationResult", "Stats", "SamplingConfig", "EngineError", "__version__"]
+__all__ = ["load", "load_policy", "Policy", "Generator", "GenerationResult", "Stats", "SamplingConfig", "EngineError", "__version__"]

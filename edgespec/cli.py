@@ -212,6 +212,32 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+VLA_POLICY = "vla-reacher"  # models/vla-reacher (train_vla.py) -> engines/vla-reacher (export_policy)
+
+
+def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
+    """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
+    eng, src = Path(engines) / name, Path(models) / name
+    if not (eng / "policy.json").is_file():
+        if not (src / "policy.json").is_file():
+            raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
+                                    f"root, or pass --engines/--models")
+        _need_export_extra()
+        from edgespec.export.vla import export_policy
+        print(f"exporting {src} -> {eng} (first run only)", file=sys.stderr)
+        export_policy(src, eng, progress=False)
+    return eng
+
+
+def cmd_export_policy(args) -> int:
+    _need_export_extra()
+    from edgespec.export.vla import export_policy
+    meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    print(f"wrote {args.out}: encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
+          f"H={meta['horizon']} x D={meta['dims']} action tokens, {meta['n_bins']} bins")
+    return 0
+
+
 def cmd_demo(args) -> int:
     import edgespec
 
@@ -252,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
+    p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_export_policy)
 
     def sampling_flags(p):
         p.add_argument("--max-new-tokens", type=int, default=128)

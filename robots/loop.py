@@ -2,8 +2,15 @@
 
 Each tick runs four named, timed sections: observe, infer (hand the latest observation to the inference
 worker when the queue runs low; never waits for it), act (send the action due now, or hold / safe-stop),
-wait (sleep to the next period). Faults (a policy that raises, a hung engine past the watchdog, NaN in
-actions, a malformed observation) are recorded and end in hold-then-stop; the loop keeps its period.
+wait (sleep to the next period).
+
+Faults: a malformed observation (missing key, wrong shape, non-finite state), a stale one (its "timestamp"
+has not advanced for `stale_obs_s`), a policy that raises or returns a bad chunk (NaN/inf, wrong shape),
+and a hung engine (an inference past `watchdog_s`). Each is recorded with its loop time. While a fault is
+active the loop sends no fresh action: it holds the last position target and, if the fault (or a dry
+queue) lasts past `hold_s`, latches a safe stop that only `reset()` clears. Observation faults clear when a
+good observation comes back; policy and engine faults stay until `reset()`. The loop keeps its period
+throughout. `edgespec.robots.profile` turns the report into percentiles, a Chrome trace and a timeline PNG.
 
     loop = ControlLoop(robot, policy, LoopConfig(hz=20))
     report = loop.run(seconds=10)
@@ -21,22 +28,24 @@ from .chunks import Chunk, ChunkQueue, HoldThenStop
 from .robot import Robot
 
 Policy = Callable[[dict], np.ndarray]  # observation -> (H, D) chunk of position targets
+SECTIONS = ("observe", "infer", "act", "wait")
 
 
 @dataclass
 class LoopConfig:
     hz: float = 20.0
-    hold_s: float = 0.5  # how long to hold the last position target on a dry queue
+    hold_s: float = 0.5  # how long to hold the last position target on a dry queue or an active fault
     request_threshold: int = 4  # ask for the next chunk when fewer actions than this are queued
     merge: str = "latest"
     watchdog_s: float = 2.0  # an inference running longer than this is a hung engine
+    stale_obs_s: float = 0.25  # an observation "timestamp" unchanged for longer than this is stale
 
     def __post_init__(self):
         if not 1 <= self.hz <= 1000:
             raise ValueError(f"hz must be in [1, 1000], got {self.hz}")
-        if self.watchdog_s <= 0 or self.request_threshold < 0:
-            raise ValueError(f"watchdog_s must be > 0 and request_threshold >= 0, "
-                             f"got {self.watchdog_s} and {self.request_threshold}")
+        if self.watchdog_s <= 0 or self.request_threshold < 0 or self.stale_obs_s <= 0:
+            raise ValueError(f"watchdog_s and stale_obs_s must be > 0 and request_threshold >= 0, got "
+                             f"{self.watchdog_s}, {self.stale_obs_s} and {self.request_threshold}")
 
     @property
     def dt(self) -> float:
@@ -45,128 +54,205 @@ class LoopConfig:
 
 @dataclass
 class LoopReport:
+    """What one run() did. Times `*_s` are on the loop clock (s since run start), durations `*_ms` in ms."""
+    hz: float = 0.0
     ticks: int = 0
     sent: int = 0
     held: int = 0
     stopped_ticks: int = 0
     starved: int = 0  # ticks with no fresh action (held or stopped)
     deadline_misses: int = 0
-    faults: list = field(default_factory=list)
-    sections_ms: dict = field(default_factory=lambda: {"observe": [], "infer": [], "act": [], "wait": []})
-    tick_start_s: list = field(default_factory=list)
-    inference_ms: list = field(default_factory=list)
+    deadline_miss_ticks: list = field(default_factory=list)  # tick index of each miss
+    tick_action: list = field(default_factory=list)  # per tick: "sent" | "held" | "stopped"
+    faults: list = field(default_factory=list)  # "t=...s what happened", one per fault episode
+    fault_s: list = field(default_factory=list)  # loop time of each fault, parallel to `faults`
+    sections_ms: dict = field(default_factory=lambda: {k: [] for k in SECTIONS})  # name -> (ticks,) ms
+    section_start_s: dict = field(default_factory=lambda: {k: [] for k in SECTIONS})  # name -> (ticks,) s
+    inference_ms: list = field(default_factory=list)  # observation -> chunk landed, accepted chunks only
+    inference_start_s: list = field(default_factory=list)  # per policy call, worker thread
+    inference_end_s: list = field(default_factory=list)
+    inference_outcome: list = field(default_factory=list)  # "ok" | "raised" | "bad chunk" | "late" | "unfinished"
     safe_stop_reason: str = ""
+    safe_stop_s: float | None = None  # first stopped tick of this run
     queue_dropped_stale: int = 0  # chunk actions whose time had passed when they landed or came due
+    end_s: float | None = None  # when run() returned
 
-
-def summarize(rep: "LoopReport", dt: float) -> dict:
-    """p50/p95/p99 per section, tick-period jitter against dt, deadline misses, starved ticks, inference."""
-    from edgespec.profiling import percentiles
-    periods = np.diff(rep.tick_start_s) if len(rep.tick_start_s) > 1 else np.array([])
-    return {"ticks": rep.ticks, "hz": 1 / dt, "deadline_misses": rep.deadline_misses, "starved_ticks": rep.starved,
-            "held_ticks": rep.held, "stopped_ticks": rep.stopped_ticks, "faults": list(rep.faults),
-            "sections_ms": {k: percentiles(v) for k, v in rep.sections_ms.items()},
-            "jitter_ms": percentiles(np.abs(periods - dt) * 1e3), "inference_ms": percentiles(rep.inference_ms),
-            "safe_stop_reason": rep.safe_stop_reason}
+    @property
+    def tick_start_s(self) -> list:
+        return self.section_start_s["observe"]
 
 
 class ControlLoop:
     def __init__(self, robot: Robot, policy: Policy, cfg: LoopConfig | None = None):
         self.robot, self.policy, self.cfg = robot, policy, cfg or LoopConfig()
-        self.queue = ChunkQueue(self.cfg.dt, self.cfg.merge)
         self.safety = HoldThenStop(self.cfg.hold_s)
         self._lock = threading.Lock()
-        self._job: tuple[float, dict] | None = None
-        self._busy_since: float | None = None
         self._wake = threading.Event()
-        self._quit = False
-        self.report = LoopReport()
+        self._fault = ""  # latched policy / engine fault: no fresh actions until reset()
+        self._obs_fault = ""  # the current observation fault; clears with the next good observation
+        self._stamp, self._stamp_since = None, 0.0  # last observation timestamp, loop time it last changed
+        self._job: tuple[float, dict] | None = None  # (observation time, observation) for the worker
+        self._busy_since: float | None = None
+        self._hung = False
+        feats = getattr(robot, "observation_features", {}) or {}
+        self._obs_shapes = {k: tuple(v) if isinstance(v, tuple) else None for k, v in feats.items()}
+        self._obs_shapes.setdefault("state", None)
+        acts = getattr(robot, "action_features", {}) or {}
+        self._act_dim = (int(sum(np.prod(v) for v in acts.values()))
+                         if acts and all(isinstance(v, tuple) for v in acts.values()) else None)
+        self._inflight: tuple[LoopReport, float] | None = None  # (run's report, start) of the call in flight
+        self.queue = ChunkQueue(self.cfg.dt, self.cfg.merge)
+        self.report = LoopReport(hz=self.cfg.hz)
+
+    def reset(self) -> None:
+        """Clear a latched safe stop and a policy / engine fault: an explicit operator decision."""
+        with self._lock:
+            self.safety.reset()
+            self._fault = ""
+
+    def _record_fault(self, rep: LoopReport, now: float, msg: str) -> None:  # caller holds self._lock
+        rep.faults.append(f"t={now:.3f}s {msg}")
+        rep.fault_s.append(now)
 
     # -- inference worker --------------------------------------------------------------------------
-    def _worker(self, t_origin: float) -> None:
-        while not self._quit:
+    def _worker(self, t_origin: float, quit: threading.Event, rep: LoopReport) -> None:
+        while not quit.is_set():
             if not self._wake.wait(0.05):
                 continue
             self._wake.clear()
             with self._lock:
                 job = self._job
-            if job is None:
-                continue
+                if job is None:
+                    continue
+                start = time.perf_counter() - t_origin
+                self._inflight = (rep, start)
             t0, obs = job
+            chunk, fault, outcome = None, "", "ok"
             try:
-                chunk = Chunk(t0, self.policy(obs))  # refuses NaN/inf
-                now = time.perf_counter() - t_origin
-                with self._lock:
-                    if self._job is job:  # not abandoned by the watchdog
-                        self.queue.push(chunk, now)
-                        self.report.inference_ms.append((now - t0) * 1e3)
+                actions = self.policy(obs)
             except Exception as e:  # noqa: BLE001  (any policy failure is a fault the loop must survive)
-                with self._lock:
-                    self.report.faults.append(f"policy raised {type(e).__name__}: {e}")
-                    self.safety.latch(f"policy raised {type(e).__name__}: {e}")
-            finally:
-                with self._lock:
-                    if self._job is job:
-                        self._job, self._busy_since = None, None
+                fault, outcome = f"policy raised {type(e).__name__}: {e}", "raised"
+            else:
+                try:
+                    chunk = Chunk(t0, actions)  # (H, D); refuses NaN/inf
+                    if self._act_dim is not None and chunk.actions.shape[1] != self._act_dim:
+                        raise ValueError(f"chunk has {chunk.actions.shape[1]} action dims, robot takes {self._act_dim}")
+                except Exception as e:  # noqa: BLE001
+                    fault, outcome = f"policy returned a bad chunk: {e}", "bad chunk"
+            now = time.perf_counter() - t_origin
+            with self._lock:
+                if self._inflight is not None and self._inflight[0] is rep:
+                    self._inflight = None
+                if rep.end_s is not None:  # the run is over and logged this call as unfinished
+                    continue
+                current = self._job is job
+                rep.inference_start_s.append(start)
+                rep.inference_end_s.append(now)
+                rep.inference_outcome.append(outcome if current else "late")
+                if not current:  # abandoned by the watchdog: the result is dropped
+                    continue
+                self._job, self._busy_since = None, None
+                if fault:
+                    self._record_fault(rep, now, fault)
+                    self._fault = self._fault or fault
+                else:
+                    self.queue.push(chunk, now)
+                    rep.inference_ms.append((now - t0) * 1e3)
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> LoopReport:
-        cfg, rep = self.cfg, self.report
-        t_origin = time.perf_counter()
+        """Run for `seconds` at cfg.hz; returns this run's report. A latched stop carries over until reset()."""
+        cfg = self.cfg
+        self.report = rep = LoopReport(hz=cfg.hz)
+        self.queue = ChunkQueue(cfg.dt, cfg.merge)  # queued times belong to the previous run's clock
+        self.safety.empty_since = None
+        self._job, self._busy_since, self._hung = None, None, False
+        self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
+        clock = time.perf_counter
+        t_origin = clock()
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = np.asarray(first["state"], dtype=np.float64).copy()
-        worker = threading.Thread(target=self._worker, args=(t_origin,), daemon=True)
+        quit = threading.Event()
+        worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
         worker.start()
+        dur, start = rep.sections_ms, rep.section_start_s
         next_tick = 0.0
         try:
             while next_tick < seconds:
-                t_tick = time.perf_counter() - t_origin
-                rep.tick_start_s.append(t_tick)
-                rep.ticks += 1
-                s0 = time.perf_counter()
+                s0 = clock()
+                t_tick = s0 - t_origin
                 obs = self._observe(t_tick)
-                s1 = time.perf_counter()
+                s1 = clock()
                 self._request(obs, t_tick)
-                s2 = time.perf_counter()
+                s2 = clock()
                 self._act(t_tick)
-                s3 = time.perf_counter()
+                s3 = clock()
                 next_tick += cfg.dt
-                delay = next_tick - (time.perf_counter() - t_origin)
+                delay = next_tick - (s3 - t_origin)
                 if delay < 0:
                     rep.deadline_misses += 1
-                    next_tick = time.perf_counter() - t_origin  # re-anchor rather than burst
+                    rep.deadline_miss_ticks.append(rep.ticks)
+                    next_tick = s3 - t_origin  # re-anchor rather than burst
                 else:
                     time.sleep(delay)
-                s4 = time.perf_counter()
+                s4 = clock()
                 for name, a, b in (("observe", s0, s1), ("infer", s1, s2), ("act", s2, s3), ("wait", s3, s4)):
-                    rep.sections_ms[name].append((b - a) * 1e3)
+                    start[name].append(a - t_origin)
+                    dur[name].append((b - a) * 1e3)
+                rep.ticks += 1
         finally:
-            self._quit = True
+            quit.set()
             self._wake.set()
-            worker.join(timeout=1.0)
+            with self._lock:
+                rep.end_s = clock() - t_origin
+                if self._inflight is not None and self._inflight[0] is rep:  # still computing: log it open
+                    rep.inference_start_s.append(self._inflight[1])
+                    rep.inference_end_s.append(rep.end_s)
+                    rep.inference_outcome.append("unfinished")
+                    self._inflight = None
+            worker.join(timeout=0.0 if self._hung else cfg.watchdog_s)  # a hung call never returns in time
         rep.safe_stop_reason = self.safety.reason
         rep.queue_dropped_stale = self.queue.dropped_stale
         return rep
 
     def _observe(self, now: float) -> dict | None:
+        """The observation, or None (and an observation fault) when it is malformed or stale."""
+        problem = ""
         try:
             obs = self.robot.get_observation()
-            state = np.asarray(obs.get("state"), dtype=np.float64)
+            for k, shape in self._obs_shapes.items():
+                if k not in obs:
+                    raise ValueError(f"missing key {k!r}")
+                if shape is not None and np.shape(obs[k]) != shape:
+                    raise ValueError(f"{k!r} has shape {np.shape(obs[k])}, expected {shape}")
+            state = np.asarray(obs["state"], dtype=np.float64)
             if state.ndim != 1 or not np.isfinite(state).all():
-                raise ValueError(f"malformed state {obs.get('state')!r}")
-            return obs
+                raise ValueError(f"malformed state {obs['state']!r}")
+            if (stamp := obs.get("timestamp")) is not None:  # robot clock (s), optional
+                stamp = float(stamp)
+                if stamp != self._stamp:
+                    self._stamp, self._stamp_since = stamp, now
+                elif now - self._stamp_since > self.cfg.stale_obs_s:
+                    problem = (f"stale observation: timestamp {stamp} unchanged for more than "
+                               f"{self.cfg.stale_obs_s} s")
         except Exception as e:  # noqa: BLE001
-            self.report.faults.append(f"t={now:.3f}s bad observation: {e}")
-            return None
+            problem = f"bad observation: {e}"
+        if problem != self._obs_fault:  # log each episode once, not every tick
+            if problem:
+                with self._lock:
+                    self._record_fault(self.report, now, problem)
+            self._obs_fault = problem
+        return None if problem else obs
 
     def _request(self, obs: dict | None, now: float) -> None:
         with self._lock:
             if self._busy_since is not None and now - self._busy_since > self.cfg.watchdog_s:
-                self.report.faults.append(f"t={now:.3f}s engine hung for more than {self.cfg.watchdog_s} s")
-                self.safety.latch(f"engine hung for more than {self.cfg.watchdog_s} s")
-                self._job, self._busy_since = None, None  # abandon it; a late result is dropped
-            if obs is None or self.safety.stopped or self._busy_since is not None:
+                msg = f"engine hung: inference running for more than {self.cfg.watchdog_s} s"
+                self._record_fault(self.report, now, msg)
+                self._fault = self._fault or msg
+                self._job, self._busy_since, self._hung = None, None, True  # abandon it; a late result is dropped
+            if obs is None or self._fault or self.safety.stopped or self._busy_since is not None:
                 return
             if self.queue.needs_more(self.cfg.request_threshold):
                 self._job, self._busy_since = (now, obs), now
@@ -175,16 +261,22 @@ class ControlLoop:
     def _act(self, now: float) -> None:
         rep = self.report
         with self._lock:
-            action = self.queue.pop(now)
-        if action is not None and self.safety.on_action(action) is not None:
+            action = self.queue.pop(now)  # popped even during a fault, so the queue stays on time
+            fault = self._fault or self._obs_fault
+        if not fault and action is not None and self.safety.on_action(action) is not None:
             self.robot.send_action(action)
             rep.sent += 1
+            rep.tick_action.append("sent")
             return
         rep.starved += 1
-        mode, target = self.safety.on_empty(now)
+        mode, target = self.safety.on_empty(now, fault or "queue empty")
         if mode == "hold":
             self.robot.send_action(target)  # a position target: holding it is safe to repeat
             rep.held += 1
+            rep.tick_action.append("held")
         else:
             self.robot.safe_stop()
             rep.stopped_ticks += 1
+            rep.tick_action.append("stopped")
+            if rep.safe_stop_s is None:
+                rep.safe_stop_s = now

@@ -1,5 +1,7 @@
-"""The control loop with a mock robot and mock policies: it keeps running through every fault and ends in
-hold-then-stop. Assertions are about what happened, never about how fast (these machines are shared)."""
+"""The control loop with a mock robot and mock policies: it keeps running (and keeps its period) through
+every fault, holds, then latches a safe stop that only reset() clears. Assertions are about what happened
+and about counts with wide tolerances, never about how fast (these machines are shared)."""
+import math
 import time
 
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 
 from edgespec.robots.loop import ControlLoop, LoopConfig
 from edgespec.robots.robot import MockRobot
+
+HZ = 50
 
 
 def chunked_policy(h=8, delay=0.0):
@@ -16,69 +20,193 @@ def chunked_policy(h=8, delay=0.0):
     return policy
 
 
-def run(policy, seconds=0.6, **cfg):
-    with MockRobot(dims=2) as robot:
-        rep = ControlLoop(robot, policy, LoopConfig(hz=50, **cfg)).run(seconds)
+def good_then(bad, good_calls=1, h=8):
+    """A policy that returns `good_calls` healthy chunks, then calls bad(obs)."""
+    calls = {"n": 0}
+
+    def policy(obs):
+        calls["n"] += 1
+        return np.tile(obs["state"] + 0.01, (h, 1)) if calls["n"] <= good_calls else bad(obs)
+    return policy
+
+
+STALL_S = 0.2  # a tick interval this long means the box froze the whole process (seen on loaded CI)
+
+
+def stalled(rep):
+    starts = [0.0] + list(rep.tick_start_s)
+    return not rep.ticks or max(np.diff(starts)) > STALL_S
+
+
+def run(make_policy, seconds=0.6, make_robot=None, tries=3, **cfg):
+    """Run a fresh robot + policy; rerun (up to `tries`) when the machine froze the process mid-run, since
+    such a run tests the scheduler, not the loop. A loop that blocks itself stalls every try and fails."""
+    for _ in range(tries):
+        with (make_robot or (lambda: MockRobot(dims=2)))() as robot:
+            rep = ControlLoop(robot, make_policy(), LoopConfig(hz=HZ, **cfg)).run(seconds)
+        if not stalled(rep):
+            break
     return robot, rep
 
 
+def assert_kept_period(rep, seconds):
+    """The loop kept its period: ~seconds * hz ticks (never more: no bursts), median interval ~ dt."""
+    assert 0.6 * seconds * HZ <= rep.ticks <= math.ceil(seconds * HZ) + 1, rep.ticks
+    assert 0.8 / HZ <= np.median(np.diff(rep.tick_start_s)) <= 1.5 / HZ
+    assert len(rep.tick_action) == rep.ticks == len(rep.sections_ms["wait"])
+
+
+def assert_held_then_stopped(rep, robot, fault):
+    """After the fault: hold (no fresh action), then a latched stop to the end, and the report says why."""
+    assert any(fault in f for f in rep.faults), rep.faults
+    assert fault in rep.safe_stop_reason, rep.safe_stop_reason
+    acts = rep.tick_action
+    first_stop = acts.index("stopped")
+    assert "held" in acts[:first_stop] and set(acts[first_stop:]) == {"stopped"}
+    assert rep.stopped_ticks == len(acts) - first_stop and robot.stops == rep.stopped_ticks
+    assert rep.safe_stop_s is not None and rep.safe_stop_s >= rep.fault_s[0]
+    assert all(np.isfinite(a).all() for a in robot.sent)
+
+
+def boom(obs):
+    raise RuntimeError("engine exploded")
+
+
 def test_healthy_policy_drives_the_robot():
-    robot, rep = run(chunked_policy())
-    assert rep.ticks >= 20 and rep.sent >= rep.ticks // 2 and not rep.faults
+    robot, rep = run(chunked_policy)
+    assert_kept_period(rep, 0.6)
+    assert rep.sent >= rep.ticks // 2 and not rep.faults
     assert rep.safe_stop_reason == "" and robot.stops == 0
     assert set(rep.sections_ms) == {"observe", "infer", "act", "wait"} and len(rep.sections_ms["act"]) == rep.ticks
     assert robot.state[0] > 0.05  # it moved
 
 
-def test_policy_exception_holds_then_latches_a_stop():
-    calls = {"n": 0}
+class Glitchy(MockRobot):
+    """A MockRobot with a timestamp. Once a fresh action has moved it, its observation goes bad from the
+    `after`-th call on, for `calls` calls."""
 
-    def flaky(obs):
-        calls["n"] += 1
-        if calls["n"] > 1:
-            raise RuntimeError("engine exploded")
-        return np.tile(obs["state"], (4, 1))
-    robot, rep = run(flaky, seconds=0.6, hold_s=0.05)
-    assert any("engine exploded" in f for f in rep.faults)
-    assert "policy raised RuntimeError" in rep.safe_stop_reason and rep.stopped_ticks > 0 and robot.stops > 0
+    def __init__(self, bad, after=3, calls=10**9):
+        super().__init__(dims=2)
+        self.observation_features = {"state": (2,), "timestamp": ()}
+        self.bad, self.after, self.calls, self.n = bad, after, calls, 0
+
+    def get_observation(self):
+        obs = {"state": self.state.copy(), "timestamp": time.perf_counter()}
+        self.n += self.state[0] > 0  # the policy's chunks add 0.01: counting starts once one landed
+        return self.bad(obs) if self.after <= self.n < self.after + self.calls else obs
+
+
+@pytest.mark.parametrize("bad,what", [
+    (lambda o: {"timestamp": o["timestamp"]}, "missing key 'state'"),
+    (lambda o: {**o, "state": np.zeros(3)}, "shape (3,)"),
+    (lambda o: {**o, "state": np.zeros((2, 2))}, "shape (2, 2)"),
+    (lambda o: {**o, "state": np.array([0.0, np.nan])}, "malformed state"),
+])
+def test_malformed_observation_holds_then_stops(bad, what):
+    robot, rep = run(chunked_policy, 0.8, lambda: Glitchy(bad), hold_s=0.1)
+    assert_kept_period(rep, 0.8)
+    assert rep.sent > 0  # it ran fine before the sensor broke
+    assert_held_then_stopped(rep, robot, "bad observation")
+    assert what in rep.safe_stop_reason and len(rep.faults) == 1  # one fault episode, not one per tick
+
+
+def test_one_bad_observation_holds_a_tick_and_recovers():
+    robot, rep = run(chunked_policy, 0.6, lambda: Glitchy(lambda o: {}, calls=1), hold_s=0.3)
+    assert_kept_period(rep, 0.6)
+    assert len(rep.faults) == 1 and "missing key" in rep.faults[0]
+    assert rep.safe_stop_reason == "" and rep.stopped_ticks == 0 and rep.held >= 1
+    fault_tick = int(np.searchsorted(rep.tick_start_s, rep.fault_s[0]))
+    assert rep.tick_action[fault_tick] == "held" and "sent" in rep.tick_action[fault_tick + 1:]
+
+
+def test_stale_observation_holds_then_stops():
+    def make_robot():
+        frozen = {}
+
+        def freeze(o):  # the driver keeps returning its last reading, timestamp and all
+            frozen.setdefault("obs", o)
+            return dict(frozen["obs"])
+        return Glitchy(freeze)
+    robot, rep = run(chunked_policy, 0.8, make_robot, hold_s=0.1, stale_obs_s=0.1)
+    assert_kept_period(rep, 0.8)
+    assert rep.sent > 0
+    assert_held_then_stopped(rep, robot, "stale observation")
+
+
+def test_policy_exception_holds_then_latches_a_stop():
+    robot, rep = run(lambda: good_then(boom), 0.8, hold_s=0.1)
+    assert_kept_period(rep, 0.8)
+    assert rep.sent > 0 and "raised" in rep.inference_outcome
+    assert_held_then_stopped(rep, robot, "policy raised RuntimeError: engine exploded")
 
 
 def test_nan_actions_are_a_fault_not_a_command():
-    robot, rep = run(lambda obs: np.full((4, 2), np.nan), seconds=0.3)
+    robot, rep = run(lambda: good_then(lambda obs: np.full((4, 2), np.nan)), 0.8, hold_s=0.1)
+    assert_kept_period(rep, 0.8)
+    assert_held_then_stopped(rep, robot, "NaN")
+    assert "policy returned a bad chunk" in rep.safe_stop_reason and "bad chunk" in rep.inference_outcome
+
+
+def test_nan_from_the_first_call_never_reaches_the_robot():
+    robot, rep = run(lambda: lambda obs: np.full((4, 2), np.nan), 0.3)
     assert any("NaN" in f for f in rep.faults) and rep.sent == 0
     assert all(np.isfinite(a).all() for a in robot.sent)
 
 
-def test_hung_engine_trips_the_watchdog():
-    robot, rep = run(chunked_policy(delay=5.0), seconds=0.5, watchdog_s=0.1)
-    assert any("engine hung" in f for f in rep.faults) and "engine hung" in rep.safe_stop_reason
-    assert rep.ticks >= 15  # the loop kept ticking while the engine hung
+def test_wrong_action_dims_are_a_bad_chunk():
+    robot, rep = run(lambda: lambda obs: np.zeros((4, 3)), 0.3, hold_s=0.05)
+    assert rep.sent == 0 and "3 action dims, robot takes 2" in rep.safe_stop_reason
+
+
+def test_hung_engine_trips_the_watchdog_then_holds_and_stops():
+    def hang(obs):
+        time.sleep(2.0)
+        return np.tile(obs["state"], (8, 1))
+    robot, rep = run(lambda: good_then(hang), 0.8, watchdog_s=0.1, hold_s=0.1)
+    assert_kept_period(rep, 0.8)  # the loop kept ticking while the engine hung
+    assert_held_then_stopped(rep, robot, "engine hung")
+    assert rep.inference_outcome[-1] == "unfinished"  # run() returned without waiting for the hung call
+
+
+def test_a_latched_stop_needs_an_explicit_reset():
+    for _ in range(3):  # rerun if the machine froze the process (see run())
+        with MockRobot(dims=2) as robot:
+            loop = ControlLoop(robot, good_then(boom), LoopConfig(hz=HZ, hold_s=0.05))
+            first = loop.run(0.5)
+            loop.policy = chunked_policy()  # the policy is fixed, but nobody reset the latch
+            second = loop.run(0.3)
+            loop.reset()
+            third = loop.run(0.4)
+        if not any(map(stalled, (first, second, third))):
+            break
+    assert first.safe_stop_reason and first.stopped_ticks > 0
+    assert second.sent == 0 and second.stopped_ticks == second.ticks and "engine exploded" in second.safe_stop_reason
+    assert third.sent > 0 and third.safe_stop_reason == "" and not third.faults
 
 
 def test_slow_engine_holds_the_last_position_between_chunks():
-    robot, rep = run(chunked_policy(h=8, delay=0.06), seconds=0.8, hold_s=1.0, request_threshold=1)
+    robot, rep = run(lambda: chunked_policy(h=8, delay=0.06), 0.8, hold_s=1.0, request_threshold=1)
     assert rep.sent > 0 and rep.held > 0 and rep.stopped_ticks == 0  # starved ticks hold, never stop
     assert rep.queue_dropped_stale > 0  # ~ceil(60 ms / 20 ms) actions of each chunk were already past
 
 
 def test_chunk_shorter_than_the_latency_is_all_stale():
-    robot, rep = run(chunked_policy(h=2, delay=0.06), seconds=0.5, hold_s=1.0)
+    robot, rep = run(lambda: chunked_policy(h=2, delay=0.06), 0.5, hold_s=1.0)
     assert rep.sent == 0 and rep.held == rep.ticks and rep.queue_dropped_stale > 0
 
 
-def test_malformed_observation_is_reported():
+def test_malformed_first_observation_is_reported():
     class Broken(MockRobot):
         def get_observation(self):
             return {"state": "garbage"}
-    with Broken() as robot:
-        rep = ControlLoop(robot, chunked_policy(), LoopConfig(hz=50, hold_s=0.02)).run(0.2)
-    assert any("bad observation" in f for f in rep.faults) and rep.sent == 0
+    robot, rep = run(chunked_policy, 0.2, Broken, hold_s=0.02)
+    assert any("bad observation" in f for f in rep.faults) and rep.sent == 0 and rep.stopped_ticks == rep.ticks
 
 
-def test_latency_summary_has_percentiles_for_every_section():
-    from edgespec.robots.loop import summarize
-    robot, rep = run(chunked_policy(), seconds=0.3)
-    s = summarize(rep, 1 / 50)
+def test_latency_profile_has_percentiles_for_every_section():
+    from edgespec.robots.profile import loop_profile
+    robot, rep = run(chunked_policy, 0.3)
+    s = loop_profile(rep, 1 / HZ)
     assert set(s["sections_ms"]) == {"observe", "infer", "act", "wait"}
     assert s["jitter_ms"]["n"] == rep.ticks - 1 and s["inference_ms"]["n"] >= 1
     assert all(s["sections_ms"][k]["p99"] >= s["sections_ms"][k]["p50"] for k in s["sections_ms"])
@@ -87,3 +215,5 @@ def test_latency_summary_has_percentiles_for_every_section():
 def test_bad_config_is_refused():
     with pytest.raises(ValueError, match="hz must be in"):
         LoopConfig(hz=0)
+    with pytest.raises(ValueError, match="stale_obs_s"):
+        LoopConfig(stale_obs_s=0)

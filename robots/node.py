@@ -1,0 +1,423 @@
+"""A ROS 2-compatible policy node over plain DDS (cyclonedds, no rclpy).
+
+    subscribes  rt/joint_states  sensor_msgs/JointState     positions (+ velocities) of the robot
+                rt/<image_topic> sensor_msgs/Image          rgb8 / bgr8 camera frame (default topic "image")
+                rt/instruction   std_msgs/String            the language instruction (latest one is used)
+    publishes   rt/action_chunk  trajectory_msgs/JointTrajectory  the chunk: point k at (k + 1) * dt
+                rt/diagnostics   diagnostic_msgs/DiagnosticArray  latency, policy info, safety state, faults
+
+A tick thread runs at `hz`: it takes what arrived, checks it, and hands the newest complete observation to
+an inference worker thread whenever a fresh joint state came and the worker is idle; it never waits for the
+policy. The policy sees `{"image": (H, W, 3) uint8 RGB, "state": positions then velocities (float64),
+"instruction": str}` and returns an (H, D) chunk of joint position targets, D = number of joints; numbers in
+`policy.last_info` (e.g. acceptance rate, accepted tokens per round) are forwarded to diagnostics.
+
+Faults never crash the node. Malformed messages (wrong image encoding / size / step, NaN in a joint state,
+joint-name count mismatch) are rejected and counted; a policy that raises or returns NaN publishes no chunk
+and the node carries on. A stale observation (no joint state or image newer than `stale_s`: the publisher
+is gone) stops chunk publishing: "holding" for `hold_s`, then a latched "stopped: <reason>" with an ERROR
+diagnostic until `reset()`.
+
+Discovery: Cyclone DDS's default (multicast on the first interface) is fine on a real network. On a single
+host without multicast (containers, CI), call `use_loopback()` before the first node / participant of a
+domain is created in the process (or export CYCLONEDDS_URI=`loopback_config()` for other processes).
+
+    node = PolicyNode(policy, NodeConfig(hz=20))
+    node.spin(10.0)            # or node.start(); ...; node.stop()
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, MutableMapping
+
+import numpy as np
+from cyclonedds.domain import DomainParticipant
+from cyclonedds.internal import InvalidSample
+from cyclonedds.pub import DataWriter
+from cyclonedds.sub import DataReader
+from cyclonedds.topic import Topic
+
+from . import ros_msgs as rm
+from .chunks import HoldThenStop
+
+Policy = Callable[[dict], np.ndarray]  # observation -> (H, D) chunk of joint position targets
+
+
+def loopback_config() -> str:
+    """Cyclone DDS XML that keeps discovery and data on 127.0.0.1 with unicast only: works on a host (or
+    container) without multicast. Participants find each other by probing the ports of participant
+    indices 0..9 on 127.0.0.1, so up to 10 processes per domain on the host."""
+    return ('<CycloneDDS><Domain><General><Interfaces><NetworkInterface address="127.0.0.1"/></Interfaces>'
+            '<AllowMulticast>false</AllowMulticast></General><Discovery><Peers><Peer address="127.0.0.1"/>'
+            '</Peers><ParticipantIndex>auto</ParticipantIndex></Discovery></Domain></CycloneDDS>')
+
+
+def use_loopback(env: MutableMapping[str, str] | None = None) -> str | None:
+    """Set CYCLONEDDS_URI to `loopback_config()`; returns the previous value (None if unset). Cyclone reads it
+    when a domain is first used in a process, so call this before creating the node or any participant."""
+    env = os.environ if env is None else env
+    old = env.get("CYCLONEDDS_URI")
+    env["CYCLONEDDS_URI"] = loopback_config()
+    return old
+
+
+@dataclass
+class NodeConfig:
+    hz: float = 20.0  # tick rate = the most chunks per second
+    domain_id: int | None = None  # None: $ROS_DOMAIN_ID, default 0
+    image_topic: str = "image"
+    dt: float | None = None  # period of the chunk's steps (time_from_start = (k + 1) * dt); None: 1 / hz
+    stale_s: float = 0.5  # joint state / image older than this: the observation is stale
+    hold_s: float = 0.5  # stale for this long after stale_s: latch the stop
+    diag_hz: float = 2.0  # periodic diagnostics (at most one per tick); faults and safety changes: at once
+    joint_names: tuple = ()  # joints in policy order; (): those of the first joint state (then fixed)
+    default_instruction: str | None = None  # used until an instruction arrives; None: wait for one
+    best_effort_inputs: bool = False  # subscribe best-effort (matches sensor-data publishers too)
+    node_name: str = "edgespec_policy_node"
+
+    def __post_init__(self):
+        if not 1 <= self.hz <= 1000:
+            raise ValueError(f"hz must be in [1, 1000], got {self.hz}")
+        if self.domain_id is not None:
+            rm.check_domain_id(self.domain_id)
+        rm.ros_topic(self.image_topic)  # raises on a bad name
+        if self.dt is not None and not (self.dt > 0 and math.isfinite(self.dt)):
+            raise ValueError(f"dt must be > 0 seconds (or None for 1 / hz), got {self.dt}")
+        if not self.stale_s > 0 or not self.hold_s >= 0:
+            raise ValueError(f"stale_s must be > 0 and hold_s >= 0, got {self.stale_s} and {self.hold_s}")
+        if not self.diag_hz > 0:
+            raise ValueError(f"diag_hz must be > 0 (capped by hz), got {self.diag_hz}")
+        self.joint_names = tuple(self.joint_names)
+        if len(set(self.joint_names)) != len(self.joint_names):
+            raise ValueError(f"joint_names must be distinct, got {self.joint_names}")
+
+    @property
+    def step_s(self) -> float:
+        return self.dt if self.dt is not None else 1.0 / self.hz
+
+
+@dataclass
+class NodeStats:
+    ticks: int = 0
+    overruns: int = 0  # ticks that started late by more than a period
+    inferences: int = 0
+    chunks_published: int = 0
+    chunks_dropped: int = 0  # landed while holding / stopped
+    rejected_messages: int = 0
+    policy_faults: int = 0
+    diagnostics_published: int = 0
+    inference_ms: float = float("nan")  # the last policy call
+    latency_ms: float = float("nan")  # joint state received -> its chunk published, the last one
+    safety: str = "waiting: no joint_states yet"
+    last_fault: str = ""
+    policy_info: dict = field(default_factory=dict)  # policy.last_info of the last call
+
+
+@dataclass
+class _Job:
+    obs: dict
+    names: list
+    received: float  # monotonic time the joint state arrived
+    stamp: rm.Time  # wall-clock time of the same, for the trajectory header
+
+
+class PolicyNode:
+    def __init__(self, policy: Policy, cfg: NodeConfig | None = None):
+        self.policy, self.cfg = policy, cfg or NodeConfig()
+        self.domain_id = rm.ros_domain_id() if self.cfg.domain_id is None else self.cfg.domain_id
+        self.stats = NodeStats()
+        self.safety = HoldThenStop(self.cfg.hold_s)
+        self._faults: deque[str] = deque(maxlen=20)
+        self._new_faults: list[str] = []  # since the last diagnostic
+        self._new_policy_fault = False
+        self._diag_due, self._next_diag = True, 0.0
+        self._safety_lock = threading.Lock()
+        # newest inputs (tick thread only)
+        self._names: list[str] = list(self.cfg.joint_names)
+        self._state = None
+        self._state_t = self._image_t = None
+        self._state_stamp = rm.Time()
+        self._state_seq = self._used_seq = 0
+        self._image = None
+        self._instruction = self.cfg.default_instruction
+        # tick -> worker handoff
+        self._cv = threading.Condition()
+        self._job: _Job | None = None
+        self._result = None
+        self._busy = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+        self._dp = DomainParticipant(self.domain_id)
+        qin, qout = rm.ros_qos(best_effort=self.cfg.best_effort_inputs), rm.ros_qos()
+
+        def topic(name, typ):
+            return Topic(self._dp, rm.ros_topic(name), typ)
+        self._joint_reader = DataReader(self._dp, topic("joint_states", rm.JointState), qin)
+        self._image_reader = DataReader(self._dp, topic(self.cfg.image_topic, rm.Image), qin)
+        self._instruction_reader = DataReader(self._dp, topic("instruction", rm.String), qin)
+        self._chunk_writer = DataWriter(self._dp, topic("action_chunk", rm.JointTrajectory), qout)
+        self._diag_writer = DataWriter(self._dp, topic("diagnostics", rm.DiagnosticArray), qout)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._threads:
+            return
+        if self._dp is None:
+            raise RuntimeError("the node is closed")
+        self._stop.clear()
+        with self._cv:  # a job queued when the node was stopped is dropped
+            self._job, self._result, self._busy = None, None, False
+        self._threads = [threading.Thread(target=self._work, name="policy-node-infer", daemon=True),
+                         threading.Thread(target=self._run, name="policy-node-tick", daemon=True)]
+        for th in self._threads:
+            th.start()
+
+    def stop(self) -> None:
+        """Stop ticking (a policy call in flight is abandoned to its daemon thread)."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for th in self._threads:
+            th.join(timeout=2.0)
+        self._threads = []
+
+    def spin(self, seconds: float | None = None) -> dict:
+        """Run for `seconds` (None: until Ctrl-C), then stop; returns `status()`."""
+        self.start()
+        try:
+            while seconds is None:
+                time.sleep(1.0)
+            time.sleep(seconds or 0.0)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+        return self.status()
+
+    def close(self) -> None:
+        """Stop and delete the DDS entities (the node leaves the domain)."""
+        self.stop()
+        for name in ("_joint_reader", "_image_reader", "_instruction_reader", "_chunk_writer", "_diag_writer",
+                     "_dp"):
+            setattr(self, name, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def reset(self) -> None:
+        """Clear a latched stop; the node resumes once its inputs are fresh again."""
+        with self._safety_lock:
+            self.safety.reset()
+        self._diag_due = True
+
+    def status(self) -> dict:
+        """A snapshot of the counters, the safety state and the recent faults (oldest first)."""
+        st = asdict(self.stats)
+        st["faults"] = list(self._faults)
+        return st
+
+    # ------------------------------------------------------------ threads
+
+    def _run(self) -> None:
+        period = 1.0 / self.cfg.hz
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self._tick(time.monotonic())
+            except Exception as e:  # a bug here must not take the node down
+                self._fault(f"node tick failed: {type(e).__name__}: {e}")
+            next_t += period
+            delay = next_t - time.monotonic()
+            if delay < -period:
+                self.stats.overruns += 1
+                next_t, delay = time.monotonic(), 0.0
+            self._stop.wait(max(delay, 0.0))
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._stop.is_set())
+                if self._stop.is_set():
+                    return
+                job, self._job = self._job, None
+            t0 = time.perf_counter()
+            try:
+                out, err = self.policy(job.obs), None
+            except Exception as e:
+                out, err = None, f"policy raised {type(e).__name__}: {e}"
+            ms = (time.perf_counter() - t0) * 1e3
+            info = getattr(self.policy, "last_info", None)
+            info = {k: v for k, v in info.items() if isinstance(v, (int, float, np.number))} \
+                if isinstance(info, dict) else {}
+            with self._cv:
+                self._result, self._busy = (job, out, err, ms, info), False
+
+    # ------------------------------------------------------------ one tick
+
+    def _tick(self, now: float) -> None:
+        self.stats.ticks += 1
+        self._read_inputs(now)
+        safety = self._update_safety(now)
+        self._collect(now, safety)
+        if safety == "ok":
+            self._submit()
+        self._diagnose(now)
+
+    def _fault(self, msg: str, rejected: bool = False, policy: bool = False) -> None:
+        self._faults.append(msg)
+        self._new_faults.append(msg)
+        self.stats.last_fault = msg
+        self.stats.rejected_messages += rejected
+        self.stats.policy_faults += policy
+        self._new_policy_fault |= policy
+        self._diag_due = True
+
+    def _take(self, reader: DataReader, what: str) -> list:
+        try:
+            return [s for s in reader.take(N=100) if not isinstance(s, InvalidSample)]
+        except Exception as e:  # undecodable bytes from a peer
+            self._fault(f"rejected {what}: could not deserialize ({type(e).__name__}: {e})", rejected=True)
+            return []
+
+    def _read_inputs(self, now: float) -> None:
+        for msg in self._take(self._joint_reader, "joint_states"):
+            try:
+                names, pos, vel = rm.joint_state_to_numpy(msg, self._names)
+            except ValueError as e:
+                self._fault(f"rejected {e}", rejected=True)
+                continue
+            self._names = names  # the first valid message fixes them when none were configured
+            self._state = np.concatenate([pos, vel])
+            self._state_t, self._state_stamp = now, rm.time_msg()
+            self._state_seq += 1
+        newest = None
+        for msg in self._take(self._image_reader, self.cfg.image_topic):
+            try:
+                rm.check_image(msg)
+                newest = msg
+            except ValueError as e:
+                self._fault(f"rejected {self.cfg.image_topic}: {e}", rejected=True)
+        if newest is not None:
+            self._image, self._image_t = rm.image_to_numpy(newest), now
+        for msg in self._take(self._instruction_reader, "instruction"):
+            self._instruction = msg.data
+
+    def _update_safety(self, now: float) -> str:
+        with self._safety_lock:
+            if self.safety.stopped:
+                state = f"stopped: {self.safety.reason}"
+            elif self._state_t is None or self._image_t is None or self._instruction is None:
+                missing = [n for n, v in (("joint_states", self._state_t), (self.cfg.image_topic, self._image_t),
+                                          ("instruction", self._instruction)) if v is None]
+                state = f"waiting: no {', '.join(missing)} yet"
+            else:
+                stale = [n for n, t in (("joint_states", self._state_t), (self.cfg.image_topic, self._image_t))
+                         if now - t > self.cfg.stale_s]
+                if stale:
+                    why = (f"stale observation (no {' or '.join(stale)} newer than {self.cfg.stale_s} s; "
+                           "publisher gone?)")
+                    mode, _ = self.safety.on_empty(now, why)
+                    state = f"holding: {why}" if mode == "hold" else f"stopped: {self.safety.reason}"
+                else:
+                    self.safety.on_action(self._state)
+                    state = "ok"
+        if state.split(":")[0] != self.stats.safety.split(":")[0]:
+            self._diag_due = True
+        self.stats.safety = state
+        return state
+
+    def _submit(self) -> None:
+        if self._state_seq == self._used_seq:
+            return  # no fresh joint state since the last inference
+        job = _Job({"image": self._image, "state": self._state.copy(), "instruction": self._instruction},
+                   list(self._names), self._state_t, self._state_stamp)
+        with self._cv:
+            if self._busy:
+                return
+            self._job, self._busy = job, True
+            self._cv.notify()
+        self._used_seq = self._state_seq
+
+    def _collect(self, now: float, safety: str) -> None:
+        with self._cv:
+            res, self._result = self._result, None
+        if res is None:
+            return
+        job, out, err, ms, info = res
+        self.stats.inferences += 1
+        self.stats.inference_ms, self.stats.policy_info = ms, info
+        if err is None:
+            try:
+                chunk = np.asarray(out, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                chunk, err = None, f"policy returned something that is not a numeric array ({e})"
+        if err is None and (chunk.ndim != 2 or chunk.shape[0] == 0 or chunk.shape[1] != len(job.names)):
+            err = f"policy returned a chunk of shape {chunk.shape}, expected (H >= 1, {len(job.names)} joints)"
+        if err is None and not np.isfinite(chunk).all():
+            err = "policy returned NaN or inf in its chunk; not published"
+        if err is not None:
+            self._fault(err, policy=True)
+            return
+        if safety != "ok":
+            self.stats.chunks_dropped += 1
+            return
+        self._chunk_writer.write(rm.chunk_to_trajectory(chunk, job.names, self.cfg.step_s, stamp=job.stamp))
+        self.stats.chunks_published += 1
+        self.stats.latency_ms = (time.monotonic() - job.received) * 1e3
+
+    def _diagnose(self, now: float) -> None:
+        if not self._diag_due and now < self._next_diag:
+            return
+        st, safety = self.stats, self.stats.safety
+        if safety.startswith("stopped") or self._new_policy_fault:
+            level = rm.ERROR
+        elif safety != "ok" or self._new_faults:
+            level = rm.WARN
+        else:
+            level = rm.OK
+        parts = ([] if safety == "ok" else [safety]) + self._new_faults[-3:]
+        values = {"safety": safety, "latency_ms": st.latency_ms, "inference_ms": st.inference_ms,
+                  "chunks_published": st.chunks_published, "inferences": st.inferences,
+                  "rejected_messages": st.rejected_messages, "policy_faults": st.policy_faults,
+                  "last_fault": st.last_fault, **st.policy_info}
+        self._diag_writer.write(rm.diagnostics_msg(values, name=self.cfg.node_name, level=level,
+                                                   message="; ".join(parts) or "ok", hardware_id="edgespec"))
+        st.diagnostics_published += 1
+        self._new_faults, self._new_policy_fault, self._diag_due = [], False, False
+        self._next_diag = now + 1.0 / self.cfg.diag_hz
+
+
+def main(argv: list[str] | None = None, policy: Policy | None = None) -> int:
+    """`edgespec robot node`: run a PolicyNode around `policy` (the caller builds it) and print its status."""
+    p = argparse.ArgumentParser(prog="edgespec robot node", description=__doc__.split("\n")[0])
+    p.add_argument("--hz", type=float, default=20.0, help="tick rate, the most chunks per second (default 20)")
+    p.add_argument("--domain", type=int, default=None, help="DDS domain id (default: $ROS_DOMAIN_ID or 0)")
+    p.add_argument("--image-topic", default="image", help="image topic without the rt/ prefix (default: image)")
+    p.add_argument("--seconds", type=float, default=None, help="run this long, then exit (default: until Ctrl-C)")
+    p.add_argument("--loopback", action="store_true", help="DDS on 127.0.0.1 only, unicast (see loopback_config)")
+    args = p.parse_args(argv)
+    if policy is None:
+        p.error("no policy given: call main(argv, policy)")
+    if args.loopback:
+        use_loopback()
+    try:
+        cfg = NodeConfig(hz=args.hz, domain_id=args.domain, image_topic=args.image_topic)
+        node = PolicyNode(policy, cfg)
+    except ValueError as e:
+        p.error(str(e))
+    with node:
+        status = node.spin(args.seconds)
+    print(json.dumps(status, indent=1, default=str))
+    return 0
