@@ -201,3 +201,67 @@ def _Env(path: str, size: int):
             return np.zeros(4)
 
     return _Reacher()
+
+
+from .robot import Robot  # noqa: E402
+
+
+class ReacherRobot(Robot):
+    """The three-target reacher as a Robot for the control loop. Physics advances one control period
+    (0.05 s) per send_action, in lockstep with a 20 Hz loop; safe_stop() commands the current joint angles.
+    Safety clipping: joint1 to its +-3.0 rad range, joint0 to [-pi, pi], and at most `max_step` rad of
+    change from the current angle per command."""
+
+    def __init__(self, seed: int = 0, color: str | None = None, max_step: float = 0.6,
+                 cfg: ReacherConfig | None = None):
+        if max_step <= 0:
+            raise ValueError(f"max_step must be > 0, got {max_step}")
+        self.seed, self.color, self.max_step, self.cfg = seed, color, max_step, cfg or ReacherConfig()
+        s = self.cfg.image_size
+        self.observation_features = {"image": (s, s, 3), "state": (4,)}
+        self.action_features = {"position": (2,)}
+        self.env: ThreeTargetReacher | None = None
+        self.steps = self.stops = 0
+        self.distances: list[float] = []
+
+    def connect(self) -> None:
+        if self.env is None:
+            self.env = ThreeTargetReacher(self.cfg)
+        self.env.reset(seed=self.seed, color=self.color)
+
+    def _need(self) -> ThreeTargetReacher:
+        if self.env is None:
+            raise RuntimeError("ReacherRobot is not connected: use it as a context manager or call connect()")
+        return self.env
+
+    @property
+    def instruction(self) -> str:
+        return self._need().instruction
+
+    def get_observation(self) -> dict:
+        return self._need().observe()
+
+    def send_action(self, action: np.ndarray) -> np.ndarray:
+        env = self._need()
+        a = np.asarray(action, dtype=np.float64)
+        if a.shape != (2,):
+            raise ValueError(f"action must be 2 joint position targets (rad), got shape {a.shape}")
+        if not np.isfinite(a).all():
+            raise ValueError(f"action contains NaN or inf: {a.tolist()}")
+        q = env.state()[:2]
+        a = np.clip(a, [-np.pi, -3.0], [np.pi, 3.0])
+        a = q + np.clip(a - q, -self.max_step, self.max_step)
+        env.step(a)
+        self.steps += 1
+        self.distances.append(env.distance())
+        return a
+
+    def safe_stop(self) -> None:
+        env = self._need()
+        env.data.ctrl[:] = env.state()[:2]
+        self.stops += 1
+
+    def disconnect(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
