@@ -264,6 +264,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_robot(args) -> int:
+    """`edgespec robot ...` lives in the robots package (it imports the runtime, never the reverse):
+    the front door forwards the arguments to it by module name."""
+    import importlib
+    try:
+        robots_cli = importlib.import_module("edgespec.robots.cli")
+    except ImportError as e:
+        raise SystemExit(f"`edgespec robot` needs the robots extra ({e.name} is missing): "
+                         f"pip install 'edgespec[robots]'")
+    return robots_cli.main(args.robot_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on edge devices.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -278,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("robot", help="run a VLA policy on the control loop (run) or as a ROS 2 DDS node (node)",
+                       add_help=False)
+    p.add_argument("robot_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_robot)
 
     p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
     p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")

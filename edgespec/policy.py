@@ -53,7 +53,7 @@ class PolicyConfig:
 
 
 class Policy:
-    def __init__(self, policy_dir: str | Path, draft: bool = False, cfg: PolicyConfig | None = None,
+    def __init__(self, policy_dir: str | Path, draft: bool | str | Path = False, cfg: PolicyConfig | None = None,
                  provider: str = "cpu", threads: int | None = 1, check_hashes: bool = True):
         import onnxruntime as ort
 
@@ -80,10 +80,15 @@ class Policy:
                                             providers=["CPUExecutionProvider"])
         self.target = self._decoder(OrtEngine(self.dir / "target", provider, threads, check_hashes))
         self.draft = None
-        if draft:
-            if not (self.dir / "draft").is_dir():
-                raise FileNotFoundError(f"{self.dir} has no draft/ engine; load without draft=True")
-            self.draft = DraftModel(self._decoder(OrtEngine(self.dir / "draft", provider, threads, check_hashes)))
+        if draft is not False and draft is not None:
+            ddir = self.dir / "draft" if draft is True else Path(draft)
+            if not ddir.is_dir():
+                raise FileNotFoundError(f"{ddir}: no draft engine folder" + (
+                    f" ({self.dir} has no draft/; load without draft=True)" if draft is True else ""))
+            self.draft = DraftModel(self._decoder(OrtEngine(ddir, provider, threads, check_hashes)))
+            if self.draft.dec.m.input_mode != "embeds":
+                raise ValueError(f"{ddir} takes input_ids; a policy draft must read the encoder's prefix "
+                                 f"(an inputs_embeds engine)")
             if self.draft.dec.m.vocab_size != self.target.m.vocab_size:
                 raise ValueError(f"draft vocabulary {self.draft.dec.m.vocab_size} != target "
                                  f"{self.target.m.vocab_size}")
@@ -235,7 +240,8 @@ class Policy:
         return ids
 
 
-def load_policy(policy_dir: str | Path, draft: bool = False, mode: str = "greedy", radius: int = 5,
+def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: str = "greedy", radius: int = 5,
                 gamma: int = 8, provider: str = "cpu", threads: int | None = 1) -> Policy:
-    """Load an exported VLA policy folder. draft=True decodes speculatively with its draft decoder."""
+    """Load an exported VLA policy folder. draft=True decodes speculatively with the folder's draft/ decoder;
+    a path uses that draft engine folder instead."""
     return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma), provider, threads)

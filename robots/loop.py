@@ -172,7 +172,8 @@ class ControlLoop:
         t_origin = clock()
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
-            self.safety.last_target = np.asarray(first["state"], dtype=np.float64).copy()
+            pos = np.asarray(first["state"], dtype=np.float64)  # positions first (then velocities, if any)
+            self.safety.last_target = (pos[:self._act_dim] if self._act_dim else pos).copy()
         quit = threading.Event()
         worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
         worker.start()
@@ -258,23 +259,37 @@ class ControlLoop:
                 self._job, self._busy_since = (now, obs), now
                 self._wake.set()
 
+    def _send(self, action: np.ndarray, now: float) -> bool:
+        """send_action, with a robot that raises recorded as a fault (the loop must not die with it)."""
+        try:
+            self.robot.send_action(action)
+            return True
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                if not self._fault:
+                    self._fault = f"robot refused action {np.asarray(action).tolist()}: {type(e).__name__}: {e}"
+                    self._record_fault(self.report, now, self._fault)
+            return False
+
     def _act(self, now: float) -> None:
         rep = self.report
         with self._lock:
             action = self.queue.pop(now)  # popped even during a fault, so the queue stays on time
             fault = self._fault or self._obs_fault
         if not fault and action is not None and self.safety.on_action(action) is not None:
-            self.robot.send_action(action)
-            rep.sent += 1
-            rep.tick_action.append("sent")
-            return
+            if self._send(action, now):
+                rep.sent += 1
+                rep.tick_action.append("sent")
+                return
+            fault = self._fault
         rep.starved += 1
         mode, target = self.safety.on_empty(now, fault or "queue empty")
-        if mode == "hold":
-            self.robot.send_action(target)  # a position target: holding it is safe to repeat
+        if mode == "hold" and self._send(target, now):  # a position target: holding it is safe to repeat
             rep.held += 1
             rep.tick_action.append("held")
         else:
+            if mode == "hold":  # the robot refused even the hold target: stop now
+                self.safety.latch(f"robot refused the hold target: {self._fault}")
             self.robot.safe_stop()
             rep.stopped_ticks += 1
             rep.tick_action.append("stopped")

@@ -217,3 +217,37 @@ def test_bad_config_is_refused():
         LoopConfig(hz=0)
     with pytest.raises(ValueError, match="stale_obs_s"):
         LoopConfig(stale_obs_s=0)
+
+
+class Refusing(MockRobot):
+    """A robot whose driver rejects commands after a few (e.g. a joint limit fault)."""
+
+    def __init__(self, ok=3):
+        super().__init__(dims=2)
+        self.ok = ok
+
+    def send_action(self, action):
+        if len(self.sent) >= self.ok:
+            raise RuntimeError("driver fault: joint 1 over current")
+        return super().send_action(action)
+
+
+def test_a_robot_that_raises_is_a_fault_and_the_loop_stops_it():
+    robot, rep = run(lambda: chunked_policy(), make_robot=lambda: Refusing(ok=3))
+    assert_kept_period(rep, 0.6)
+    assert any("driver fault" in f for f in rep.faults), rep.faults
+    assert rep.tick_action[-1] == "stopped" and robot.stops >= 1 and len(robot.sent) == 3
+    assert "driver fault" in rep.safe_stop_reason
+
+
+def test_hold_target_before_the_first_chunk_is_the_positions_only():
+    class PosVel(MockRobot):  # state = positions then velocities, as the reacher reports it
+        def __init__(self, dims):
+            super().__init__(dims)
+            self.observation_features = {"state": (2 * dims,)}
+
+        def get_observation(self):
+            return {"state": np.concatenate([self.state, np.zeros(2)])}
+
+    robot, rep = run(lambda: chunked_policy(delay=0.3), seconds=0.3, make_robot=lambda: PosVel(dims=2))
+    assert rep.held >= 1 and all(a.shape == (2,) for a in robot.sent)

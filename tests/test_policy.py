@@ -137,7 +137,7 @@ def test_policy_config_and_folder_errors(tmp_path, tiny_policies):
     d = tmp_path / "nodraft"
     shutil.copytree(tiny_policies["plain"], d)
     shutil.rmtree(d / "draft")
-    with pytest.raises(FileNotFoundError, match="no draft/ engine"):
+    with pytest.raises(FileNotFoundError, match="has no draft/"):
         load_policy(d, draft=True)
 
 
