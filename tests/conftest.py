@@ -102,7 +102,7 @@ def tiny_engines(tmp_path_factory):
 import numpy as np  # noqa: E402
 
 
-def make_tiny_policy(model_dir, seed: int = 0, binary_dims=()):
+def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     """A random-init VLA policy model folder in train_vla.py's format (tiny shapes), no training."""
     import json
 
@@ -113,13 +113,13 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=()):
     from edgespec.export.train_vla import Pair, VLAConfig, save
 
     cfg = VLAConfig(hidden=64, heads=2, target_layers=2, target_inter=128, draft_layers=1, draft_inter=64,
-                    keypoints=8, horizon=4, dims=3)
+                    keypoints=8, horizon=4, dims=dims)
     torch.manual_seed(seed)
     pair = Pair(cfg)
     with torch.no_grad():  # sharper logits than the default init, so argmax ties never happen
         for p in pair.target.lm_head.parameters():
             p.mul_(20)
-    stats = ActionStats([-1.0, -2.0, 0.0], [1.0, 2.0, 1.0], [True, True, not binary_dims])
+    stats = ActionStats([-1.0, -2.0, 0.0][:dims], [1.0, 2.0, 1.0][:dims], [True, True, not binary_dims][:dims])
     save(pair, cfg, stats, model_dir, {"note": "random init, for tests"})
     if binary_dims:
         meta = json.loads((model_dir / "policy.json").read_text())
@@ -142,3 +142,13 @@ def tiny_policies(tmp_path_factory):
     shutil.copytree(root / "model" / "target", root / "model" / "draft")
     export_policy(root / "model", root / "self", progress=False)
     return {"plain": root / "plain", "self": root / "self", "model": root / "model"}
+
+
+@pytest.fixture(scope="session")
+def tiny_reacher_policy(tmp_path_factory):
+    """An exported random-init policy with the reacher's action shape (D = 2 joint targets)."""
+    from edgespec.export.vla import export_policy
+    root = tmp_path_factory.mktemp("reacher_policy")
+    make_tiny_policy(root / "model", seed=3, dims=2)
+    export_policy(root / "model", root / "engine", progress=False)
+    return root / "engine"
