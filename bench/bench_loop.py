@@ -1,0 +1,186 @@
+"""The 20 Hz control loop with the bundled VLA pair on the MuJoCo reacher: plain vs speculative decoding,
+on an idle CPU and on a CPU shared with other work, all in one run.
+
+    MUJOCO_GL=osmesa python bench/bench_loop.py --out bench/results/loop.json
+
+Phases: "idle" (nothing else running) and "loaded" (--load background processes each spinning a
+single-threaded numpy matmul, standing in for perception / logging on the robot's computer). In each phase,
+plain and speculative (exact) policies run the same --episodes reacher episodes (2 s each, seeds
+700000+i), interleaved episode by episode. The loop asks for the next chunk when fewer than
+--request-threshold actions are queued, so an inference must land within about (threshold - 1) periods
+or the loop starves (holds the last position target). Per phase and policy: loop jitter |tick interval -
+period| p50/p99/max, deadline misses, starved ticks, section percentiles, inference latency, success.
+Writes JSON, the Chrome trace and timeline PNG of one loaded episode per policy, and a summary PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edgespec  # noqa: E402
+from bench_speculative import machine  # noqa: E402
+from edgespec.cli import ensure_policy_engines  # noqa: E402
+from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
+from edgespec.robots.profile import chrome_trace, loop_profile, plot_timeline  # noqa: E402
+from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa: E402
+
+
+def _hog(stop) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    a = np.random.default_rng(0).random((256, 256))
+    while not stop.is_set():
+        a = np.tanh(a @ a)
+
+
+class Load:
+    """n background processes keeping CPUs busy, for the length of a `with` block."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.procs = [ctx.Process(target=_hog, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        time.sleep(0.5 if self.n else 0.0)
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(5)
+
+
+class PolicyCall:
+    def __init__(self, policy):
+        self.policy = policy
+        self.infos: list[dict] = []
+
+    def __call__(self, obs):
+        chunk = self.policy.act(obs["image"], obs["state"], obs["instruction"])
+        self.infos.append(self.policy.last_info)
+        return chunk
+
+
+def episode(policy, cfg: LoopConfig, seed: int, seconds: float):
+    color = list(COLORS)[seed % 3]
+    call = PolicyCall(policy)
+    with ReacherRobot(seed=seed, color=color) as robot:
+        rep = ControlLoop(robot, call, cfg).run(seconds)
+        dist = robot.distances[-1] if robot.distances else float("nan")
+    return rep, dist, call.infos
+
+
+def pooled(reps, dists, infos, dt) -> dict:
+    periods = np.concatenate([np.diff(np.asarray(r.tick_start_s)) for r in reps])
+    jit = np.abs(periods - dt) * 1e3
+    inf = np.concatenate([np.asarray(r.inference_ms, float) for r in reps if r.inference_ms] or [np.zeros(0)])
+    sect = {k: np.concatenate([np.asarray(r.sections_ms[k]) for r in reps]) for k in reps[0].sections_ms}
+    dec = [i["decode_ms"] for ii in infos for i in ii]
+    out = {"episodes": len(reps), "ticks": int(sum(r.ticks for r in reps)),
+           "jitter_ms": {"p50": float(np.percentile(jit, 50)), "p99": float(np.percentile(jit, 99)),
+                         "max": float(jit.max())},
+           "deadline_misses": int(sum(r.deadline_misses for r in reps)),
+           "starved_ticks": int(sum(r.starved for r in reps)),
+           "episodes_with_starved_ticks": int(sum(r.starved > 0 for r in reps)),
+           "held_ticks": int(sum(r.held for r in reps)), "stopped_ticks": int(sum(r.stopped_ticks for r in reps)),
+           "faults": [f for r in reps for f in r.faults],
+           "inference_ms": {"p50": float(np.percentile(inf, 50)), "p99": float(np.percentile(inf, 99)),
+                            "max": float(inf.max())} if inf.size else None,
+           "decode_ms": {"p50": float(np.percentile(dec, 50)), "p99": float(np.percentile(dec, 99))},
+           "sections_ms_p99": {k: float(np.percentile(v, 99)) for k, v in sect.items()},
+           "success_rate": float(np.mean(np.asarray(dists) <= SUCCESS_RADIUS)),
+           "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps))}
+    acc = [i for ii in infos for i in ii if i.get("rounds")]
+    if acc:
+        out["tokens_per_round"] = float(np.mean([i["tokens_per_round"] for i in acc]))
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    phases = list(results["phases"])
+    x = np.arange(len(phases))
+    for k, (name, key, title) in enumerate([("starved ticks", "starved_ticks", "starved ticks (all episodes)"),
+                                            ("jitter p99 (ms)", None, "loop jitter p99 (ms)"),
+                                            ("inference p99 (ms)", None, "inference latency p99 (ms)")]):
+        ax = axes[k]
+        for j, pol in enumerate(("plain", "speculative")):
+            vals = []
+            for ph in phases:
+                r = results["phases"][ph][pol]
+                vals.append(r[key] if key else (r["jitter_ms"]["p99"] if k == 1 else r["inference_ms"]["p99"]))
+            ax.bar(x + (j - 0.5) * 0.38, vals, 0.38, label=pol)
+        if k == 1:
+            ax.axhline(2.0, ls=":", c="gray", lw=1)
+        if k == 2:
+            ax.axhline(1e3 * (results["request_threshold"] - 1) / results["hz"], ls=":", c="gray", lw=1,
+                       label="slack before starving")
+        ax.set_xticks(x, phases)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{results['hz']:g} Hz control loop, bundled VLA pair, MuJoCo reacher", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/loop.json")
+    ap.add_argument("--episodes", type=int, default=20)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--hz", type=float, default=20.0)
+    ap.add_argument("--load", type=int, default=3, help="background busy processes in the loaded phase")
+    ap.add_argument("--request-threshold", type=int, default=2)
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--models", default="models")
+    ap.add_argument("--engines", default="engines")
+    args = ap.parse_args(argv)
+    engines = ensure_policy_engines(args.models, args.engines)
+    policies = {"plain": edgespec.load_policy(engines),
+                "speculative": edgespec.load_policy(engines, draft=True, gamma=args.gamma)}
+    cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
+               "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
+               "load_processes": args.load, "gamma": args.gamma, "phases": {}}
+    t0 = time.time()
+    for phase, n in (("idle", 0), ("loaded", args.load)):
+        acc = {k: ([], [], []) for k in policies}
+        with Load(n):
+            for ep in range(args.episodes):
+                for name, pol in policies.items():
+                    rep, dist, infos = episode(pol, cfg, 700_000 + ep, args.seconds)
+                    acc[name][0].append(rep), acc[name][1].append(dist), acc[name][2].append(infos)
+                    if phase == "loaded" and ep == 0:
+                        stem = out.with_name(f"loop-{phase}-{name}")
+                        chrome_trace(rep, stem.with_suffix(".trace.json"))
+                        plot_timeline(rep, stem.with_suffix(".png"))
+        results["phases"][phase] = {k: pooled(*v, cfg.dt) for k, v in acc.items()}
+        for k, r in results["phases"][phase].items():
+            print(f"{phase:6s} {k:11s} jitter p99 {r['jitter_ms']['p99']:.2f} ms, starved {r['starved_ticks']} "
+                  f"({r['episodes_with_starved_ticks']}/{r['episodes']} episodes), inference p50/p99 "
+                  f"{r['inference_ms']['p50']:.1f}/{r['inference_ms']['p99']:.1f} ms, success {r['success_rate']:.2f}")
+    results["wall_s"] = round(time.time() - t0, 1)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
