@@ -17,6 +17,7 @@ throughout. `edgespec.robots.profile` turns the report into percentiles, a Chrom
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,10 +40,16 @@ class LoopConfig:
     merge: str = "latest"
     watchdog_s: float = 2.0  # an inference running longer than this is a hung engine
     stale_obs_s: float = 0.25  # an observation "timestamp" unchanged for longer than this is stale
+    # The inference worker is a Python thread: while its host code runs it holds the GIL, and CPython hands
+    # the GIL to a waiting thread only every sys.getswitchinterval() (default 5 ms) -- a tick that wakes then
+    # would start up to 5 ms late. run() lowers the interval to this for its duration (None: leave it).
+    gil_switch_s: float | None = 0.0005
 
     def __post_init__(self):
         if not 1 <= self.hz <= 1000:
             raise ValueError(f"hz must be in [1, 1000], got {self.hz}")
+        if self.gil_switch_s is not None and not 1e-5 <= self.gil_switch_s <= 0.1:
+            raise ValueError(f"gil_switch_s must be None or in [1e-5, 0.1] s, got {self.gil_switch_s}")
         if self.watchdog_s <= 0 or self.request_threshold < 0 or self.stale_obs_s <= 0:
             raise ValueError(f"watchdog_s and stale_obs_s must be > 0 and request_threshold >= 0, got "
                              f"{self.watchdog_s}, {self.stale_obs_s} and {self.request_threshold}")
@@ -174,6 +181,9 @@ class ControlLoop:
         if first is not None:  # until the first chunk lands, hold where the robot stands
             pos = np.asarray(first["state"], dtype=np.float64)  # positions first (then velocities, if any)
             self.safety.last_target = (pos[:self._act_dim] if self._act_dim else pos).copy()
+        switch = sys.getswitchinterval()
+        if cfg.gil_switch_s is not None:
+            sys.setswitchinterval(cfg.gil_switch_s)
         quit = threading.Event()
         worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
         worker.start()
@@ -203,6 +213,7 @@ class ControlLoop:
                     dur[name].append((b - a) * 1e3)
                 rep.ticks += 1
         finally:
+            sys.setswitchinterval(switch)
             quit.set()
             self._wake.set()
             with self._lock:

@@ -251,3 +251,19 @@ def test_hold_target_before_the_first_chunk_is_the_positions_only():
 
     robot, rep = run(lambda: chunked_policy(delay=0.3), seconds=0.3, make_robot=lambda: PosVel(dims=2))
     assert rep.held >= 1 and all(a.shape == (2,) for a in robot.sent)
+
+
+def test_gil_switch_interval_is_lowered_during_the_run_and_restored():
+    import sys
+    before, seen = sys.getswitchinterval(), []
+
+    def policy(obs):
+        seen.append(sys.getswitchinterval())
+        return np.tile(obs["state"], (8, 1))
+
+    with MockRobot(dims=2) as robot:
+        ControlLoop(robot, policy, LoopConfig(hz=HZ, gil_switch_s=0.0005)).run(0.2)
+    assert seen and all(abs(v - 0.0005) < 1e-9 for v in seen)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ValueError, match="gil_switch_s"):
+        LoopConfig(gil_switch_s=1.0)
