@@ -1,6 +1,6 @@
 """Train the bundled tiny VLA pair on the three-target MuJoCo reacher by behaviour cloning.
 
-    python -m edgespec.export.train_vla --out models/vla-reacher      # ~50 min on 2 CPU cores, resumable
+    python -m edgespec.export.train_vla --out models/vla-reacher      # ~60 min on 2 CPU cores, resumable
 
 1. Demonstrations: the scripted expert (two-link IK + joint-space waypoints, PD-tracked) runs --episodes
    episodes; half of them execute the expert's action with Gaussian noise (DART-style, so the data covers
@@ -32,7 +32,7 @@ WORDS = ["<pad>", "reach", "go", "to", "touch", "the", "red", "green", "blue", "
 
 @dataclass
 class VLAConfig:
-    episodes: int = 1500
+    episodes: int = 5000
     val_episodes: int = 100
     horizon: int = 8
     dims: int = 2
@@ -47,7 +47,7 @@ class VLAConfig:
     draft_layers: int = 1
     draft_inter: int = 256
     heads: int = 4
-    epochs: int = 6
+    epochs: int = 2
     batch: int = 128
     lr: float = 1.5e-3
     noise_std: float = 0.15  # rad, on the executed action of noisy episodes
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
 
     pair = Pair(cfg)
     params = [p for m in pair.modules().values() for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.05)
     steps_per_epoch = len(ids_train) // cfg.batch
     total = steps_per_epoch * cfg.epochs
     ckpt = work / "ckpt.pt"
