@@ -2,7 +2,7 @@
 
     python -m edgespec.export.train_vla --out models/vla-reacher      # ~60 min on 2 CPU cores, resumable
 
-1. Demonstrations: the scripted expert (two-link IK + joint-space waypoints, PD-tracked) runs --episodes
+1. Demonstrations: the scripted expert (straight-line fingertip waypoints, IK + PD tracked) runs --episodes
    episodes; half of them execute the expert's action with Gaussian noise (DART-style, so the data covers
    recoveries) while the label is always the clean expert chunk from the state actually reached.
 2. Model: an encoder (CNN with coordinate channels, FiLM-conditioned on the instruction, spatial-softmax
@@ -32,7 +32,7 @@ WORDS = ["<pad>", "reach", "go", "to", "touch", "the", "red", "green", "blue", "
 
 @dataclass
 class VLAConfig:
-    episodes: int = 5000
+    episodes: int = 3000
     val_episodes: int = 100
     horizon: int = 8
     dims: int = 2
@@ -50,7 +50,9 @@ class VLAConfig:
     epochs: int = 2
     batch: int = 128
     lr: float = 1.5e-3
-    noise_std: float = 0.15  # rad, on the executed action of noisy episodes
+    noise_std: float = 0.01  # metres, on the executed fingertip target of noisy episodes
+    state_dim: int = 6  # joint angles, joint velocities, fingertip (x, y)
+    state_scale: tuple = (math.pi, math.pi, 10.0, 10.0, 0.2, 0.2)
     eval_episodes: int = 50
 
     def __post_init__(self):
@@ -59,6 +61,9 @@ class VLAConfig:
                 raise ValueError(f"{k} must be > 0, got {getattr(self, k)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+        self.state_scale = tuple(float(x) for x in self.state_scale)
+        if len(self.state_scale) != self.state_dim or min(self.state_scale) <= 0:
+            raise ValueError(f"state_scale needs {self.state_dim} positive values, got {self.state_scale}")
 
     @property
     def prefix_len(self) -> int:
@@ -132,7 +137,7 @@ def build_encoder(cfg: VLAConfig):
     import torch.nn as nn
 
     class Encoder(nn.Module):
-        """image (B,S,S,3) uint8, state (B,4) f32, instr (B,L) int64 -> prefix (B, P, E) f32."""
+        """image (B,S,S,3) uint8, state (B,N) f32, instr (B,L) int64 -> prefix (B, P, E) f32."""
 
         def __init__(self):
             super().__init__()
@@ -144,7 +149,9 @@ def build_encoder(cfg: VLAConfig):
             self.conv3 = nn.Conv2d(32, k, 3, padding=1)
             self.film = nn.Linear(e, 2 * 32)
             self.img = nn.Linear(3 * k, cfg.img_tokens * e)
-            self.state = nn.Linear(8, e)
+            self.state = nn.Linear(4 + cfg.state_dim, e)
+            self.register_buffer("state_scale", torch.tensor(cfg.state_scale, dtype=torch.float32),
+                                 persistent=False)
             self.kind = nn.Parameter(torch.zeros(3, e))
             s = cfg.image_size
             yy, xx = torch.meshgrid(torch.linspace(-1, 1, s), torch.linspace(-1, 1, s), indexing="ij")
@@ -168,8 +175,8 @@ def build_encoder(cfg: VLAConfig):
             kp = attn @ self.grid  # (B, K, 2) expected x, y
             feat = torch.cat([kp.flatten(1), torch.relu(h).mean((2, 3))], 1)  # (B, 3K)
             img = self.img(feat).view(b, cfg.img_tokens, -1) + self.kind[0]
-            q, qd = state[:, :2], state[:, 2:]
-            sf = torch.cat([torch.cos(q), torch.sin(q), q / math.pi, qd / 10.0], 1)
+            q = state[:, :2]  # joint angles
+            sf = torch.cat([torch.cos(q), torch.sin(q), state / self.state_scale], 1)
             st = (self.state(sf) + self.kind[1])[:, None]
             ins = w + self.instr_pos + self.kind[2]
             return torch.cat([img, st, ins], 1)
@@ -295,8 +302,8 @@ def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
         getattr(pair, name).to(torch.float32)
     policy = {"format": "edgespec-vla/1", "task": "three-target reacher (MuJoCo Reacher-v5, 64x64 RGB)",
               "horizon": cfg.horizon, "dims": cfg.dims, "n_bins": cfg.n_bins, "vocab_end": cfg.n_bins,
-              "image_size": cfg.image_size, "state_dim": 4, "instr_len": cfg.instr_len, "words": WORDS,
-              "prefix_len": cfg.prefix_len, "binary_dims": [], "action_units": "rad (joint position targets)",
+              "image_size": cfg.image_size, "state_dim": cfg.state_dim, "instr_len": cfg.instr_len, "words": WORDS,
+              "prefix_len": cfg.prefix_len, "binary_dims": [], "action_units": "m (fingertip position targets x, y)",
               "config": asdict(cfg)}
     (out / "policy.json").write_text(json.dumps(policy, indent=2) + "\n")
     (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -179,8 +179,7 @@ class ControlLoop:
         t_origin = clock()
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
-            pos = np.asarray(first["state"], dtype=np.float64)  # positions first (then velocities, if any)
-            self.safety.last_target = (pos[:self._act_dim] if self._act_dim else pos).copy()
+            self.safety.last_target = self.robot.hold_position(first)
         switch = sys.getswitchinterval()
         if cfg.gil_switch_s is not None:
             sys.setswitchinterval(cfg.gil_switch_s)

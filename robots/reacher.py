@@ -3,16 +3,19 @@ instruction naming one ("reach the red target"), position-controlled, rendered o
 
 Changes from Reacher-v5 (its reacher.xml is the base, edited at load):
 - three coloured targets instead of one, placed apart in the reachable annulus;
-- the two torque motors become PD position actuators (action = absolute joint targets in radians, the
-  natural action for a VLA policy and for a control loop that must hold a position on a dry queue);
+- the two torque motors become PD position actuators; the action is a fingertip position target (x, y)
+  in metres, turned into joint targets by two-link inverse kinematics (the elbow solution nearer the
+  current pose) -- end-effector targets, as VLA policies usually emit, and a position a control loop can
+  hold on a dry queue;
 - frame_skip 5 at timestep 0.01 -> 20 Hz control; episodes of 40 steps (2 s);
 - a top-down camera over the arena; a dark fingertip so it is not mistaken for the green target.
 
-Observation: {"image": (64, 64, 3) uint8, "state": (4,) float64 [q0, q1, qd0, qd1], "instruction": str}.
+Observation: {"image": (64, 64, 3) uint8, "state": (6,) float64 [q0, q1, qd0, qd1, x, y] (joint angles,
+velocities, fingertip position), "instruction": str}.
 Success: fingertip within 0.02 of the named target at the end of the episode.
 
-`expert_chunk` is the scripted expert: two-link inverse kinematics to the named target, then a chunk of H
-joint-space waypoints that move at most `max_step` rad per step towards it (PD tracks them).
+`expert_chunk` is the scripted expert: a chunk of H fingertip waypoints on the straight line to the named
+target, at most `max_step` metres apart, then holding it; IK + PD track them.
 
 Rendering needs MUJOCO_GL=osmesa (Debian's libosmesa6) on a CPU machine, or egl on a GPU; this module
 sets osmesa when MUJOCO_GL is unset.
@@ -67,29 +70,43 @@ def instruction_for(color: str, template: int = 0) -> str:
     return TEMPLATES[template].format(color)
 
 
+def wrap(a):
+    return (np.asarray(a) + np.pi) % (2 * np.pi) - np.pi
+
+
 def ik(target_xy: np.ndarray, q_now: np.ndarray) -> np.ndarray:
-    """Two-link inverse kinematics: joint angles putting the fingertip on target_xy, the elbow solution
-    nearer to q_now. q0 in (-pi, pi] (the joint is unlimited; actions stay in one turn)."""
+    """Two-link inverse kinematics: joint angles putting the fingertip on target_xy (clipped to the
+    reachable annulus), the elbow solution nearer to q_now; q0 is taken the short way round from q_now[0]
+    (joint0 is unlimited)."""
     x, y = float(target_xy[0]), float(target_xy[1])
     c1 = np.clip((x * x + y * y - L1 * L1 - L2 * L2) / (2 * L1 * L2), -1.0, 1.0)
     best = None
     for q1 in (np.arccos(c1), -np.arccos(c1)):
         q0 = np.arctan2(y, x) - np.arctan2(L2 * np.sin(q1), L1 + L2 * np.cos(q1))
-        q0 = (q0 + np.pi) % (2 * np.pi) - np.pi
-        q = np.array([q0, q1])
-        cost = np.abs(q - q_now[:2]).sum()
+        d0 = float(wrap(q0 - q_now[0]))
+        cost = abs(d0) + abs(q1 - q_now[1])
         if best is None or cost < best[0]:
-            best = (cost, q)
+            best = (cost, np.array([q_now[0] + d0, q1]))
     return best[1]
 
 
-def expert_chunk(q_now: np.ndarray, target_xy: np.ndarray, horizon: int, max_step: float = 0.4) -> np.ndarray:
-    """(horizon, 2) joint position targets: straight joint-space moves of at most max_step rad per step
-    (each joint saturating on its own) from q_now to the IK solution, then holding it."""
-    goal = ik(target_xy, q_now)
-    delta = goal - q_now[:2]
+def fk(q: np.ndarray) -> np.ndarray:
+    """Fingertip (x, y) of joint angles q (2,)."""
+    return np.array([L1 * np.cos(q[0]) + L2 * np.cos(q[0] + q[1]), L1 * np.sin(q[0]) + L2 * np.sin(q[0] + q[1])])
+
+
+def expert_chunk(tip_now: np.ndarray, target_xy: np.ndarray, horizon: int, max_step: float = 0.03) -> np.ndarray:
+    """(horizon, 2) fingertip waypoints: along the straight line from tip_now to the target, at most max_step
+    metres per step, then holding the target."""
+    delta = np.asarray(target_xy, dtype=np.float64) - tip_now
+    dist = float(np.linalg.norm(delta))
     k = np.arange(1, horizon + 1)[:, None] * max_step  # (H, 1)
-    return q_now[:2] + np.sign(delta) * np.minimum(np.abs(delta), k)
+    if dist < 1e-12:
+        return np.tile(tip_now, (horizon, 1))
+    return tip_now + delta / dist * np.minimum(dist, k)
+
+
+REACH = L1 + L2
 
 
 @dataclass
@@ -145,16 +162,16 @@ class ThreeTargetReacher:
         qpos[0], qpos[1] = r.uniform(-np.pi, np.pi), r.uniform(-2.0, 2.0)
         qpos[2:] = np.concatenate(pts)
         self._env.set_state(qpos, np.zeros(self.model.nv))
-        self._hold = qpos[:2].copy()
-        self.data.ctrl[:] = self._hold
+        self.data.ctrl[:] = qpos[:2]
         self.t = 0
         return self.observe()
 
     def step(self, action: np.ndarray) -> tuple[dict, float, bool, dict]:
         a = np.asarray(action, dtype=np.float64)
         if a.shape != (2,) or not np.isfinite(a).all():
-            raise ValueError(f"action must be 2 finite joint targets, got {a!r}")
-        self._env.do_simulation(a, self._env.frame_skip)
+            raise ValueError(f"action must be a finite fingertip target (x, y) in metres, got {a!r}")
+        q = ik(a, self.data.qpos[:2])
+        self._env.do_simulation(q, self._env.frame_skip)
         self.t += 1
         dist = self.distance()
         info = {"distance": dist, "success": dist <= SUCCESS_RADIUS}
@@ -165,7 +182,8 @@ class ThreeTargetReacher:
 
     # -- queries ------------------------------------------------------------------------------------
     def state(self) -> np.ndarray:
-        return np.concatenate([self.data.qpos[:2], self.data.qvel[:2]]).astype(np.float64)
+        """(6,) joint angles, joint velocities, fingertip (x, y)."""
+        return np.concatenate([self.data.qpos[:2], self.data.qvel[:2], self.fingertip()]).astype(np.float64)
 
     def fingertip(self) -> np.ndarray:
         return self._env.get_body_com("fingertip")[:2].copy()
@@ -177,7 +195,7 @@ class ThreeTargetReacher:
         return np.ascontiguousarray(self._env.render())  # (S, S, 3) uint8
 
     def expert(self, horizon: int) -> np.ndarray:
-        return expert_chunk(self.state(), self.targets[self.color], horizon)
+        return expert_chunk(self.fingertip(), self.targets[self.color], horizon)
 
     def close(self) -> None:
         self._env.close()
@@ -207,19 +225,19 @@ from .robot import Robot  # noqa: E402
 
 
 class ReacherRobot(Robot):
-    """The three-target reacher as a Robot for the control loop. Physics advances one control period
-    (0.05 s) per send_action, in lockstep with a 20 Hz loop; safe_stop() commands the current joint angles.
-    Safety clipping: joint1 to its +-3.0 rad range, joint0 to [-pi, pi], and at most `max_step` rad of
-    change from the current angle per command."""
+    """The three-target reacher as a Robot for the control loop. Actions are fingertip position targets
+    (x, y) in metres. Physics advances one control period (0.05 s) per send_action, in lockstep with a 20 Hz
+    loop; safe_stop() commands the current joint angles. Safety clipping: the target is pulled inside the
+    reachable disc (radius L1 + L2) and at most `max_step` metres from the current fingertip."""
 
-    def __init__(self, seed: int = 0, color: str | None = None, max_step: float = 0.6,
+    def __init__(self, seed: int = 0, color: str | None = None, max_step: float = 0.06,
                  cfg: ReacherConfig | None = None):
         if max_step <= 0:
             raise ValueError(f"max_step must be > 0, got {max_step}")
         self.seed, self.color, self.max_step, self.cfg = seed, color, max_step, cfg or ReacherConfig()
         s = self.cfg.image_size
-        self.observation_features = {"image": (s, s, 3), "state": (4,)}
-        self.action_features = {"position": (2,)}
+        self.observation_features = {"image": (s, s, 3), "state": (6,)}
+        self.action_features = {"fingertip": (2,)}
         self.env: ThreeTargetReacher | None = None
         self.steps = self.stops = 0
         self.distances: list[float] = []
@@ -241,16 +259,25 @@ class ReacherRobot(Robot):
     def get_observation(self) -> dict:
         return self._need().observe()
 
+    def hold_position(self, obs: dict) -> np.ndarray:
+        """The action that holds the robot where it stands: its fingertip position."""
+        return np.asarray(obs["state"], dtype=np.float64)[4:6].copy()
+
     def send_action(self, action: np.ndarray) -> np.ndarray:
         env = self._need()
         a = np.asarray(action, dtype=np.float64)
         if a.shape != (2,):
-            raise ValueError(f"action must be 2 joint position targets (rad), got shape {a.shape}")
+            raise ValueError(f"action must be a fingertip target (x, y) in metres, got shape {a.shape}")
         if not np.isfinite(a).all():
             raise ValueError(f"action contains NaN or inf: {a.tolist()}")
-        q = env.state()[:2]
-        a = np.clip(a, [-np.pi, -3.0], [np.pi, 3.0])
-        a = q + np.clip(a - q, -self.max_step, self.max_step)
+        r = float(np.linalg.norm(a))
+        if r > REACH:
+            a = a * (REACH / r)
+        tip = env.fingertip()
+        step = a - tip
+        n = float(np.linalg.norm(step))
+        if n > self.max_step:
+            a = tip + step * (self.max_step / n)
         env.step(a)
         self.steps += 1
         self.distances.append(env.distance())
@@ -258,7 +285,7 @@ class ReacherRobot(Robot):
 
     def safe_stop(self) -> None:
         env = self._need()
-        env.data.ctrl[:] = env.state()[:2]
+        env.data.ctrl[:] = env.data.qpos[:2]
         self.stops += 1
 
     def disconnect(self) -> None:

@@ -34,6 +34,13 @@ class Robot(ABC):
     @abstractmethod
     def disconnect(self) -> None: ...
 
+    def hold_position(self, obs: dict) -> np.ndarray:
+        """The action that holds the robot where it stands (the loop sends it until the first chunk lands).
+        Default: the leading action-sized part of obs["state"] (positions first, then anything else)."""
+        state = np.asarray(obs["state"], dtype=np.float64)
+        dims = int(sum(np.prod(v) for v in getattr(self, "action_features", {}).values())) or len(state)
+        return state[:dims].copy()
+
     def __enter__(self):
         self.connect()
         return self

@@ -13,7 +13,7 @@ from edgespec.speculative import accept_relaxed
 
 def obs(seed: int):
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), rng.normal(0, 1, 4),
+    return (rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), rng.normal(0, 1, 6),
             ["reach the red target", "go to the blue target", "touch the green target"][seed % 3])
 
 
@@ -108,8 +108,8 @@ def test_binary_dimensions_are_never_relaxed(tiny_policies, tmp_path):
 @pytest.mark.parametrize("bad, match", [
     (lambda o: (o[0][:32], o[1], o[2]), r"image must be \(64, 64, 3\) uint8"),
     (lambda o: (o[0].astype(np.float32), o[1], o[2]), r"uint8 RGB, got \(64, 64, 3\) float32"),
-    (lambda o: (o[0], np.array([np.nan, 0, 0, 0]), o[2]), "NaN"),
-    (lambda o: (o[0], o[1][:3], o[2]), r"state must have shape \(4,\)"),
+    (lambda o: (o[0], np.array([np.nan, 0, 0, 0, 0, 0]), o[2]), "NaN"),
+    (lambda o: (o[0], o[1][:4], o[2]), r"state must have shape \(6,\)"),
     (lambda o: (o[0], o[1], "reach the purple target"), r"unknown words \['purple'\]"),
     (lambda o: (o[0], o[1], ""), "non-empty string"),
 ])
