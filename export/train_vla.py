@@ -6,7 +6,8 @@
    episodes; half of them execute the expert's action with Gaussian noise (DART-style, so the data covers
    recoveries) while the label is always the clean expert chunk from the state actually reached.
 2. Model: an encoder (CNN with coordinate channels, FiLM-conditioned on the instruction, spatial-softmax
-   keypoints -> image tokens; a state token; instruction word tokens) makes P prefix embeddings; a Llama
+   keypoints -> image tokens; a goal token from the estimated (x, y) of the named target, trained with an
+   auxiliary regression loss; a state token; instruction word tokens) makes P prefix embeddings; a Llama
    target decoder emits the H x D action tokens after them (native id space 0..255, OpenVLA binning);
    a 1-layer draft decoder reads the same (detached) prefix and is trained with CE + KL to the target.
 3. Writes OUT/{policy.json, action_stats.json, encoder.safetensors (fp16), target/, draft/ (HF Llama
@@ -61,13 +62,16 @@ class VLAConfig:
                 raise ValueError(f"{k} must be > 0, got {getattr(self, k)}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} must be divisible by heads {self.heads}")
+        if self.state_dim < 6:
+            raise ValueError(f"state_dim must be >= 6 (joint angles, velocities, then the fingertip x, y the goal "
+                             f"token is relative to), got {self.state_dim}")
         self.state_scale = tuple(float(x) for x in self.state_scale)
         if len(self.state_scale) != self.state_dim or min(self.state_scale) <= 0:
             raise ValueError(f"state_scale needs {self.state_dim} positive values, got {self.state_scale}")
 
     @property
     def prefix_len(self) -> int:
-        return self.img_tokens + 1 + self.instr_len
+        return self.img_tokens + 2 + self.instr_len  # image tokens, goal token, state token, words
 
     @property
     def action_len(self) -> int:
@@ -93,7 +97,7 @@ def _collect(args) -> dict:
     from edgespec.robots.reacher import ThreeTargetReacher
     cfg = VLAConfig(**cfg_d)
     env = ThreeTargetReacher()
-    imgs, states, instr, chunks = [], [], [], []
+    imgs, states, instr, chunks, goals = [], [], [], [], []
     try:
         for seed in seeds:
             obs = env.reset(seed=int(seed))
@@ -104,12 +108,14 @@ def _collect(args) -> dict:
                 chunk = env.expert(cfg.horizon)
                 imgs.append(obs["image"]); states.append(obs["state"])
                 instr.append(words_to_ids(obs["instruction"], cfg.instr_len)); chunks.append(chunk)
+                goals.append(env.targets[env.color])
                 a = chunk[0] + (rng.normal(0, cfg.noise_std, 2) if noisy else 0.0)
                 obs, _, done, _ = env.step(a)
     finally:
         env.close()
     return {"image": np.stack(imgs), "state": np.stack(states).astype(np.float32),
-            "instr": np.stack(instr), "chunk": np.stack(chunks).astype(np.float32)}
+            "instr": np.stack(instr), "chunk": np.stack(chunks).astype(np.float32),
+            "goal": np.stack(goals).astype(np.float32)}
 
 
 def demonstrations(cfg: VLAConfig, work: Path, split: str, seeds: np.ndarray, workers: int = 2) -> dict:
@@ -149,10 +155,12 @@ def build_encoder(cfg: VLAConfig):
             self.conv3 = nn.Conv2d(32, k, 3, padding=1)
             self.film = nn.Linear(e, 2 * 32)
             self.img = nn.Linear(3 * k, cfg.img_tokens * e)
+            self.goal_head = nn.Sequential(nn.Linear(3 * k, 128), nn.ReLU(), nn.Linear(128, 2))
+            self.goal_tok = nn.Linear(4, e)
             self.state = nn.Linear(4 + cfg.state_dim, e)
             self.register_buffer("state_scale", torch.tensor(cfg.state_scale, dtype=torch.float32),
                                  persistent=False)
-            self.kind = nn.Parameter(torch.zeros(3, e))
+            self.kind = nn.Parameter(torch.zeros(4, e))
             s = cfg.image_size
             yy, xx = torch.meshgrid(torch.linspace(-1, 1, s), torch.linspace(-1, 1, s), indexing="ij")
             self.register_buffer("coords", torch.stack([xx, yy])[None], persistent=False)  # (1,2,S,S)
@@ -161,6 +169,10 @@ def build_encoder(cfg: VLAConfig):
             self.register_buffer("grid", torch.stack([xx.reshape(-1), yy.reshape(-1)], 1), persistent=False)
 
         def forward(self, image, state, instr):
+            return self.forward_aux(image, state, instr)[0]
+
+        def forward_aux(self, image, state, instr):
+            """-> prefix (B, P, E) and the named target's estimated (x, y) (B, 2), m (auxiliary loss)."""
             b = image.shape[0]
             x = image.permute(0, 3, 1, 2).float() / 127.5 - 1.0
             x = torch.cat([x, self.coords.expand(b, -1, -1, -1)], 1)
@@ -175,11 +187,13 @@ def build_encoder(cfg: VLAConfig):
             kp = attn @ self.grid  # (B, K, 2) expected x, y
             feat = torch.cat([kp.flatten(1), torch.relu(h).mean((2, 3))], 1)  # (B, 3K)
             img = self.img(feat).view(b, cfg.img_tokens, -1) + self.kind[0]
+            goal = self.goal_head(feat) * 0.2  # (B, 2) the named target, m
+            gt = self.goal_tok(torch.cat([goal, goal - state[:, 4:6]], 1) * 5.0)[:, None] + self.kind[3]
             q = state[:, :2]  # joint angles
             sf = torch.cat([torch.cos(q), torch.sin(q), state / self.state_scale], 1)
             st = (self.state(sf) + self.kind[1])[:, None]
             ins = w + self.instr_pos + self.kind[2]
-            return torch.cat([img, st, ins], 1)
+            return torch.cat([img, gt, st, ins], 1), goal
 
     return Encoder()
 
@@ -208,43 +222,48 @@ class Pair:
     def logits(self, batch, ids):
         """-> target and draft logits (B, T, V) predicting the T action ids after the prefix."""
         import torch
-        prefix = self.encoder(batch["image"], batch["state"], batch["instr"])  # (B, P, E)
+        prefix, goal = self.encoder.forward_aux(batch["image"], batch["state"], batch["instr"])  # (B, P, E)
         t = ids.shape[1]
         out = {}
         for name, model, pre in (("target", self.target, prefix), ("draft", self.draft, prefix.detach())):
             emb = model.get_input_embeddings()(ids[:, :-1])
             x = torch.cat([pre, emb], 1)
             out[name] = model(inputs_embeds=x).logits[:, -t:]
-        return out["target"], out["draft"]
+        return out["target"], out["draft"], goal
 
 
 def to_torch(data: dict, idx: np.ndarray) -> dict:
     import torch
-    return {"image": torch.from_numpy(data["image"][idx]), "state": torch.from_numpy(data["state"][idx]),
-            "instr": torch.from_numpy(data["instr"][idx])}
+    out = {"image": torch.from_numpy(data["image"][idx]), "state": torch.from_numpy(data["state"][idx]),
+           "instr": torch.from_numpy(data["instr"][idx])}
+    if "goal" in data:
+        out["goal"] = torch.from_numpy(data["goal"][idx])
+    return out
 
 
 def losses(pair: Pair, batch, ids):
     import torch.nn.functional as F
-    lt, ld = pair.logits(batch, ids)
+    lt, ld, goal = pair.logits(batch, ids)
     v = lt.shape[-1]
     ce_t = F.cross_entropy(lt.reshape(-1, v), ids.reshape(-1))
     ce_d = F.cross_entropy(ld.reshape(-1, v), ids.reshape(-1))
     kl = F.kl_div(F.log_softmax(ld, -1), F.log_softmax(lt.detach(), -1), log_target=True, reduction="batchmean")
     kl = kl / ids.shape[1]
-    return ce_t, ce_d, kl, lt, ld
+    aux = F.mse_loss(goal * 5.0, batch["goal"] * 5.0) if "goal" in batch else goal.sum() * 0.0
+    return ce_t, ce_d, kl, aux, lt, ld
 
 
 def evaluate(pair: Pair, data: dict, ids_all: np.ndarray) -> dict:
     import torch
     n = len(ids_all)
-    tot = {"target_ce": 0.0, "draft_ce": 0.0, "target_acc": 0.0, "draft_acc": 0.0, "agree": 0.0}
+    tot = {"target_ce": 0.0, "draft_ce": 0.0, "target_acc": 0.0, "draft_acc": 0.0, "agree": 0.0, "goal_err_m": 0.0}
     with torch.no_grad():
         for s in range(0, n, 512):
             idx = np.arange(s, min(n, s + 512))
             ids = torch.from_numpy(ids_all[idx])
-            ce_t, ce_d, _, lt, ld = losses(pair, to_torch(data, idx), ids)
+            ce_t, ce_d, _, aux, lt, ld = losses(pair, to_torch(data, idx), ids)
             w = len(idx) / n
+            tot["goal_err_m"] += aux.sqrt().item() / 5.0 * w
             tot["target_ce"] += ce_t.item() * w
             tot["draft_ce"] += ce_d.item() * w
             tot["target_acc"] += (lt.argmax(-1) == ids).float().mean().item() * w
@@ -362,14 +381,15 @@ def main(argv=None) -> int:
                 g["lr"] = lr
             idx = np.sort(order[i * cfg.batch:(i + 1) * cfg.batch])
             ids = torch.from_numpy(ids_train[idx])
-            ce_t, ce_d, kl, _, _ = losses(pair, to_torch(train, idx), ids)
-            loss = ce_t + 0.5 * ce_d + 0.5 * kl
+            ce_t, ce_d, kl, aux, _, _ = losses(pair, to_torch(train, idx), ids)
+            loss = ce_t + 0.5 * ce_d + 0.5 * kl + 10.0 * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             if i % 50 == 0:
                 print(f"epoch {epoch} step {i}/{steps_per_epoch} ce_t {ce_t.item():.3f} ce_d {ce_d.item():.3f} "
+                      f"goal_err {aux.sqrt().item() / 5:.4f} m "
                       f"kl {kl.item():.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
         for m in pair.modules().values():
             m.eval()
