@@ -100,7 +100,8 @@ def pooled(reps, dists, infos, dt) -> dict:
            "decode_ms": {"p50": float(np.percentile(dec, 50)), "p99": float(np.percentile(dec, 99))},
            "sections_ms_p99": {k: float(np.percentile(v, 99)) for k, v in sect.items()},
            "success_rate": float(np.mean(np.asarray(dists) <= SUCCESS_RADIUS)),
-           "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps))}
+           "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps)),
+           "realtime": sorted({r.realtime for r in reps})}
     acc = [i for ii in infos for i in ii if i.get("rounds")]
     if acc:
         out["tokens_per_round"] = float(np.mean([i["tokens_per_round"] for i in acc]))
@@ -146,18 +147,19 @@ def main(argv=None) -> int:
     ap.add_argument("--load", type=int, default=3, help="background busy processes in the loaded phase")
     ap.add_argument("--request-threshold", type=int, default=2)
     ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
     args = ap.parse_args(argv)
     engines = ensure_policy_engines(args.models, args.engines)
     policies = {"plain": edgespec.load_policy(engines),
                 "speculative": edgespec.load_policy(engines, draft=True, gamma=args.gamma)}
-    cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold)
+    cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
-               "load_processes": args.load, "gamma": args.gamma, "phases": {}}
+               "load_processes": args.load, "gamma": args.gamma, "rt_priority": args.rt_priority, "phases": {}}
     t0 = time.time()
     for phase, n in (("idle", 0), ("loaded", args.load)):
         acc = {k: ([], [], []) for k in policies}

@@ -69,12 +69,14 @@ def cmd_run(argv) -> int:
     p.add_argument("--seed", type=int, default=0, help="scene seed (target positions, start pose)")
     p.add_argument("--request-threshold", type=int, default=4, help="ask for a chunk below this many actions")
     p.add_argument("--profile", type=Path, default=None, help="write the loop profile JSON (+ trace, PNG)")
+    p.add_argument("--rt-priority", type=int, default=None,
+                   help="run the loop thread SCHED_FIFO at this priority (needs CAP_SYS_NICE)")
     args = p.parse_args(argv)
     try:
         color = color_of(args.instruction)
         policy, pol = make_policy(args, args.instruction)
         pol.instruction_ids(args.instruction)  # unknown words: fail before the loop starts
-        cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold)
+        cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     with ReacherRobot(seed=args.seed, color=color) as robot:

@@ -17,6 +17,7 @@ throughout. `edgespec.robots.profile` turns the report into percentiles, a Chrom
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -44,10 +45,15 @@ class LoopConfig:
     # the GIL to a waiting thread only every sys.getswitchinterval() (default 5 ms) -- a tick that wakes then
     # would start up to 5 ms late. run() lowers the interval to this for its duration (None: leave it).
     gil_switch_s: float | None = 0.0005
+    # SCHED_FIFO priority (1..99) for the loop thread during run(), as robot controllers run; needs
+    # CAP_SYS_NICE (root, or `setcap`/rtprio limits). None: normal scheduling. The report says if it took.
+    rt_priority: int | None = None
 
     def __post_init__(self):
         if not 1 <= self.hz <= 1000:
             raise ValueError(f"hz must be in [1, 1000], got {self.hz}")
+        if self.rt_priority is not None and not 1 <= self.rt_priority <= 99:
+            raise ValueError(f"rt_priority must be None or in [1, 99], got {self.rt_priority}")
         if self.gil_switch_s is not None and not 1e-5 <= self.gil_switch_s <= 0.1:
             raise ValueError(f"gil_switch_s must be None or in [1e-5, 0.1] s, got {self.gil_switch_s}")
         if self.watchdog_s <= 0 or self.request_threshold < 0 or self.stale_obs_s <= 0:
@@ -63,6 +69,7 @@ class LoopConfig:
 class LoopReport:
     """What one run() did. Times `*_s` are on the loop clock (s since run start), durations `*_ms` in ms."""
     hz: float = 0.0
+    realtime: str = "off"  # the loop thread's scheduling during the run
     ticks: int = 0
     sent: int = 0
     held: int = 0
@@ -166,6 +173,20 @@ class ControlLoop:
                     self.queue.push(chunk, now)
                     rep.inference_ms.append((now - t0) * 1e3)
 
+    def _enter_realtime(self, rep: LoopReport):
+        """SCHED_FIFO for the calling (loop) thread; returns what to restore, or None."""
+        if self.cfg.rt_priority is None:
+            rep.realtime = "off"
+            return None
+        try:
+            old = (os.sched_getscheduler(0), os.sched_getparam(0))
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.cfg.rt_priority))
+        except (AttributeError, OSError) as e:  # not Linux, or no CAP_SYS_NICE: run normally, say so
+            rep.realtime = f"unavailable ({type(e).__name__}: {e})"
+            return None
+        rep.realtime = f"SCHED_FIFO {self.cfg.rt_priority}"
+        return old
+
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> LoopReport:
         """Run for `seconds` at cfg.hz; returns this run's report. A latched stop carries over until reset()."""
@@ -180,6 +201,7 @@ class ControlLoop:
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = self.robot.hold_position(first)
+        sched = self._enter_realtime(rep)
         switch = sys.getswitchinterval()
         if cfg.gil_switch_s is not None:
             sys.setswitchinterval(cfg.gil_switch_s)
@@ -213,6 +235,8 @@ class ControlLoop:
                 rep.ticks += 1
         finally:
             sys.setswitchinterval(switch)
+            if sched is not None:
+                os.sched_setscheduler(0, *sched)
             quit.set()
             self._wake.set()
             with self._lock:

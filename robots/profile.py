@@ -34,7 +34,7 @@ def loop_profile(report: LoopReport, dt: float | None = None) -> dict:
     dt = dt or 1.0 / report.hz
     periods = np.diff(np.asarray(report.tick_start_s, dtype=float))  # (ticks - 1,) s
     return {
-        "hz": 1.0 / dt, "ticks": report.ticks, "duration_s": report.end_s,
+        "hz": 1.0 / dt, "ticks": report.ticks, "duration_s": report.end_s, "realtime": report.realtime,
         "achieved_hz": (report.ticks - 1) / float(np.sum(periods)) if periods.size else None,
         "sent": report.sent, "held_ticks": report.held, "stopped_ticks": report.stopped_ticks,
         "starved_ticks": report.starved, "deadline_misses": report.deadline_misses,

@@ -267,3 +267,14 @@ def test_gil_switch_interval_is_lowered_during_the_run_and_restored():
     assert sys.getswitchinterval() == before
     with pytest.raises(ValueError, match="gil_switch_s"):
         LoopConfig(gil_switch_s=1.0)
+
+
+def test_realtime_scheduling_is_applied_or_reported_and_always_restored():
+    import os
+    before = os.sched_getscheduler(0)
+    with MockRobot(dims=2) as robot:
+        rep = ControlLoop(robot, chunked_policy(), LoopConfig(hz=HZ, rt_priority=10)).run(0.1)
+    assert rep.realtime == "SCHED_FIFO 10" or rep.realtime.startswith("unavailable")
+    assert os.sched_getscheduler(0) == before
+    with pytest.raises(ValueError, match="rt_priority"):
+        LoopConfig(rt_priority=100)
