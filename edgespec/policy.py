@@ -157,8 +157,11 @@ class Policy:
         self.last_info = info
         return actions
 
-    def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None) -> tuple[list[int], dict]:
-        """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics."""
+    def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None,
+                   reference: bool = False) -> tuple[list[int], dict]:
+        """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics.
+        Speculative decoding runs a lean single-sequence loop; reference=True runs the same decoding through
+        the generic `speculative_round` + `DraftModel` (slow, obvious; tests compare the two)."""
         n, p = self.horizon * self.dims, prefix.shape[1]
         target = self.target
         target.cache.lengths[:] = 0
@@ -178,6 +181,8 @@ class Policy:
         dd.cache.lengths[:] = 0
         dd(None, embeds=prefix)
         dd.cache.lengths[:] = p
+        if not reference:
+            return self._speculative_fast(ids, n, p, info)
         draft._ctx_len[:] = p
         ctx = [0] * p + ids  # placeholder ids stand for the prefix rows already in both caches
         timer, radius, dev = Timer(), self._radius, [0]
@@ -208,6 +213,49 @@ class Policy:
             info["target_calls"] += 1
         info["draft_calls"] = dd.calls - calls0 + 1
         info["max_dev_bins"] = dev[0]
+        info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
+        return ids[:n], info
+
+    def _speculative_fast(self, ids: list[int], n: int, p: int, info: dict) -> tuple[list[int], dict]:
+        """The round for one sequence with no per-round objects: draft g ids from the draft's cache, verify
+        g + 1 in one target call, accept (accept_relaxed: exact when the radius is 0), roll the caches back.
+        Both caches hold the prefix; the target's lacks ids[-1], the draft's lacks `pending` (1 or 2 ids)."""
+        target, dd = self.target, self.draft.dec
+        lo, hi, radius = self.tok.first_id, self.tok.vocab_end, self._radius
+        pending = [ids[-1]]
+        feed = np.empty((1, self.cfg.gamma + 1), np.int64)
+        calls0 = dd.calls
+        while len(ids) < n:
+            g = min(self.cfg.gamma, n - len(ids) - 1)
+            if g == 0:  # one id left: a plain target step
+                ids.append(int(target(np.array([[ids[-1]]]))[0, 0, lo:hi].argmax()) + lo)
+                target.cache.lengths += 1
+                info["target_calls"] += 1
+                continue
+            lg = dd(np.array([pending], np.int64))[0, -1]  # catch up, then draft
+            dd.cache.lengths += len(pending)
+            for j in range(g):
+                feed[0, j + 1] = lg[lo:hi].argmax() + lo
+                if j + 1 < g:
+                    lg = dd(feed[:, j + 1:j + 2])[0, 0]
+                    dd.cache.lengths += 1
+            feed[0, 0] = ids[-1]
+            drafts = feed[0, 1:g + 1]
+            logits = target(feed[:, :g + 1])[0]  # (g+1, V)
+            pos = len(ids)  # chunk index of drafts[0]
+            k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + g])
+            if k and radius[pos:pos + k].any():
+                t = logits[:k, lo:hi].argmax(-1) + lo
+                info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
+            target.cache.lengths += 1 + k
+            dd.cache.lengths -= (g - 1) - min(k, g - 1)  # keep the fed drafts that were accepted
+            pending = [int(drafts[g - 1]), nxt] if k == g else [nxt]
+            ids += drafts[:k].tolist() + [nxt]
+            info["rounds"] += 1
+            info["drafted"] += g
+            info["accepted"] += k
+            info["target_calls"] += 1
+        info["draft_calls"] = dd.calls - calls0 + 1
         info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
         return ids[:n], info
 

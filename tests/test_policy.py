@@ -149,3 +149,17 @@ def test_tampered_encoder_is_refused(tiny_policies, tmp_path):
         f.write(b"\0")
     with pytest.raises(EngineError, match="does not match the sha256"):
         load_policy(d)
+
+
+@pytest.mark.parametrize("mode, radius, gamma", [("greedy", 0, 1), ("greedy", 0, 4), ("relaxed", 3, 3),
+                                                 ("relaxed", 200, 5), ("greedy", 0, 8)])
+def test_fast_round_matches_the_generic_speculative_round(tiny_policies, mode, radius, gamma):
+    for name in ("plain", "self"):
+        pol = load_policy(tiny_policies[name], draft=True, mode=mode, radius=radius, gamma=gamma)
+        for seed in range(3):
+            pre = pol.encode(*obs(seed))
+            fast, fi = pol.decode_ids(pre)
+            ref, ri = pol.decode_ids(pre, reference=True)
+            assert fast == ref
+            for key in ("rounds", "drafted", "accepted", "target_calls", "draft_calls", "max_dev_bins"):
+                assert fi[key] == ri[key], (key, fi, ri)
