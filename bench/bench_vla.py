@@ -9,7 +9,7 @@ tokens per round, action-decode latency p50/p99 (encoder excluded; act() total a
 decode over plain from the same run. Exact mode also checks its actions are identical to plain decoding on
 every step of every episode; relaxed modes report the largest accepted bin distance and, on every call,
 the deviation from the plain chunk for the same observation (computed untimed).
-A γ sweep over a few episodes picks the draft length first. Writes JSON and a PNG of success vs speedup.
+γ sweeps over a few episodes pick the draft length first (one for exact, one for relaxed at the middle r). Writes JSON and a PNG of success vs speedup.
 """
 from __future__ import annotations
 
@@ -83,17 +83,17 @@ class Mode:
         if self.policy.cfg.mode == "relaxed" and self.policy.draft is not None:
             out["radius_bins"] = self.policy.cfg.radius
             out["max_accepted_dev_bins"] = int(self.max_dev_bins)
-            out["worst_case_dev_per_token_rad"] = self.policy.worst_case_deviation().tolist()
-            out["max_dev_vs_plain_chunk_rad"] = self.max_dev_units.tolist()
+            out["worst_case_dev_per_token"] = self.policy.worst_case_deviation().tolist()  # action units
+            out["max_dev_vs_plain_chunk"] = self.max_dev_units.tolist()  # action units, over every call
         return out
 
     def close(self):
         self.env.close()
 
 
-def gamma_sweep(engines: Path, gammas, episodes: int, execute: int, seed0: int) -> dict:
+def gamma_sweep(engines: Path, gammas, episodes: int, execute: int, seed0: int, **kw) -> dict:
     plain = Mode("plain", edgespec.load_policy(engines))
-    modes = [Mode(f"g{g}", edgespec.load_policy(engines, draft=True, gamma=g)) for g in gammas]
+    modes = [Mode(f"g{g}", edgespec.load_policy(engines, draft=True, gamma=g, **kw)) for g in gammas]
     for ep in range(episodes):
         for m in [plain] + modes:
             m.episode(seed0 + ep, execute)
@@ -139,18 +139,23 @@ def main(argv=None) -> int:
     seed0 = 900_000
     t0 = time.time()
     sweep = None
-    if args.gamma == "auto":
-        sweep = gamma_sweep(engines, (2, 3, 4, 6, 8, 15), args.sweep_episodes, args.execute, seed0 + 10_000)
-        gamma = int(max(sweep, key=lambda k: sweep[k]["speedup_decode_mean"])[1:])
-        print("gamma sweep:", {k: round(v["speedup_decode_mean"], 2) for k, v in sweep.items()}, "->", gamma)
+    radii = [int(r) for r in args.radii.split(",")]
+    if args.gamma == "auto":  # one sweep for exact decoding, one for relaxed at the middle radius
+        sweep, best = {}, {}
+        for key, kw in (("exact", {}), ("relaxed", {"mode": "relaxed", "radius": radii[len(radii) // 2]})):
+            sweep[key] = gamma_sweep(engines, (2, 3, 4, 6, 8, 15), args.sweep_episodes, args.execute,
+                                     seed0 + 10_000, **kw)
+            best[key] = int(max(sweep[key], key=lambda k: sweep[key][k]["speedup_decode_mean"])[1:])
+            print(f"gamma sweep ({key}):", {k: round(v["speedup_decode_mean"], 2) for k, v in sweep[key].items()},
+                  "->", best[key])
+        gamma, gamma_relaxed = best["exact"], best["relaxed"]
     else:
-        gamma = int(args.gamma)
+        gamma = gamma_relaxed = int(args.gamma)
     ref = edgespec.load_policy(engines)
     modes = [Mode("plain", edgespec.load_policy(engines)),
              Mode("exact", edgespec.load_policy(engines, draft=True, gamma=gamma))]
-    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, draft=True, gamma=gamma, mode="relaxed",
-                                                         radius=int(r)), reference=ref)
-              for r in args.radii.split(",")]
+    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, draft=True, gamma=gamma_relaxed, mode="relaxed",
+                                                         radius=r), reference=ref) for r in radii]
     try:
         from tqdm import tqdm
         it = tqdm(range(args.episodes), desc="episodes")
@@ -164,6 +169,8 @@ def main(argv=None) -> int:
         np.array_equal(a, b) for a, b in zip(plain.actions, modes[1].actions))
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_vla.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "episodes": args.episodes, "execute": args.execute, "gamma": gamma,
+               "gamma_relaxed": gamma_relaxed,
+               "action_units": json.loads((engines / "policy.json").read_text()).get("action_units", ""),
                "gamma_sweep": sweep, "exact_actions_identical_to_plain": bool(identical),
                "policy": json.loads((engines / "policy.json").read_text())["task"],
                "modes": {m.name: m.report(None if m is plain else plain) for m in modes},

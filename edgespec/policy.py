@@ -146,7 +146,7 @@ class Policy:
         return logits[:, lo:hi].argmax(-1) + lo, None
 
     def act(self, image, state, instruction: str) -> np.ndarray:
-        """-> (H, D) continuous actions in robot units (here: joint position targets, rad)."""
+        """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
         t0 = time.perf_counter()
         prefix = self.encode(image, state, instruction)  # (1, P, E)
         t1 = time.perf_counter()
@@ -260,7 +260,8 @@ class Policy:
         return ids[:n], info
 
     def worst_case_deviation(self) -> np.ndarray:
-        """(D,) the most a relaxed token can differ from the target's choice, in action units (rad)."""
+        """(D,) the most a relaxed token can differ from the target's choice, in action units (policy.json's
+        action_units; the reacher: metres)."""
         s = self.tok.stats
         r = self._radius[:self.dims].astype(np.float64)
         return r * (s.q99 - s.q01) / (self.tok.n_bins - 1) * np.where(s.mask, 1.0, 0.0)

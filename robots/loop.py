@@ -197,10 +197,10 @@ class ControlLoop:
         self._job, self._busy_since, self._hung = None, None, False
         self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
         clock = time.perf_counter
-        t_origin = clock()
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = self.robot.hold_position(first)
+        t_origin = clock()  # tick 0 starts now: the first observation's cost is not a late first period
         sched = self._enter_realtime(rep)
         switch = sys.getswitchinterval()
         if cfg.gil_switch_s is not None:
