@@ -201,13 +201,13 @@ class ControlLoop:
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = self.robot.hold_position(first)
         t_origin = clock()  # tick 0 starts now: the first observation's cost is not a late first period
-        sched = self._enter_realtime(rep)
         switch = sys.getswitchinterval()
         if cfg.gil_switch_s is not None:
             sys.setswitchinterval(cfg.gil_switch_s)
         quit = threading.Event()
         worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
         worker.start()
+        sched = self._enter_realtime(rep)  # after the worker started: only the loop thread goes real-time
         dur, start = rep.sections_ms, rep.section_start_s
         next_tick = 0.0
         try:

@@ -271,10 +271,16 @@ def test_gil_switch_interval_is_lowered_during_the_run_and_restored():
 
 def test_realtime_scheduling_is_applied_or_reported_and_always_restored():
     import os
-    before = os.sched_getscheduler(0)
+    before, worker_sched = os.sched_getscheduler(0), []
+
+    def policy(obs):  # runs in the inference worker: it keeps normal scheduling
+        worker_sched.append(os.sched_getscheduler(0))
+        return np.tile(obs["state"], (8, 1))
+
     with MockRobot(dims=2) as robot:
-        rep = ControlLoop(robot, chunked_policy(), LoopConfig(hz=HZ, rt_priority=10)).run(0.1)
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, rt_priority=10)).run(0.2)
     assert rep.realtime == "SCHED_FIFO 10" or rep.realtime.startswith("unavailable")
+    assert worker_sched and set(worker_sched) == {before}
     assert os.sched_getscheduler(0) == before
     with pytest.raises(ValueError, match="rt_priority"):
         LoopConfig(rt_priority=100)
