@@ -37,6 +37,22 @@ from .speculative import accept_relaxed, speculative_round
 MODES = ("greedy", "relaxed")
 
 
+def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarray:
+    """The instruction's word ids (L,), right-padded with 0 (<pad>); unknown words are an error."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty string, got {instruction!r}")
+    got = instruction.lower().split()
+    unknown = [w for w in got if w not in words]
+    if unknown:
+        raise ValueError(f"unknown words {unknown} in instruction {instruction!r}; the policy knows "
+                         f"{[w for w in words if w != '<pad>']}")
+    if len(got) > length:
+        raise ValueError(f"instruction has {len(got)} words; the policy takes at most {length}")
+    ids = np.zeros(length, np.int64)
+    ids[:len(got)] = [words.index(w) for w in got]
+    return ids
+
+
 @dataclass
 class PolicyConfig:
     mode: str = "greedy"
@@ -99,7 +115,7 @@ class Policy:
         # per chunk position: how many bins a relaxed draft may be off (0 on binary / unmasked dims)
         binary = set(meta.get("binary_dims", [])) | set(np.nonzero(~stats.mask)[0].tolist())
         r = self.cfg.radius if self.cfg.mode == "relaxed" else 0
-        self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n + 1 + 32)], np.int64)
+        self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n)], np.int64)  # (H*D,)
         self.last_info: dict = {}
 
     @staticmethod
@@ -109,18 +125,11 @@ class Policy:
 
     # -- inputs ------------------------------------------------------------------------------------
     def instruction_ids(self, instruction: str) -> np.ndarray:
-        if not isinstance(instruction, str) or not instruction.strip():
-            raise ValueError(f"instruction must be a non-empty string, got {instruction!r}")
-        words = instruction.lower().split()
-        unknown = [w for w in words if w not in self.words]
-        if unknown:
-            raise ValueError(f"unknown words {unknown} in instruction {instruction!r}; the policy knows "
-                             f"{[w for w in self.words if w != '<pad>']}")
-        if len(words) > self.instr_len:
-            raise ValueError(f"instruction has {len(words)} words; the policy takes at most {self.instr_len}")
-        ids = np.zeros((1, self.instr_len), np.int64)
-        ids[0, :len(words)] = [self.words.index(w) for w in words]
-        return ids
+        return instruction_ids(instruction, self.words, self.instr_len)[None]  # (1, L)
+
+    def __call__(self, obs: dict) -> np.ndarray:
+        """obs {"image", "state", "instruction"} -> (H, D): the callable the control loop and node take."""
+        return self.act(obs["image"], obs["state"], obs["instruction"])
 
     def check_inputs(self, image, state) -> tuple[np.ndarray, np.ndarray]:
         image, state = np.asarray(image), np.asarray(state)

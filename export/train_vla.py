@@ -79,14 +79,9 @@ class VLAConfig:
 
 
 def words_to_ids(instruction: str, length: int) -> np.ndarray:
-    """The instruction's word ids, right-padded with <pad> to `length`; unknown words are an error."""
-    words = instruction.lower().split()
-    unknown = [w for w in words if w not in WORDS]
-    if unknown:
-        raise ValueError(f"unknown words {unknown} in {instruction!r}; known words: {WORDS[1:]}")
-    if len(words) > length:
-        raise ValueError(f"instruction has {len(words)} words, the policy takes at most {length}")
-    return np.array([WORDS.index(w) for w in words] + [0] * (length - len(words)), np.int64)
+    """The instruction's word ids, right-padded with <pad>: the runtime's rule, so training and acting agree."""
+    from edgespec.policy import instruction_ids
+    return instruction_ids(instruction, WORDS, length)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,20 +32,25 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per engine")
 
 
+class FixedInstruction:
+    """A policy callable that always acts on one instruction (the command line's), whatever obs says."""
+
+    def __init__(self, policy, instruction: str):
+        self.policy, self.instruction = policy, instruction
+
+    @property
+    def last_info(self) -> dict:
+        return self.policy.last_info
+
+    def __call__(self, obs: dict) -> np.ndarray:
+        return self.policy.act(obs["image"], obs["state"], self.instruction)
+
+
 def make_policy(args, instruction: str | None = None):
     """-> (callable obs -> (H, D) chunk with .last_info, the Policy)."""
     pol = load_policy(args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
                       threads=args.threads)
-
-    class Call:
-        last_info: dict = {}
-
-        def __call__(self, obs: dict) -> np.ndarray:
-            chunk = pol.act(obs["image"], obs["state"], instruction or obs["instruction"])
-            Call.last_info = pol.last_info
-            return chunk
-
-    return Call(), pol
+    return (FixedInstruction(pol, instruction) if instruction else pol), pol
 
 
 def color_of(instruction: str) -> str:
