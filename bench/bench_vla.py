@@ -9,7 +9,11 @@ tokens per round, action-decode latency p50/p99 (encoder excluded; act() total a
 decode over plain from the same run. Exact mode also checks its actions are identical to plain decoding on
 every step of every episode; relaxed modes report the largest accepted bin distance and, on every call,
 the deviation from the plain chunk for the same observation (computed untimed).
-γ sweeps over a few episodes pick the draft length first (one for exact, one for relaxed at the middle r). Writes JSON and a PNG of success vs speedup.
+Drafts: "exact" and "relaxed" use the policy's numpy draft head (draft="head"); "exact (draft decoder)" the
+1-layer draft decoder engine. Short sweeps on other episodes (seeds 910000+) first pick the draft length γ
+and the dynamic-stop threshold per draft kind. Per-call costs (encoder, target at S tokens, draft decoder,
+draft head) are measured on one observation and recorded, since they decide what speculation can gain.
+Writes JSON and a PNG of success vs speedup.
 """
 from __future__ import annotations
 
@@ -80,7 +84,11 @@ class Mode:
             out["speedup_decode_p50"] = plain.report(None)["decode_ms_p50"] / out["decode_ms_p50"]
             out["speedup_decode_mean"] = float(np.mean(plain.decode_ms) / np.mean(self.decode_ms))
             out["speedup_act_p50"] = pct(plain.act_ms, 50) / out["act_ms_p50"]
-        if self.policy.cfg.mode == "relaxed" and self.policy.draft is not None:
+        pol = self.policy
+        if pol.draft is not None or pol.head is not None:
+            out["draft"] = "head" if pol.head is not None else "decoder"
+            out.update(gamma=pol.cfg.gamma, stop_below=pol.cfg.stop_below)
+        if pol.cfg.mode == "relaxed" and (pol.draft is not None or pol.head is not None):
             out["radius_bins"] = self.policy.cfg.radius
             out["max_accepted_dev_bins"] = int(self.max_dev_bins)
             out["worst_case_dev_per_token"] = self.policy.worst_case_deviation().tolist()  # action units
@@ -91,17 +99,61 @@ class Mode:
         self.env.close()
 
 
-def gamma_sweep(engines: Path, gammas, episodes: int, execute: int, seed0: int, **kw) -> dict:
+def sweep(engines: Path, grid: list[dict], episodes: int, execute: int, seed0: int) -> tuple[dict, dict]:
+    """Run plain and every load_policy(**kw) of `grid` on the same episodes -> (table, best kw by mean
+    decode speedup)."""
     plain = Mode("plain", edgespec.load_policy(engines))
-    modes = [Mode(f"g{g}", edgespec.load_policy(engines, draft=True, gamma=g, **kw)) for g in gammas]
+    name = lambda kw: " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("draft", "mode", "radius"))  # noqa: E731
+    modes = [Mode(name(kw), edgespec.load_policy(engines, **kw)) for kw in grid]
     for ep in range(episodes):
         for m in [plain] + modes:
             m.episode(seed0 + ep, execute)
-    out = {m.name: {"decode_ms_mean": float(np.mean(m.decode_ms)),
-                    "speedup_decode_mean": float(np.mean(plain.decode_ms) / np.mean(m.decode_ms)),
-                    "tokens_per_round": (m.accepted + m.rounds) / max(m.rounds, 1)} for m in modes}
+    table = {m.name: {"decode_ms_mean": float(np.mean(m.decode_ms)),
+                      "speedup_decode_mean": float(np.mean(plain.decode_ms) / np.mean(m.decode_ms)),
+                      "tokens_per_round": (m.accepted + m.rounds) / max(m.rounds, 1)} for m in modes}
     for m in [plain] + modes:
         m.close()
+    best = max(zip(grid, modes), key=lambda gm: table[gm[1].name]["speedup_decode_mean"])[0]
+    return table, best
+
+
+def call_costs(engines: Path, repeats: int = 300) -> dict:
+    """Per-call latency (ms, median of `repeats`) of every piece a chunk is made of, on one real observation:
+    what decides whether speculative decoding can pay on this machine."""
+    env = ThreeTargetReacher()
+    obs = env.reset(seed=123_456)
+    env.close()
+    pol = edgespec.load_policy(engines, draft=True)
+    prefix = pol.encode(obs["image"], obs["state"], obs["instruction"])
+    p, tgt, dd = prefix.shape[1], pol.target, pol.draft.dec
+
+    def med(f) -> float:
+        f()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return round(float(np.median(ts)) * 1e3, 4)
+
+    def prefill(dec, extra=0):
+        dec.cache.lengths[:] = 0
+        x = prefix if not extra else np.concatenate([prefix, np.repeat(prefix[:, -1:], extra, 1)], 1)
+        dec(None, embeds=x)
+
+    out = {"encoder": med(lambda: pol.encode(obs["image"], obs["state"], obs["instruction"])),
+           "target_prefill": med(lambda: prefill(tgt)), "draft_decoder_prefill": med(lambda: prefill(dd)),
+           "target_prefill_plus_8": med(lambda: prefill(tgt, 8))}
+    tgt.cache.lengths[:] = p
+    dd.cache.lengths[:] = p
+    for s in (1, 2, 4, 8, 16):
+        ids = np.full((1, s), 100, np.int64)
+        out[f"target_S{s}"] = med(lambda: tgt(ids))
+        out[f"draft_decoder_S{s}"] = med(lambda: dd(ids))
+    if (engines / "draft_head.npz").is_file():
+        head = edgespec.load_policy(engines, draft="head").head
+        out["draft_head_start"] = med(lambda: head.start(prefix))
+        out["draft_head_next"] = med(lambda: head.next([100, 120, 104, 124]))
     return out
 
 
@@ -130,7 +182,9 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--execute", type=int, default=4, help="chunk steps executed before replanning")
     ap.add_argument("--radii", default="2,5,9")
-    ap.add_argument("--gamma", default="auto", help="draft length, or 'auto' = best of a short sweep")
+    ap.add_argument("--gamma", default="auto", help="the most draft tokens per round for every draft, or 'auto': "
+                    "pick γ and --stop-below per draft kind from a short sweep")
+    ap.add_argument("--stop-below", type=float, default=0.0, help="dynamic draft length with a fixed --gamma")
     ap.add_argument("--sweep-episodes", type=int, default=10)
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
@@ -138,24 +192,30 @@ def main(argv=None) -> int:
     engines = ensure_policy_engines(args.models, args.engines)
     seed0 = 900_000
     t0 = time.time()
-    sweep = None
     radii = [int(r) for r in args.radii.split(",")]
-    if args.gamma == "auto":  # one sweep for exact decoding, one for relaxed at the middle radius
-        sweep, best = {}, {}
-        for key, kw in (("exact", {}), ("relaxed", {"mode": "relaxed", "radius": radii[len(radii) // 2]})):
-            sweep[key] = gamma_sweep(engines, (2, 3, 4, 6, 8, 15), args.sweep_episodes, args.execute,
-                                     seed0 + 10_000, **kw)
-            best[key] = int(max(sweep[key], key=lambda k: sweep[key][k]["speedup_decode_mean"])[1:])
-            print(f"gamma sweep ({key}):", {k: round(v["speedup_decode_mean"], 2) for k, v in sweep[key].items()},
-                  "->", best[key])
-        gamma, gamma_relaxed = best["exact"], best["relaxed"]
-    else:
-        gamma = gamma_relaxed = int(args.gamma)
+    costs = call_costs(engines)
+    print("per-call ms:", costs)
+    # draft length (and dynamic stop) per draft kind, from a short sweep on other episodes
+    grids = {
+        "exact head": [dict(draft="head", gamma=g, stop_below=sb) for g in (4, 8, 15) for sb in (0.0, 0.5, 0.7, 0.9)],
+        "exact decoder": [dict(draft=True, gamma=g, stop_below=sb) for g in (2, 4, 8) for sb in (0.0, 0.5)],
+        "relaxed head": [dict(draft="head", mode="relaxed", radius=radii[len(radii) // 2], gamma=g, stop_below=sb)
+                         for g in (8, 15) for sb in (0.5, 0.7, 0.9)]}
+    sweeps, best = {}, {}
+    for key, grid in grids.items():
+        if args.gamma != "auto":
+            best[key] = {**grid[0], "gamma": int(args.gamma), "stop_below": args.stop_below}
+            continue
+        sweeps[key], best[key] = sweep(engines, grid, args.sweep_episodes, args.execute, seed0 + 10_000)
+        print(f"sweep ({key}):", {k: round(v["speedup_decode_mean"], 2) for k, v in sweeps[key].items()},
+              "->", best[key])
     ref = edgespec.load_policy(engines)
     modes = [Mode("plain", edgespec.load_policy(engines)),
-             Mode("exact", edgespec.load_policy(engines, draft=True, gamma=gamma))]
-    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, draft=True, gamma=gamma_relaxed, mode="relaxed",
-                                                         radius=r), reference=ref) for r in radii]
+             Mode("exact", edgespec.load_policy(engines, **best["exact head"])),
+             Mode("exact (draft decoder)", edgespec.load_policy(engines, **best["exact decoder"]))]
+    relaxed = {k: v for k, v in best["relaxed head"].items() if k != "radius"}
+    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, radius=r, **relaxed), reference=ref)
+              for r in radii]
     try:
         from tqdm import tqdm
         it = tqdm(range(args.episodes), desc="episodes")
@@ -165,13 +225,14 @@ def main(argv=None) -> int:
         for m in modes:
             m.episode(seed0 + ep, args.execute)
     plain = modes[0]
-    identical = len(plain.actions) == len(modes[1].actions) and all(
-        np.array_equal(a, b) for a, b in zip(plain.actions, modes[1].actions))
+    identical = {m.name: len(plain.actions) == len(m.actions) and all(
+        np.array_equal(a, b) for a, b in zip(plain.actions, m.actions)) for m in modes[1:3]}
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_vla.py " + " ".join(argv or sys.argv[1:]),
-               "machine": machine(), "episodes": args.episodes, "execute": args.execute, "gamma": gamma,
-               "gamma_relaxed": gamma_relaxed,
+               "machine": machine(), "episodes": args.episodes, "execute": args.execute,
                "action_units": json.loads((engines / "policy.json").read_text()).get("action_units", ""),
-               "gamma_sweep": sweep, "exact_actions_identical_to_plain": bool(identical),
+               "call_costs_ms": costs, "settings": {k: {kk: vv for kk, vv in v.items() if kk != "radius"}
+                                                    for k, v in best.items()},
+               "sweeps": sweeps, "exact_actions_identical_to_plain": identical,
                "policy": json.loads((engines / "policy.json").read_text())["task"],
                "modes": {m.name: m.report(None if m is plain else plain) for m in modes},
                "wall_s": round(time.time() - t0, 1)}
@@ -184,7 +245,8 @@ def main(argv=None) -> int:
     for name, r in results["modes"].items():
         print(f"{name:14s} success {r['success_rate']:.2f} return {r['mean_return']:7.2f} "
               f"decode p50 {r['decode_ms_p50']:.2f} ms p99 {r['decode_ms_p99']:.2f} ms "
-              f"speedup {r.get('speedup_decode_mean', 1.0):.2f}x tokens/round {r.get('tokens_per_round', 1.0):.2f}")
+              f"speedup {r.get('speedup_decode_mean', 1.0):.2f}x (p50 {r.get('speedup_decode_p50', 1.0):.2f}x) "
+              f"tokens/round {r.get('tokens_per_round', 1.0):.2f}")
     print(f"exact actions identical to plain: {identical}; wrote {out}")
     return 0
 

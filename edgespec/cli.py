@@ -215,17 +215,25 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
 VLA_POLICY = "vla-reacher"  # models/vla-reacher (train_vla.py) -> engines/vla-reacher (export_policy)
 
 
+def _sha(path: Path) -> str:
+    from edgespec.contract import file_sha256
+    return file_sha256(path)
+
+
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
     eng, src = Path(engines) / name, Path(models) / name
-    if not (eng / "policy.json").is_file():
+    stale = (src / "draft_head.npz").is_file() and (eng / "policy.json").is_file() and \
+        json.loads((eng / "policy.json").read_text()).get("draft_head_sha256") != _sha(src / "draft_head.npz")
+    if not (eng / "policy.json").is_file() or stale:
         if not (src / "policy.json").is_file():
             raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
                                     f"root, or pass --engines/--models")
         _need_export_extra()
         from edgespec.export.vla import export_policy
-        print(f"exporting {src} -> {eng} (first run only)", file=sys.stderr)
-        export_policy(src, eng, progress=False)
+        print(f"exporting {src} -> {eng} ({'its draft head changed' if stale else 'first run only'})",
+              file=sys.stderr)
+        export_policy(src, eng, progress=False, force=stale)
     return eng
 
 

@@ -44,16 +44,31 @@ class Drafter(ABC):
         """Sequence b finished: forget its state."""
 
 
+def max_prob(logits: np.ndarray) -> np.ndarray:
+    """logits (B, V) -> (B,) the softmax probability of each row's argmax."""
+    z = logits - logits.max(-1, keepdims=True)
+    return 1.0 / np.exp(z).sum(-1)
+
+
 class DraftModel(Drafter):
     """A small decoder engine drafting autoregressively from its own cache.
 
     Its cache covers the context up to the pending token after a catch-up call (1 token, or 2 when the
-    last round accepted everything), then it feeds d_1..d_{γ-1}; rows of rejected drafts are rolled back.
+    last round accepted everything), then it feeds d_1..d_{n-1}; rows of rejected drafts are rolled back.
+
+    Dynamic draft length: with `stop_below` > 0 a sequence stops drafting after the first proposal whose
+    confidence (default: the draft's softmax probability of its argmax) is below it; that proposal is still
+    verified (it costs the target little), the draft is not run on it. γ is then the most per round.
     """
     name = "model"
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, stop_below: float = 0.0,
+                 confidence: Callable[[np.ndarray], np.ndarray] | None = None):
+        if not 0.0 <= stop_below < 1.0:
+            raise ValueError(f"stop_below must be in [0, 1), got {stop_below!r}")
         self.dec = decoder
+        self.stop_below = stop_below
+        self.confidence = confidence or max_prob  # logits (B, V) -> (B,)
         self._ctx_len = np.zeros(decoder.batch, dtype=np.int64)
 
     def room(self, contexts, active) -> int:
@@ -75,6 +90,8 @@ class DraftModel(Drafter):
         cache.lengths = n_ctx.copy()
         self._ctx_len = n_ctx
         tokens = np.zeros((b, gamma), dtype=np.int64)
+        counts = np.full(b, gamma, dtype=np.int64)
+        drafting = active.copy()  # (B,) sequences still proposing
         qs = None
         for j in range(gamma):
             tok, q = pick(last, n_ctx + j)  # token at position n_ctx + j
@@ -83,10 +100,16 @@ class DraftModel(Drafter):
                 if qs is None:
                     qs = np.empty((b, gamma, q.shape[-1]), dtype=q.dtype)
                 qs[:, j] = q
+            if self.stop_below > 0:
+                unsure = drafting & (self.confidence(last) < self.stop_below)
+                counts[unsure] = j + 1
+                drafting &= ~unsure
+                if not drafting.any():
+                    break
             if j + 1 < gamma:
                 last = self.dec(tokens[:, j:j + 1])[:, 0]
                 cache.lengths += 1
-        return Proposal(tokens, np.full(b, gamma, dtype=np.int64), qs)
+        return Proposal(tokens, counts, qs)
 
     def commit(self, accepted) -> None:
         c = self.dec.cache

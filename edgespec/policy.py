@@ -28,6 +28,7 @@ import numpy as np
 from . import contract as C
 from .actions import ActionStats, ActionTokenizer
 from .decoder import Decoder
+from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel
 from .engine import OrtEngine, session_options
 from .generate import Timer
@@ -35,6 +36,7 @@ from .sampling import SamplingConfig
 from .speculative import accept_relaxed, speculative_round
 
 MODES = ("greedy", "relaxed")
+HEAD_FILE = "draft_head.npz"
 
 
 def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarray:
@@ -57,7 +59,8 @@ def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarr
 class PolicyConfig:
     mode: str = "greedy"
     radius: int = 5  # relaxed: bins a draft token may differ from the target's choice
-    gamma: int = 8  # draft tokens per round
+    gamma: int = 8  # the most draft tokens per round
+    stop_below: float = 0.0  # dynamic draft length: stop after a proposal the draft gives p < this (0: always γ)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -66,6 +69,8 @@ class PolicyConfig:
             raise ValueError(f"radius must be an integer >= 0 (bins), got {self.radius!r}")
         if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 32:
             raise ValueError(f"gamma must be an integer in [1, 32], got {self.gamma!r}")
+        if not isinstance(self.stop_below, (int, float)) or not 0.0 <= self.stop_below < 1.0:
+            raise ValueError(f"stop_below must be a probability in [0, 1), got {self.stop_below!r}")
 
 
 class Policy:
@@ -95,13 +100,28 @@ class Policy:
         self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
         self.target = self._decoder(OrtEngine(self.dir / "target", provider, threads, check_hashes))
-        self.draft = None
-        if draft is not False and draft is not None:
+        self.draft, self.head = None, None
+        if draft == "head":
+            hpath = self.dir / HEAD_FILE
+            if not hpath.is_file():
+                raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (train one with "
+                                        f"`python -m edgespec.export.train_draft_head`)")
+            if check_hashes and meta.get("draft_head_sha256") and C.file_sha256(hpath) != meta["draft_head_sha256"]:
+                raise C.EngineError(f"{hpath} does not match the sha256 in {path}")
+            self.head = DraftHead.load(hpath)
+            if self.tok.first_id != 0 or self.head.n_ids != self.tok.vocab_end:
+                raise ValueError(f"the draft head proposes ids 0..{self.head.n_ids - 1}; this policy's action ids "
+                                 f"are {self.tok.first_id}..{self.tok.vocab_end - 1}")
+            if (self.head.dims, self.head.w.horizon) != (self.dims, self.horizon):
+                raise ValueError(f"draft head is for {self.head.w.horizon}x{self.head.dims} chunks, the policy "
+                                 f"emits {self.horizon}x{self.dims}")
+        elif draft is not False and draft is not None:
             ddir = self.dir / "draft" if draft is True else Path(draft)
             if not ddir.is_dir():
                 raise FileNotFoundError(f"{ddir}: no draft engine folder" + (
                     f" ({self.dir} has no draft/; load without draft=True)" if draft is True else ""))
-            self.draft = DraftModel(self._decoder(OrtEngine(ddir, provider, threads, check_hashes)))
+            self.draft = DraftModel(self._decoder(OrtEngine(ddir, provider, threads, check_hashes)),
+                                    self.cfg.stop_below, self._confidence)
             if self.draft.dec.m.input_mode != "embeds":
                 raise ValueError(f"{ddir} takes input_ids; a policy draft must read the encoder's prefix "
                                  f"(an inputs_embeds engine)")
@@ -154,6 +174,10 @@ class Policy:
         lo, hi = self.tok.first_id, self.tok.vocab_end
         return logits[:, lo:hi].argmax(-1) + lo, None
 
+    def _confidence(self, logits: np.ndarray) -> np.ndarray:  # (B, V) -> (B,) p of the constrained argmax
+        z = logits[:, self.tok.first_id:self.tok.vocab_end]
+        return 1.0 / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
+
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
         t0 = time.perf_counter()
@@ -174,6 +198,8 @@ class Policy:
         n, p = self.horizon * self.dims, prefix.shape[1]
         target = self.target
         target.cache.lengths[:] = 0
+        if self.head is not None and (use_draft is None or use_draft):
+            return self._decode_head(prefix, n, p, reference)
         first = self._pick(target(None, embeds=prefix)[:, -1])[0]  # the prefill's last logits
         target.cache.lengths[:] = p
         ids = [int(first[0])]
@@ -226,11 +252,12 @@ class Policy:
         return ids[:n], info
 
     def _speculative_fast(self, ids: list[int], n: int, p: int, info: dict) -> tuple[list[int], dict]:
-        """The round for one sequence with no per-round objects: draft g ids from the draft's cache, verify
-        g + 1 in one target call, accept (accept_relaxed: exact when the radius is 0), roll the caches back.
-        Both caches hold the prefix; the target's lacks ids[-1], the draft's lacks `pending` (1 or 2 ids)."""
+        """The round for one sequence with no per-round objects: draft up to g ids from the draft's cache
+        (fewer when the draft is unsure: stop_below), verify them + 1 in one target call, accept
+        (accept_relaxed: exact when the radius is 0), roll the caches back. Both caches hold the prefix; the
+        target's lacks ids[-1], the draft's lacks `pending` (1 or 2 ids)."""
         target, dd = self.target, self.draft.dec
-        lo, hi, radius = self.tok.first_id, self.tok.vocab_end, self._radius
+        lo, hi, radius, stop = self.tok.first_id, self.tok.vocab_end, self._radius, self.cfg.stop_below
         pending = [ids[-1]]
         feed = np.empty((1, self.cfg.gamma + 1), np.int64)
         calls0 = dd.calls
@@ -241,31 +268,115 @@ class Policy:
                 target.cache.lengths += 1
                 info["target_calls"] += 1
                 continue
-            lg = dd(np.array([pending], np.int64))[0, -1]  # catch up, then draft
+            lg = dd(np.array([pending], np.int64))[0, -1, lo:hi]  # catch up, then draft
             dd.cache.lengths += len(pending)
+            c = g  # proposals this round
             for j in range(g):
-                feed[0, j + 1] = lg[lo:hi].argmax() + lo
+                best = lg.argmax()
+                feed[0, j + 1] = best + lo
+                if stop and 1.0 / np.exp(lg - lg[best]).sum() < stop:
+                    c = j + 1  # verified, not fed to the draft
+                    break
                 if j + 1 < g:
-                    lg = dd(feed[:, j + 1:j + 2])[0, 0]
+                    lg = dd(feed[:, j + 1:j + 2])[0, 0, lo:hi]
                     dd.cache.lengths += 1
             feed[0, 0] = ids[-1]
-            drafts = feed[0, 1:g + 1]
-            logits = target(feed[:, :g + 1])[0]  # (g+1, V)
+            drafts = feed[0, 1:c + 1]
+            logits = target(feed[:, :c + 1])[0]  # (c+1, V)
             pos = len(ids)  # chunk index of drafts[0]
-            k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + g])
+            k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
             if k and radius[pos:pos + k].any():
                 t = logits[:k, lo:hi].argmax(-1) + lo
                 info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
             target.cache.lengths += 1 + k
-            dd.cache.lengths -= (g - 1) - min(k, g - 1)  # keep the fed drafts that were accepted
-            pending = [int(drafts[g - 1]), nxt] if k == g else [nxt]
+            dd.cache.lengths -= (c - 1) - min(k, c - 1)  # keep the fed drafts that were accepted
+            pending = [int(drafts[c - 1]), nxt] if k == c else [nxt]
             ids += drafts[:k].tolist() + [nxt]
             info["rounds"] += 1
-            info["drafted"] += g
+            info["drafted"] += c
             info["accepted"] += k
             info["target_calls"] += 1
         info["draft_calls"] = dd.calls - calls0 + 1
         info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
+        return ids[:n], info
+
+    def _decode_head(self, prefix: np.ndarray, n: int, p: int, reference: bool) -> tuple[list[int], dict]:
+        """Speculative decoding with the draft head. The first round is fused into the target's prefill:
+        the head drafts from the prefix alone and the target reads prefix + drafts in one call (S = P + c),
+        so a chunk costs one target call fewer than prefill-then-verify. Later rounds verify pending + drafts.
+        reference=True runs the later rounds through the generic `speculative_round` + `HeadDraft`."""
+        target, head = self.target, self.head
+        lo, hi, radius, stop = self.tok.first_id, self.tok.vocab_end, self._radius, self.cfg.stop_below
+        info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0, "max_dev_bins": 0}
+        head.start(prefix)
+        calls0 = head.calls
+        drafter = HeadDraft(head, p, stop) if reference else None
+        feed = np.empty((1, self.cfg.gamma + 1), np.int64)
+        ids: list[int] = []
+        timer = Timer()
+
+        def account(drafts, logits, pos, k):  # drafts (c,), logits (c+1, V) the target's at those positions
+            if k and radius[pos:pos + k].any():
+                t = logits[:k, lo:hi].argmax(-1) + lo
+                info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
+            info["rounds"] += 1
+            info["drafted"] += len(drafts)
+            info["accepted"] += k
+            info["target_calls"] += 1
+
+        while len(ids) < n:
+            g = min(self.cfg.gamma, n - len(ids) - 1)
+            if g == 0 and ids:  # one id left: a plain target step
+                ids.append(int(target(np.array([[ids[-1]]]))[0, 0, lo:hi].argmax()) + lo)
+                target.cache.lengths += 1
+                info["target_calls"] += 1
+                continue
+            if not ids or not reference:  # draft up to g ids from the head
+                c, work = g, list(ids)
+                if reference and g:
+                    prop = drafter.propose([[0] * p + ids], g, self._pick, np.ones(1, bool))
+                    c = int(prop.counts[0])
+                    feed[0, 1:c + 1] = prop.tokens[0, :c]
+                else:
+                    for j in range(g):
+                        tok, pr = head.next(work)
+                        work.append(tok)
+                        feed[0, j + 1] = tok
+                        if stop and pr < stop:
+                            c = j + 1
+                            break
+                drafts = feed[0, 1:c + 1].copy()
+                pos = len(ids)
+                if not ids:  # fused first round: prefix + drafts in the prefill
+                    x = np.concatenate([prefix, target.embedding[drafts][None]], 1) if c else prefix
+                    logits = target(None, embeds=x.astype(np.float32))[0, p - 1:]  # (c+1, V)
+                    k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
+                    target.cache.lengths[:] = p + k
+                else:
+                    feed[0, 0] = ids[-1]
+                    logits = target(feed[:, :c + 1])[0]  # (c+1, V)
+                    k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
+                    target.cache.lengths += 1 + k
+                account(drafts, logits, pos, k)
+                ids += drafts[:k].tolist() + [nxt]
+                continue
+
+            def relax(d, lg, at):  # at: absolute position of d[0]
+                k, nxt = accept_relaxed(d, lg, lo, hi, radius[at - p:at - p + len(d)])
+                if k and radius[at - p:at - p + k].any():
+                    t = lg[:k, lo:hi].argmax(-1) + lo
+                    info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(d[:k] - t).max()))
+                return k, nxt
+
+            new, k, m = speculative_round(target, drafter, [[0] * p + ids], np.ones(1, bool), g, "relaxed",
+                                          SamplingConfig(), None, None, self._pick, timer, relax=relax)
+            ids += new[0]
+            info["rounds"] += 1
+            info["drafted"] += int(m[0])
+            info["accepted"] += int(k[0])
+            info["target_calls"] += 1
+        info["draft_calls"] = head.calls - calls0
+        info["tokens_per_round"] = n / max(info["rounds"], 1)
         return ids[:n], info
 
     def worst_case_deviation(self) -> np.ndarray:
@@ -299,7 +410,7 @@ class Policy:
 
 
 def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: str = "greedy", radius: int = 5,
-                gamma: int = 8, provider: str = "cpu", threads: int | None = 1) -> Policy:
+                gamma: int = 8, stop_below: float = 0.0, provider: str = "cpu", threads: int | None = 1) -> Policy:
     """Load an exported VLA policy folder. draft=True decodes speculatively with the folder's draft/ decoder;
     a path uses that draft engine folder instead."""
-    return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma), provider, threads)
+    return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma, stop_below), provider, threads)

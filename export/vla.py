@@ -7,6 +7,7 @@ Writes, into a staging folder renamed into place only when every gate passed:
   target/, draft/       inputs_embeds decoder engines (export_engine: parity and verify gates, manifest)
   policy.json           the model folder's policy.json + encoder hash + the encoder gate report
   action_stats.json     q01 / q99 / mask of the action dimensions
+  draft_head.npz        the numpy draft head, when the model folder has one (train_draft_head.py)
 Encoder gate: ORT vs the torch encoder on random images/states/instructions, max |diff| <= 1e-4.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from edgespec import contract as C
 from .onnx_export import export_engine
 
 ENCODER_FILE = "encoder.onnx"
+HEAD_FILE = "draft_head.npz"
 ENCODER_TOL = 1e-4
 
 
@@ -107,6 +109,11 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
         policy = json.loads((model_dir / C.POLICY_FILE).read_text())
         policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),
                        "encoder_gate": gate, "precision": dtype})
+        if (model_dir / HEAD_FILE).is_file():  # the numpy draft head (train_draft_head.py): copied as is
+            from edgespec.draft_head import DraftHeadWeights
+            DraftHeadWeights.load(model_dir / HEAD_FILE)  # refuses weights that do not fit together
+            shutil.copy2(model_dir / HEAD_FILE, stage / HEAD_FILE)
+            policy["draft_head_sha256"] = C.file_sha256(stage / HEAD_FILE)
         (stage / C.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)

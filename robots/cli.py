@@ -25,10 +25,14 @@ from .reacher import COLORS, SUCCESS_RADIUS
 def policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=Path, required=True, help="exported policy folder (edgespec export-policy)")
     p.add_argument("--draft", nargs="?", const=True, default=False,
-                   help="decode speculatively: with the policy's draft/ (no value) or a draft engine DIR")
+                   help="decode speculatively: with the policy's draft/ decoder (no value), its numpy draft "
+                        "head ('head', the fastest), or a draft engine DIR")
     p.add_argument("--mode", choices=["greedy", "relaxed"], default="greedy")
     p.add_argument("--radius", type=int, default=5, help="relaxed: bins a draft token may be off")
-    p.add_argument("--gamma", type=int, default=8, help="draft tokens per round")
+    p.add_argument("--gamma", type=int, default=8, help="the most draft tokens per round")
+    p.add_argument("--stop-below", type=float, default=0.0,
+                   help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
+                        "probability below this (0 = always --gamma)")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per engine")
 
 
@@ -49,7 +53,7 @@ class FixedInstruction:
 def make_policy(args, instruction: str | None = None):
     """-> (callable obs -> (H, D) chunk with .last_info, the Policy)."""
     pol = load_policy(args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
-                      threads=args.threads)
+                      stop_below=args.stop_below, threads=args.threads)
     return (FixedInstruction(pol, instruction) if instruction else pol), pol
 
 
@@ -89,7 +93,7 @@ def cmd_run(argv) -> int:
         dist = robot.distances[-1] if robot.distances else float("nan")
     prof = loop_profile(rep, cfg.dt)
     result = {"instruction": args.instruction, "final_distance": dist, "success": bool(dist <= SUCCESS_RADIUS),
-              "speculative": pol.draft is not None, "mode": args.mode, "policy_last_info": pol.last_info}
+              "speculative": pol.draft is not None or pol.head is not None, "mode": args.mode, "policy_last_info": pol.last_info}
     j, s = prof["jitter_ms"], prof["sections_ms"]
     print(f"{prof['ticks']} ticks at {args.hz:g} Hz: jitter p50 {j['p50']:.2f} / p99 {j['p99']:.2f} ms, "
           f"deadline misses {prof['deadline_misses']}, starved {prof['starved_ticks']}, "

@@ -102,6 +102,23 @@ def tiny_engines(tmp_path_factory):
 import numpy as np  # noqa: E402
 
 
+def random_draft_head(prefix_len: int, embed: int, n_ids: int, horizon: int, dims: int, hidden: int = 32,
+                      radius: int = 6, seed: int = 0):
+    """Random numpy draft-head weights (sharp logits, so argmax ties never happen)."""
+    import numpy as np
+
+    from edgespec.draft_head import DraftHeadWeights
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale=1.0):
+        return (rng.normal(0, 1, shape) * scale).astype(np.float32)
+    r2 = 2 * radius + 1
+    return DraftHeadWeights(r(prefix_len * embed, hidden, scale=0.05), r(hidden), r(horizon * dims, hidden),
+                            r(n_ids + 1, hidden), r(n_ids + 1, hidden), r(r2 + 1, hidden), r(r2 + 1, hidden),
+                            r(hidden, hidden, scale=0.2), r(hidden), r(hidden, n_ids, scale=2.0), r(n_ids),
+                            r(hidden, r2, scale=2.0), r(r2), dims, horizon, radius)
+
+
 def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     """A random-init VLA policy model folder in train_vla.py's format (tiny shapes), no training."""
     import json
@@ -121,6 +138,8 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
             p.mul_(20)
     stats = ActionStats([-1.0, -2.0, 0.0][:dims], [1.0, 2.0, 1.0][:dims], [True, True, not binary_dims][:dims])
     save(pair, cfg, stats, model_dir, {"note": "random init, for tests"})
+    random_draft_head(cfg.prefix_len, cfg.hidden, cfg.n_bins, cfg.horizon, dims, seed=seed).save(
+        model_dir / "draft_head.npz")
     if binary_dims:
         meta = json.loads((model_dir / "policy.json").read_text())
         meta["binary_dims"] = list(binary_dims)

@@ -151,11 +151,14 @@ def test_tampered_encoder_is_refused(tiny_policies, tmp_path):
         load_policy(d)
 
 
-@pytest.mark.parametrize("mode, radius, gamma", [("greedy", 0, 1), ("greedy", 0, 4), ("relaxed", 3, 3),
-                                                 ("relaxed", 200, 5), ("greedy", 0, 8)])
-def test_fast_round_matches_the_generic_speculative_round(tiny_policies, mode, radius, gamma):
+@pytest.mark.parametrize("mode, radius, gamma, stop_below", [
+    ("greedy", 0, 1, 0.0), ("greedy", 0, 4, 0.0), ("relaxed", 3, 3, 0.0), ("relaxed", 200, 5, 0.0),
+    ("greedy", 0, 8, 0.0), ("greedy", 0, 8, 0.5), ("greedy", 0, 11, 0.95), ("relaxed", 3, 6, 0.7)])
+def test_fast_round_matches_the_generic_speculative_round(tiny_policies, mode, radius, gamma, stop_below):
+    """Also with a dynamic draft length (stop_below): the draft stops after an unsure proposal."""
     for name in ("plain", "self"):
-        pol = load_policy(tiny_policies[name], draft=True, mode=mode, radius=radius, gamma=gamma)
+        pol = load_policy(tiny_policies[name], draft=True, mode=mode, radius=radius, gamma=gamma,
+                          stop_below=stop_below)
         for seed in range(3):
             pre = pol.encode(*obs(seed))
             fast, fi = pol.decode_ids(pre)

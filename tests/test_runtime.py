@@ -125,9 +125,11 @@ def test_coupled_differs_across_seeds(plain):
     assert len(outs) > 1
 
 
-def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engines):
+@pytest.mark.parametrize("stop_below", [0.0, 0.3])
+def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engines, stop_below):
+    """Also with a dynamic draft length, where the two sequences stop drafting at different proposals."""
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
-    target, draft = Decoder(gen.target, 2), DraftModel(Decoder(gen.draft, 2))
+    target, draft = Decoder(gen.target, 2), DraftModel(Decoder(gen.draft, 2), stop_below=stop_below)
     rng = np.random.default_rng(0)
     ctx = [list(rng.integers(0, 95, 5)), list(rng.integers(0, 95, 9))]
     feed = np.zeros((2, 8), np.int64)  # prefill all but the pending token, right-padded
@@ -137,11 +139,12 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
     cfg, active = SamplingConfig(), np.ones(2, bool)
     timer = edgespec.generate.Timer()
     pick = lambda logits, pos: (logits.argmax(-1), None)  # noqa: E731
-    patterns = set()
+    patterns, counts = set(), set()
     for r in range(12):
-        new, k, n = speculative_round(target, draft, ctx, active, int(rng.integers(1, 6)), "greedy", cfg, None,
-                                      None, pick, timer)
+        g = int(rng.integers(1, 6))
+        new, k, n = speculative_round(target, draft, ctx, active, g, "greedy", cfg, None, None, pick, timer)
         patterns.update(k.tolist())
+        counts.update((n < g).tolist())
         for i in range(2):
             ctx[i] += new[i]
             fresh = Decoder(gen.target, 1)
@@ -153,7 +156,8 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
             fresh_d(np.array([ctx[i][:nd]]))
             for got, want in zip(draft.dec.cache.rows(i), fresh_d.cache.rows(0, nd)):
                 np.testing.assert_allclose(got, want, atol=1e-5)
-    assert len(patterns) >= 3  # several different accept counts were exercised
+    assert len(patterns) >= (3 if stop_below == 0 else 2)  # several different accept counts were exercised
+    assert counts == ({False} if stop_below == 0 else {False, True})  # rounds that stopped early, and not
 
 
 def test_bound_call_equals_plain_session_run(tiny_engines):
