@@ -6,7 +6,7 @@ on an idle CPU and on a CPU shared with other work, all in one run.
 Phases: "idle" (nothing else running) and "loaded" (--load background processes each spinning a
 single-threaded numpy matmul, standing in for perception / logging on the robot's computer). In each phase,
 plain and speculative (exact) policies run the same --episodes reacher episodes (2 s each, seeds
-700000+i), interleaved episode by episode. The loop asks for the next chunk when fewer than
+950000+i; the draft head trains on 700000+), interleaved episode by episode. The loop asks for the next chunk when fewer than
 --request-threshold actions are queued, so an inference must land within about (threshold - 1) periods
 or the loop starves (holds the last position target). Per phase and policy: loop jitter |tick interval -
 period| p50/p99/max, deadline misses, starved ticks, section percentiles, inference latency, success.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 import multiprocessing as mp
 import os
 import sys
@@ -28,9 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
 from bench_speculative import machine  # noqa: E402
 from edgespec.cli import ensure_policy_engines  # noqa: E402
+from edgespec.robots.inference import InferenceProcess  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
 from edgespec.robots.profile import chrome_trace, loop_profile, plot_timeline  # noqa: E402
 from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa: E402
+
+
+SEED0 = 950_000  # loop episodes; bench_vla evaluates on 900000+, the draft head trains on 700000+
 
 
 def _hog(stop) -> None:
@@ -67,7 +72,7 @@ class PolicyCall:
         self.infos: list[dict] = []
 
     def __call__(self, obs):
-        chunk = self.policy.act(obs["image"], obs["state"], obs["instruction"])
+        chunk = self.policy(obs)  # a Policy, or an InferenceProcess running one
         self.infos.append(self.policy.last_info)
         return chunk
 
@@ -155,27 +160,36 @@ def main(argv=None) -> int:
     ap.add_argument("--hz", type=float, default=20.0)
     ap.add_argument("--load", type=int, default=3, help="background busy processes in the loaded phase")
     ap.add_argument("--request-threshold", type=int, default=2)
-    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--draft", default="head", help="speculative policy's draft: 'head' or 'decoder'")
+    ap.add_argument("--gamma", type=int, default=15)
+    ap.add_argument("--stop-below", type=float, default=0.6)
+    ap.add_argument("--inference", choices=["process", "thread"], default="process",
+                    help="policy in a child process (default) or in the loop's worker thread")
     ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
     args = ap.parse_args(argv)
     engines = ensure_policy_engines(args.models, args.engines)
-    policies = {"plain": edgespec.load_policy(engines),
-                "speculative": edgespec.load_policy(engines, draft=True, gamma=args.gamma)}
+    kw = {"plain": {}, "speculative": dict(draft="head" if args.draft == "head" else True, gamma=args.gamma,
+                                           stop_below=args.stop_below)}
+    if args.inference == "process":
+        policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v)) for k, v in kw.items()}
+    else:
+        policies = {k: edgespec.load_policy(engines, **v) for k, v in kw.items()}
     cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
-               "load_processes": args.load, "gamma": args.gamma, "rt_priority": args.rt_priority, "phases": {}}
+               "load_processes": args.load, "speculative": kw["speculative"], "inference": args.inference,
+               "rt_priority": args.rt_priority, "phases": {}}
     t0 = time.time()
     for phase, n in (("idle", 0), ("loaded", args.load)):
         acc = {k: ([], [], []) for k in policies}
         with Load(n):
             for ep in range(args.episodes):
                 for name, pol in policies.items():
-                    rep, dist, infos = episode(pol, cfg, 700_000 + ep, args.seconds)
+                    rep, dist, infos = episode(pol, cfg, SEED0 + ep, args.seconds)
                     acc[name][0].append(rep), acc[name][1].append(dist), acc[name][2].append(infos)
                     if phase == "loaded" and ep == 0:
                         stem = out.with_name(f"loop-{phase}-{name}")
@@ -187,6 +201,9 @@ def main(argv=None) -> int:
                   f"{r['starved_after_first_chunk']} ({r['episodes_starved_after_first_chunk']}/{r['episodes']} "
                   f"episodes; start-up {r['startup_ticks']}), inference p50/p99 "
                   f"{r['inference_ms']['p50']:.1f}/{r['inference_ms']['p99']:.1f} ms, success {r['success_rate']:.2f}")
+    for pol in policies.values():
+        if isinstance(pol, InferenceProcess):
+            pol.close()
     results["wall_s"] = round(time.time() - t0, 1)
     out.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, out.with_suffix(".png"))

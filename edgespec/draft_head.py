@@ -81,9 +81,11 @@ class DraftHeadWeights:
     def n_ids(self) -> int:
         return self.abs_b.shape[0]
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, dtype=np.float16) -> None:
+        """Weights stored as `dtype` (fp16 by default: half the bytes; a draft only proposes, the target
+        decides, so rounding it cannot change a decoded action), loaded back as float32."""
         arrays = {f.name: getattr(self, f.name) for f in fields(self)}
-        np.savez(path, **{k: np.asarray(v, np.float32) if isinstance(v, np.ndarray) else np.int64(v)
+        np.savez(path, **{k: np.asarray(v, dtype) if isinstance(v, np.ndarray) else np.int64(v)
                           for k, v in arrays.items()})
 
     @classmethod

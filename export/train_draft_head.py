@@ -66,23 +66,29 @@ def _collect(args) -> dict:
             "state": np.stack(states)}
 
 
+BLOCK = 500  # episodes per cached data file
+
+
 def collect(policy_dir: Path, work: Path, episodes: int, workers: int = 2, noise_std: float = 0.01) -> dict:
-    path = work / f"draft-head-data-v2-{episodes}.npz"
-    if path.exists():
-        return dict(np.load(path))
+    """Episodes in blocks of BLOCK (seeds 700000 + ...), each cached in `work`: a larger --episodes reuses
+    the blocks already there."""
     from multiprocessing import get_context
-    seeds = np.arange(700_000, 700_000 + episodes)
-    parts = np.array_split(seeds, workers * 8)
-    t0, outs = time.time(), []
-    with get_context("spawn").Pool(workers) as pool:
-        for i, out in enumerate(pool.imap(_collect, [(str(policy_dir), p, noise_std) for p in parts])):
-            outs.append(out)
-            print(f"[data] {i + 1}/{len(parts)} parts, {sum(len(o['ids']) for o in outs)} chunks, "
-                  f"{time.time() - t0:.0f}s", flush=True)
-    data = {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
-    work.mkdir(parents=True, exist_ok=True)
-    np.savez(path, **data)
-    return data
+    if episodes % BLOCK:
+        raise ValueError(f"--episodes must be a multiple of {BLOCK}, got {episodes}")
+    blocks, t0 = [], time.time()
+    for b in range(episodes // BLOCK):
+        path = work / f"draft-head-data-{700_000 + b * BLOCK}-{BLOCK}.npz"
+        if not path.exists():
+            seeds = np.arange(700_000 + b * BLOCK, 700_000 + (b + 1) * BLOCK)
+            with get_context("spawn").Pool(workers) as pool:
+                outs = list(pool.imap(_collect, [(str(policy_dir), p, noise_std)
+                                                 for p in np.array_split(seeds, workers * 2)]))
+            work.mkdir(parents=True, exist_ok=True)
+            np.savez(path, **{k: np.concatenate([o[k] for o in outs]) for k in outs[0]})
+        blocks.append(dict(np.load(path)))
+        print(f"[data] {b + 1}/{episodes // BLOCK} blocks of {BLOCK} episodes, "
+              f"{sum(len(x['ids']) for x in blocks)} chunks, {time.time() - t0:.0f}s", flush=True)
+    return {k: np.concatenate([x[k] for x in blocks]) for k in blocks[0]}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from edgespec.policy import load_policy
 
+from .inference import InferenceProcess
 from .reacher import COLORS, SUCCESS_RADIUS
 
 
@@ -34,6 +36,9 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
                    help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
                         "probability below this (0 = always --gamma)")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per engine")
+    p.add_argument("--inference", choices=["process", "thread"], default="process",
+                   help="run the policy in a child process (default: its Python never holds the loop's GIL) "
+                        "or in the loop's worker thread")
 
 
 class FixedInstruction:
@@ -50,11 +55,41 @@ class FixedInstruction:
         return self.policy.act(obs["image"], obs["state"], self.instruction)
 
 
+def build_policy(instruction: str | None = None, **kw):
+    """load_policy(**kw), wrapped to a fixed instruction when one is given (module level: picklable)."""
+    pol = load_policy(**kw)
+    return FixedInstruction(pol, instruction) if instruction else pol
+
+
 def make_policy(args, instruction: str | None = None):
-    """-> (callable obs -> (H, D) chunk with .last_info, the Policy)."""
-    pol = load_policy(args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
-                      stop_below=args.stop_below, threads=args.threads)
-    return (FixedInstruction(pol, instruction) if instruction else pol), pol
+    """-> (callable obs -> (H, D) chunk with .last_info and .close(), the Policy). The policy is loaded here
+    first, so a bad folder or flag fails before anything starts; with --inference process the callable runs
+    its own copy in a child process."""
+    kw = dict(policy_dir=args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
+              stop_below=args.stop_below, threads=args.threads)
+    pol = load_policy(**kw)
+    if instruction:
+        pol.instruction_ids(instruction)  # unknown words: fail now
+    if getattr(args, "inference", "thread") == "process":
+        return InferenceProcess(partial(build_policy, instruction, **kw)), pol
+    return InThread(FixedInstruction(pol, instruction) if instruction else pol), pol
+
+
+class InThread:
+    """The policy called directly by the loop's worker thread (--inference thread)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @property
+    def last_info(self) -> dict:
+        return self.policy.last_info
+
+    def __call__(self, obs: dict) -> np.ndarray:
+        return self.policy(obs)
+
+    def close(self) -> None:
+        pass
 
 
 def color_of(instruction: str) -> str:
@@ -83,17 +118,20 @@ def cmd_run(argv) -> int:
     args = p.parse_args(argv)
     try:
         color = color_of(args.instruction)
-        policy, pol = make_policy(args, args.instruction)
-        pol.instruction_ids(args.instruction)  # unknown words: fail before the loop starts
         cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
+        policy, pol = make_policy(args, args.instruction)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    with ReacherRobot(seed=args.seed, color=color) as robot:
-        rep = ControlLoop(robot, policy, cfg).run(args.seconds)
-        dist = robot.distances[-1] if robot.distances else float("nan")
+    try:
+        with ReacherRobot(seed=args.seed, color=color) as robot:
+            rep = ControlLoop(robot, policy, cfg).run(args.seconds)
+            dist = robot.distances[-1] if robot.distances else float("nan")
+    finally:
+        policy.close()
     prof = loop_profile(rep, cfg.dt)
     result = {"instruction": args.instruction, "final_distance": dist, "success": bool(dist <= SUCCESS_RADIUS),
-              "speculative": pol.draft is not None or pol.head is not None, "mode": args.mode, "policy_last_info": pol.last_info}
+              "speculative": pol.draft is not None or pol.head is not None, "mode": args.mode,
+              "inference": args.inference, "policy_last_info": policy.last_info}
     j, s = prof["jitter_ms"], prof["sections_ms"]
     print(f"{prof['ticks']} ticks at {args.hz:g} Hz: jitter p50 {j['p50']:.2f} / p99 {j['p99']:.2f} ms, "
           f"deadline misses {prof['deadline_misses']}, starved {prof['starved_ticks']}, "
@@ -123,7 +161,10 @@ def cmd_node(argv) -> int:
         policy, _ = make_policy(args, args.instruction)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    return node.main(rest, policy)
+    try:
+        return node.main(rest, policy)
+    finally:
+        policy.close()
 
 
 def main(argv=None) -> int:

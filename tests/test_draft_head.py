@@ -79,7 +79,8 @@ def test_weights_round_trip_and_clear_errors(tmp_path):
     w.save(tmp_path / "h.npz")
     back = DraftHeadWeights.load(tmp_path / "h.npz")
     assert (back.dims, back.horizon, back.radius) == (D, H, w.radius)
-    np.testing.assert_array_equal(back.rel_w, w.rel_w)
+    np.testing.assert_array_equal(back.rel_w, w.rel_w.astype(np.float16).astype(np.float32))
+    assert back.rel_w.dtype == np.float32
     with pytest.raises(ValueError, match="do not fit together.*fc2_w"):
         DraftHeadWeights(**{**back.__dict__, "fc2_w": np.zeros((3, 3), np.float32)})
     with pytest.raises(FileNotFoundError, match="no draft head weights"):
