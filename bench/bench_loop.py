@@ -1,16 +1,18 @@
 """The 20 Hz control loop with the bundled VLA pair on the MuJoCo reacher: plain vs speculative decoding,
-on an idle CPU and on a CPU shared with other work, all in one run.
+on an idle CPU and on a CPU shared with more and more other work, all in one run.
 
-    MUJOCO_GL=osmesa python bench/bench_loop.py --out bench/results/loop.json
+    MUJOCO_GL=osmesa python bench/bench_loop.py --out bench/results/loop.json --load 3,6,9
 
-Phases: "idle" (nothing else running) and "loaded" (--load background processes each spinning a
-single-threaded numpy matmul, standing in for perception / logging on the robot's computer). In each phase,
-plain and speculative (exact) policies run the same --episodes reacher episodes (2 s each, seeds
-950000+i; the draft head trains on 700000+), interleaved episode by episode. The loop asks for the next chunk when fewer than
---request-threshold actions are queued, so an inference must land within about (threshold - 1) periods
-or the loop starves (holds the last position target). Per phase and policy: loop jitter |tick interval -
-period| p50/p99/max, deadline misses, starved ticks, section percentiles, inference latency, success.
-Writes JSON, the Chrome trace and timeline PNG of one loaded episode per policy, and a summary PNG.
+Phases: "idle" (nothing else running), then "load N" for each N of --load (N background processes each
+spinning a single-threaded numpy matmul, standing in for perception / logging on the robot's computer).
+In each phase, plain and speculative (exact; the numpy draft head by default) policies run the same
+--episodes reacher episodes (2 s each, seeds 950000+i; the draft head trains on 700000+), interleaved
+episode by episode. The policy runs in a child process by default (--inference process; robots/inference.py).
+The loop asks for the next chunk when fewer than --request-threshold actions are queued, so an inference
+must land within about (threshold - 1) periods or the loop starves (holds the last position target).
+Per phase and policy: loop jitter |tick interval - period| p50/p99/max, deadline misses, starved ticks,
+section percentiles, inference latency, success. Writes JSON, the Chrome trace and timeline PNG of one
+episode per policy at the heaviest load, and a summary PNG.
 """
 from __future__ import annotations
 
@@ -158,7 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--hz", type=float, default=20.0)
-    ap.add_argument("--load", type=int, default=3, help="background busy processes in the loaded phase")
+    ap.add_argument("--load", default="3", help="background busy processes per loaded phase, comma-separated "
+                    "(one phase each, after the idle phase)")
     ap.add_argument("--request-threshold", type=int, default=2)
     ap.add_argument("--draft", default="head", help="speculative policy's draft: 'head' or 'decoder'")
     ap.add_argument("--gamma", type=int, default=15)
@@ -169,6 +172,11 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
     args = ap.parse_args(argv)
+    try:
+        loads = [int(x) for x in str(args.load).split(",")]
+        assert all(n > 0 for n in loads)
+    except (ValueError, AssertionError):
+        ap.error(f"--load must be positive integers separated by commas, got {args.load!r}")
     engines = ensure_policy_engines(args.models, args.engines)
     kw = {"plain": {}, "speculative": dict(draft="head" if args.draft == "head" else True, gamma=args.gamma,
                                            stop_below=args.stop_below)}
@@ -181,23 +189,23 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
-               "load_processes": args.load, "speculative": kw["speculative"], "inference": args.inference,
+               "load_processes": loads, "speculative": kw["speculative"], "inference": args.inference,
                "rt_priority": args.rt_priority, "phases": {}}
     t0 = time.time()
-    for phase, n in (("idle", 0), ("loaded", args.load)):
+    for phase, n in [("idle", 0)] + [(f"load {n}", n) for n in loads]:
         acc = {k: ([], [], []) for k in policies}
         with Load(n):
             for ep in range(args.episodes):
                 for name, pol in policies.items():
                     rep, dist, infos = episode(pol, cfg, SEED0 + ep, args.seconds)
                     acc[name][0].append(rep), acc[name][1].append(dist), acc[name][2].append(infos)
-                    if phase == "loaded" and ep == 0:
-                        stem = out.with_name(f"loop-{phase}-{name}")
+                    if n == loads[-1] and ep == 0:  # the trace of one episode at the heaviest load
+                        stem = out.with_name(f"loop-load{n}-{name}")
                         chrome_trace(rep, stem.with_suffix(".trace.json"))
                         plot_timeline(rep, stem.with_suffix(".png"))
         results["phases"][phase] = {k: pooled(*v, cfg.dt) for k, v in acc.items()}
         for k, r in results["phases"][phase].items():
-            print(f"{phase:6s} {k:11s} jitter p99 {r['jitter_ms']['p99']:.2f} ms, starved after the first chunk "
+            print(f"{phase:7s} {k:11s} jitter p99 {r['jitter_ms']['p99']:.2f} ms, starved after the first chunk "
                   f"{r['starved_after_first_chunk']} ({r['episodes_starved_after_first_chunk']}/{r['episodes']} "
                   f"episodes; start-up {r['startup_ticks']}), inference p50/p99 "
                   f"{r['inference_ms']['p50']:.1f}/{r['inference_ms']['p99']:.1f} ms, success {r['success_rate']:.2f}")

@@ -37,9 +37,9 @@ def test_bench_loop_writes_both_phases(tiny_reacher_policy, tmp_path):
     assert bench_loop.main(["--engines", str(engines_dir(tiny_reacher_policy, tmp_path)), "--episodes", "1",
                             "--seconds", "0.5", "--load", "1", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    for phase in ("idle", "loaded"):
+    for phase in ("idle", "load 1"):
         for pol in ("plain", "speculative"):
             row = r["phases"][phase][pol]
             assert row["ticks"] >= 1 and row["jitter_ms"]["p99"] >= 0  # timing itself: bench, not tests
-    assert (tmp_path / "loop-loaded-speculative.trace.json").is_file()
+    assert (tmp_path / "loop-load1-speculative.trace.json").is_file()
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
