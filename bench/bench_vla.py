@@ -8,7 +8,9 @@ replans every --execute steps (a chunk is H=8 steps). Per mode: success rate, me
 tokens per round, action-decode latency p50/p99 (encoder excluded; act() total also reported), speedup of
 decode over plain from the same run. Exact mode also checks its actions are identical to plain decoding on
 every step of every episode; relaxed modes report the largest accepted bin distance and, on every call,
-the deviation from the plain chunk for the same observation (computed untimed).
+the deviation from the plain chunk for the same observation (computed untimed). Each call's decode is also
+repeated (--repeats, default 3, same ids) and the fastest kept: speedup_decode_min_of_repeats filters this
+shared machine's noise; the single-shot mean / p50 / p99 are reported beside it.
 Drafts: "exact" and "relaxed" use the policy's numpy draft head (draft="head"); "exact (draft decoder)" the
 1-layer draft decoder engine. Short sweeps on other episodes (seeds 910000+) first pick the draft length γ
 and the dynamic-stop threshold per draft kind. Per-call costs (encoder, target at S tokens, draft decoder,
@@ -37,10 +39,11 @@ def pct(xs, q) -> float:
 
 
 class Mode:
-    def __init__(self, name, policy, reference=None):
-        self.name, self.policy, self.reference = name, policy, reference
+    def __init__(self, name, policy, reference=None, repeats: int = 3):
+        self.name, self.policy, self.reference, self.repeats = name, policy, reference, repeats
         self.env = ThreeTargetReacher()
         self.success, self.returns, self.decode_ms, self.act_ms = [], [], [], []
+        self.decode_min_ms: list[float] = []  # per call: the fastest of `repeats` decodes of the same prefix
         self.accepted = self.drafted = self.rounds = 0
         self.max_dev_bins, self.max_dev_units = 0, np.zeros(policy.dims)
         self.actions: list[np.ndarray] = []
@@ -52,6 +55,14 @@ class Mode:
             chunk = p.act(obs["image"], obs["state"], obs["instruction"])
             li = p.last_info
             self.decode_ms.append(li["decode_ms"])
+            if self.repeats > 1:  # the same decode again (same ids): filters this shared machine's noise
+                prefix = p.encode(obs["image"], obs["state"], obs["instruction"])
+                best = li["decode_ms"]
+                for _ in range(self.repeats - 1):
+                    t = time.perf_counter()
+                    p.decode_ids(prefix)
+                    best = min(best, (time.perf_counter() - t) * 1e3)
+                self.decode_min_ms.append(best)
             self.act_ms.append(li["act_ms"])
             self.accepted += li["accepted"]
             self.drafted += li["drafted"]
@@ -84,6 +95,10 @@ class Mode:
             out["speedup_decode_p50"] = plain.report(None)["decode_ms_p50"] / out["decode_ms_p50"]
             out["speedup_decode_mean"] = float(np.mean(plain.decode_ms) / np.mean(self.decode_ms))
             out["speedup_act_p50"] = pct(plain.act_ms, 50) / out["act_ms_p50"]
+            if self.decode_min_ms and plain.decode_min_ms:
+                out["speedup_decode_min_of_repeats"] = float(np.sum(plain.decode_min_ms) / np.sum(self.decode_min_ms))
+        if self.decode_min_ms:
+            out["decode_min_of_repeats_ms_mean"] = float(np.mean(self.decode_min_ms))
         pol = self.policy
         if pol.draft is not None or pol.head is not None:
             out["draft"] = "head" if pol.head is not None else "decoder"
@@ -99,21 +114,23 @@ class Mode:
         self.env.close()
 
 
-def sweep(engines: Path, grid: list[dict], episodes: int, execute: int, seed0: int) -> tuple[dict, dict]:
+def sweep(engines: Path, grid: list[dict], episodes: int, execute: int, seed0: int,
+          repeats: int = 3) -> tuple[dict, dict]:
     """Run plain and every load_policy(**kw) of `grid` on the same episodes -> (table, best kw by mean
     decode speedup)."""
-    plain = Mode("plain", edgespec.load_policy(engines))
+    plain = Mode("plain", edgespec.load_policy(engines), repeats=repeats)
     name = lambda kw: " ".join(f"{k}={v}" for k, v in kw.items() if k not in ("draft", "mode", "radius"))  # noqa: E731
-    modes = [Mode(name(kw), edgespec.load_policy(engines, **kw)) for kw in grid]
+    modes = [Mode(name(kw), edgespec.load_policy(engines, **kw), repeats=repeats) for kw in grid]
     for ep in range(episodes):
         for m in [plain] + modes:
             m.episode(seed0 + ep, execute)
     table = {m.name: {"decode_ms_mean": float(np.mean(m.decode_ms)),
                       "speedup_decode_mean": float(np.mean(plain.decode_ms) / np.mean(m.decode_ms)),
+                      "speedup_decode_min_of_repeats": float(np.sum(plain.decode_min_ms) / np.sum(m.decode_min_ms)),
                       "tokens_per_round": (m.accepted + m.rounds) / max(m.rounds, 1)} for m in modes}
     for m in [plain] + modes:
         m.close()
-    best = max(zip(grid, modes), key=lambda gm: table[gm[1].name]["speedup_decode_mean"])[0]
+    best = max(zip(grid, modes), key=lambda gm: table[gm[1].name]["speedup_decode_min_of_repeats"])[0]
     return table, best
 
 
@@ -163,12 +180,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for name, r in results["modes"].items():
-        sp = r.get("speedup_decode_mean", 1.0)
+        sp = r.get("speedup_decode_min_of_repeats", 1.0)
         ax.scatter(sp, 100 * r["success_rate"], s=60)
         ax.annotate(name, (sp, 100 * r["success_rate"]), textcoords="offset points", xytext=(6, 4), fontsize=9)
     ax.axhline(100 * results["modes"]["plain"]["success_rate"] - 5, ls=":", c="gray", lw=1)
     ax.axvline(1.5, ls=":", c="gray", lw=1)
-    ax.set_xlabel("action-decode speedup over plain (mean latency, same run)")
+    ax.set_xlabel("action-decode speedup over plain (same run; fastest of 3 decodes per call)")
     ax.set_ylabel("success rate (%)")
     ax.set_title(f"three-target reacher, {results['episodes']} episodes per mode")
     ax.grid(alpha=0.3)
@@ -186,6 +203,7 @@ def main(argv=None) -> int:
                     "pick γ and --stop-below per draft kind from a short sweep")
     ap.add_argument("--stop-below", type=float, default=0.0, help="dynamic draft length with a fixed --gamma")
     ap.add_argument("--sweep-episodes", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3, help="decodes per call; the fastest is kept as well")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
     args = ap.parse_args(argv)
@@ -197,24 +215,26 @@ def main(argv=None) -> int:
     print("per-call ms:", costs)
     # draft length (and dynamic stop) per draft kind, from a short sweep on other episodes
     grids = {
-        "exact head": [dict(draft="head", gamma=g, stop_below=sb) for g in (4, 8, 15) for sb in (0.0, 0.5, 0.7, 0.9)],
+        "exact head": [dict(draft="head", gamma=g, stop_below=sb) for g in (8, 15) for sb in (0.0, 0.5, 0.7, 0.8)],
         "exact decoder": [dict(draft=True, gamma=g, stop_below=sb) for g in (2, 4, 8) for sb in (0.0, 0.5)],
         "relaxed head": [dict(draft="head", mode="relaxed", radius=radii[len(radii) // 2], gamma=g, stop_below=sb)
-                         for g in (8, 15) for sb in (0.5, 0.7, 0.9)]}
+                         for g in (8, 15) for sb in (0.5, 0.7, 0.8)]}
     sweeps, best = {}, {}
     for key, grid in grids.items():
         if args.gamma != "auto":
             best[key] = {**grid[0], "gamma": int(args.gamma), "stop_below": args.stop_below}
             continue
-        sweeps[key], best[key] = sweep(engines, grid, args.sweep_episodes, args.execute, seed0 + 10_000)
-        print(f"sweep ({key}):", {k: round(v["speedup_decode_mean"], 2) for k, v in sweeps[key].items()},
+        sweeps[key], best[key] = sweep(engines, grid, args.sweep_episodes, args.execute, seed0 + 10_000,
+                                       args.repeats)
+        print(f"sweep ({key}):", {k: round(v["speedup_decode_min_of_repeats"], 2) for k, v in sweeps[key].items()},
               "->", best[key])
     ref = edgespec.load_policy(engines)
-    modes = [Mode("plain", edgespec.load_policy(engines)),
-             Mode("exact", edgespec.load_policy(engines, **best["exact head"])),
-             Mode("exact (draft decoder)", edgespec.load_policy(engines, **best["exact decoder"]))]
+    rp = args.repeats
+    modes = [Mode("plain", edgespec.load_policy(engines), repeats=rp),
+             Mode("exact", edgespec.load_policy(engines, **best["exact head"]), repeats=rp),
+             Mode("exact (draft decoder)", edgespec.load_policy(engines, **best["exact decoder"]), repeats=rp)]
     relaxed = {k: v for k, v in best["relaxed head"].items() if k != "radius"}
-    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, radius=r, **relaxed), reference=ref)
+    modes += [Mode(f"relaxed r={r}", edgespec.load_policy(engines, radius=r, **relaxed), reference=ref, repeats=rp)
               for r in radii]
     try:
         from tqdm import tqdm
@@ -245,7 +265,8 @@ def main(argv=None) -> int:
     for name, r in results["modes"].items():
         print(f"{name:14s} success {r['success_rate']:.2f} return {r['mean_return']:7.2f} "
               f"decode p50 {r['decode_ms_p50']:.2f} ms p99 {r['decode_ms_p99']:.2f} ms "
-              f"speedup {r.get('speedup_decode_mean', 1.0):.2f}x (p50 {r.get('speedup_decode_p50', 1.0):.2f}x) "
+              f"speedup {r.get('speedup_decode_mean', 1.0):.2f}x (p50 {r.get('speedup_decode_p50', 1.0):.2f}x, "
+              f"min of repeats {r.get('speedup_decode_min_of_repeats', 1.0):.2f}x) "
               f"tokens/round {r.get('tokens_per_round', 1.0):.2f}")
     print(f"exact actions identical to plain: {identical}; wrote {out}")
     return 0

@@ -36,6 +36,9 @@ from .sampling import SamplingConfig
 from .speculative import accept_relaxed, speculative_round
 
 MODES = ("greedy", "relaxed")
+# (gamma, stop_below) when not given, per draft kind: picked by bench/bench_vla.py's sweeps on this CPU
+# (bench/results/vla.json "settings"). The head is cheap, so it drafts long runs and stops when unsure.
+DRAFT_DEFAULTS = {"head": (15, 0.7), "decoder": (8, 0.5), None: (8, 0.0)}
 HEAD_FILE = "draft_head.npz"
 
 
@@ -59,17 +62,19 @@ def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarr
 class PolicyConfig:
     mode: str = "greedy"
     radius: int = 5  # relaxed: bins a draft token may differ from the target's choice
-    gamma: int = 8  # the most draft tokens per round
-    stop_below: float = 0.0  # dynamic draft length: stop after a proposal the draft gives p < this (0: always γ)
+    gamma: int | None = None  # the most draft tokens per round (None: the draft kind's default, DRAFT_DEFAULTS)
+    stop_below: float | None = None  # dynamic draft length: stop after a proposal the draft gives p < this
+    #                                  (0: always γ; None: the draft kind's default)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.radius, int) or self.radius < 0:
             raise ValueError(f"radius must be an integer >= 0 (bins), got {self.radius!r}")
-        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= 32:
+        if self.gamma is not None and (not isinstance(self.gamma, int) or not 1 <= self.gamma <= 32):
             raise ValueError(f"gamma must be an integer in [1, 32], got {self.gamma!r}")
-        if not isinstance(self.stop_below, (int, float)) or not 0.0 <= self.stop_below < 1.0:
+        if self.stop_below is not None and (not isinstance(self.stop_below, (int, float))
+                                            or not 0.0 <= self.stop_below < 1.0):
             raise ValueError(f"stop_below must be a probability in [0, 1), got {self.stop_below!r}")
 
 
@@ -79,7 +84,11 @@ class Policy:
         import onnxruntime as ort
 
         self.dir = Path(policy_dir)
-        self.cfg = cfg or PolicyConfig()
+        cfg = cfg or PolicyConfig()
+        kind = "head" if draft == "head" else None if draft is False or draft is None else "decoder"
+        g, sb = DRAFT_DEFAULTS[kind]
+        self.cfg = cfg = PolicyConfig(cfg.mode, cfg.radius, g if cfg.gamma is None else cfg.gamma,
+                                      sb if cfg.stop_below is None else cfg.stop_below)
         path = self.dir / C.POLICY_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{self.dir} is not a policy folder: no {C.POLICY_FILE} "
@@ -410,7 +419,9 @@ class Policy:
 
 
 def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: str = "greedy", radius: int = 5,
-                gamma: int = 8, stop_below: float = 0.0, provider: str = "cpu", threads: int | None = 1) -> Policy:
-    """Load an exported VLA policy folder. draft=True decodes speculatively with the folder's draft/ decoder;
-    a path uses that draft engine folder instead."""
+                gamma: int | None = None, stop_below: float | None = None, provider: str = "cpu",
+                threads: int | None = 1) -> Policy:
+    """Load an exported VLA policy folder. draft="head" decodes speculatively with the folder's numpy draft
+    head (the fastest here), draft=True with its draft/ decoder engine, a path with that draft engine folder.
+    gamma / stop_below default per draft kind (DRAFT_DEFAULTS)."""
     return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma, stop_below), provider, threads)

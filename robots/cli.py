@@ -31,10 +31,11 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
                         "head ('head', the fastest), or a draft engine DIR")
     p.add_argument("--mode", choices=["greedy", "relaxed"], default="greedy")
     p.add_argument("--radius", type=int, default=5, help="relaxed: bins a draft token may be off")
-    p.add_argument("--gamma", type=int, default=8, help="the most draft tokens per round")
-    p.add_argument("--stop-below", type=float, default=0.0,
+    p.add_argument("--gamma", type=int, default=None, help="the most draft tokens per round (default: per draft "
+                   "kind, edgespec.policy.DRAFT_DEFAULTS)")
+    p.add_argument("--stop-below", type=float, default=None,
                    help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
-                        "probability below this (0 = always --gamma)")
+                        "probability below this (0 = always --gamma; default: per draft kind)")
     p.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads per engine")
     p.add_argument("--inference", choices=["process", "thread"], default="process",
                    help="run the policy in a child process (default: its Python never holds the loop's GIL) "

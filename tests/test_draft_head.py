@@ -133,7 +133,7 @@ def test_head_fast_rounds_match_the_generic_round(tiny_policies, mode, radius, g
 def test_fused_first_round_accepts_everything_with_a_huge_radius(tiny_policies):
     """radius 255 keeps every draft: the whole chunk comes from one prefill + drafts (one target
     call), proving the fused prefill reads prefix + drafts and commits the cache correctly."""
-    pol = load_policy(tiny_policies["plain"], draft="head", mode="relaxed", radius=255, gamma=32)
+    pol = load_policy(tiny_policies["plain"], draft="head", mode="relaxed", radius=255, gamma=32, stop_below=0.0)
     n = pol.horizon * pol.dims
     pol.act(*obs(0))
     assert pol.last_info["target_calls"] == 1 and pol.last_info["accepted"] == n - 1
@@ -161,3 +161,14 @@ def test_head_bad_folders_are_refused(tiny_policies, tmp_path):
     (w / "policy.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="draft head is for 2x3 chunks, the policy emits 4x3"):
         load_policy(w, draft="head")
+
+
+def test_draft_length_defaults_follow_the_draft_kind(tiny_policies):
+    from edgespec.policy import DRAFT_DEFAULTS
+    for draft, kind in (("head", "head"), (True, "decoder"), (False, None)):
+        cfg = load_policy(tiny_policies["plain"], draft=draft).cfg
+        assert (cfg.gamma, cfg.stop_below) == DRAFT_DEFAULTS[kind]
+    cfg = load_policy(tiny_policies["plain"], draft="head", gamma=3, stop_below=0.0).cfg
+    assert (cfg.gamma, cfg.stop_below) == (3, 0.0)
+    with pytest.raises(ValueError, match=r"stop_below must be a probability in \[0, 1\), got 1.5"):
+        load_policy(tiny_policies["plain"], draft="head", stop_below=1.5)

@@ -65,7 +65,7 @@ def test_speculative_greedy_gives_exactly_the_plain_actions(tiny_policies, gamma
 
 
 def test_identical_draft_is_always_accepted(tiny_policies):
-    spec = load_policy(tiny_policies["self"], draft=True, gamma=5)
+    spec = load_policy(tiny_policies["self"], draft=True, gamma=5, stop_below=0.0)
     plain = load_policy(tiny_policies["self"])
     a = spec.act(*obs(1))
     np.testing.assert_array_equal(a, plain.act(*obs(1)))
@@ -75,8 +75,8 @@ def test_identical_draft_is_always_accepted(tiny_policies):
 
 
 def test_relaxed_accepts_more_and_stays_within_radius(tiny_policies):
-    exact = load_policy(tiny_policies["plain"], draft=True, gamma=4)
-    wide = load_policy(tiny_policies["plain"], draft=True, gamma=4, mode="relaxed", radius=200)
+    exact = load_policy(tiny_policies["plain"], draft=True, gamma=4, stop_below=0.0)
+    wide = load_policy(tiny_policies["plain"], draft=True, gamma=4, stop_below=0.0, mode="relaxed", radius=200)
     acc_e = acc_w = 0
     for seed in range(4):
         exact.act(*obs(seed))
