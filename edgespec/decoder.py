@@ -1,8 +1,9 @@
 """A contract decoder bound to its KV cache: `Decoder(tokens)` runs S new tokens per sequence.
 
-ONNX Runtime IOBinding over preallocated arrays: the cache buffers are bound once per reallocation,
-outputs (logits and the new K/V rows) go into arrays kept per S, so a steady decode allocates nothing
-large. The call writes the new rows into the cache at the committed lengths but does not commit them:
+ONNX Runtime IOBinding over preallocated arrays, one binding per S (new tokens per call): its outputs
+(logits and the new K/V rows) are arrays kept for that S and its cache inputs are bound once per cache
+reallocation, so a call binds only its three small inputs — also when S changes from call to call, as
+in speculative rounds — and a steady decode allocates nothing large. The call writes the new rows into the cache at the committed lengths but does not commit them:
 the caller sets `cache.lengths` to what it keeps.
 """
 from __future__ import annotations
@@ -26,11 +27,9 @@ class Decoder:
         m = self.m
         self.batch = batch
         self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context)
-        self.binding = engine.session.io_binding()
         self._ort = ort
-        self._bound_generation = -1
-        self._outs: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}  # S -> (logits, presents)
-        self._bound_s = -1
+        self._bindings: dict[int, list] = {}  # S -> [IOBinding, cache generation bound, logits, presents, OrtValues]
+        self._cache_ovs: tuple[int, list] = (-1, [])  # (generation, OrtValues of the cache buffers)
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
         self.engine_s = 0.0  # wall time inside the engine's run (the rest of a call is host overhead)
@@ -46,26 +45,28 @@ class Decoder:
     def max_context(self) -> int:
         return self.m.max_context
 
-    def _bind_cache(self) -> None:
-        for i in range(self.m.num_layers):
-            k, v = self.cache.buffers[2 * i], self.cache.buffers[2 * i + 1]
-            self.binding.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(k))
-            self.binding.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(v))
-        self._bound_generation = self.cache.generation
-
-    def _bind_outputs(self, s: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        if s not in self._outs:
+    def _binding(self, s: int) -> tuple:
+        """-> (IOBinding for S new tokens with outputs and the current cache bound, logits, presents)."""
+        entry = self._bindings.get(s)
+        if entry is None:
             b, m = self.batch, self.m
             logits = np.empty((b, s, m.vocab_size), np.float32)
             presents = [np.empty((b, m.num_kv_heads, s, m.head_dim), np.float32) for _ in range(2 * m.num_layers)]
-            self._outs[s] = (logits, presents,
-                             [self._ort.OrtValue.ortvalue_from_numpy(a) for a in [logits] + presents])
-        logits, presents, ovs = self._outs[s]
-        if self._bound_s != s:
+            bind = self.engine.session.io_binding()
+            ovs = [self._ort.OrtValue.ortvalue_from_numpy(a) for a in [logits] + presents]  # kept alive below
             for name, ov in zip(self.engine.output_names, ovs):
-                self.binding.bind_ortvalue_output(name, ov)
-            self._bound_s = s
-        return logits, presents
+                bind.bind_ortvalue_output(name, ov)
+            entry = self._bindings[s] = [bind, -1, logits, presents, ovs]
+        gen = self.cache.generation
+        if entry[1] != gen:
+            if self._cache_ovs[0] != gen:
+                self._cache_ovs = (gen, [self._ort.OrtValue.ortvalue_from_numpy(a) for a in self.cache.buffers])
+            ovs = self._cache_ovs[1]
+            for i in range(self.m.num_layers):
+                entry[0].bind_ortvalue_input(C.past_key(i), ovs[2 * i])
+                entry[0].bind_ortvalue_input(C.past_value(i), ovs[2 * i + 1])
+            entry[1] = gen
+        return entry[0], entry[2], entry[3]
 
     def __call__(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
                  embeds: np.ndarray | None = None) -> np.ndarray:
@@ -85,8 +86,7 @@ class Decoder:
         b, s = tokens.shape
         cache = self.cache
         cache.reserve(int(cache.lengths.max()) + s)
-        if self._bound_generation != cache.generation:
-            self._bind_cache()
+        bind, logits, presents = self._binding(s)
         pos = cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
         bias = causal_bias(cache.lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P+S)
         first = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -94,11 +94,9 @@ class Decoder:
             first = np.ascontiguousarray(embeds, dtype=np.float32)
         elif self.m.input_mode == "embeds":
             first = self.embedding[first]
-        bind = self.binding
         bind.bind_cpu_input(self.m.inputs[0].name, first)
         bind.bind_cpu_input(C.POSITION_IDS, pos)
         bind.bind_cpu_input(C.ATTENTION_BIAS, bias)
-        logits, presents = self._bind_outputs(s)
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
         t1 = time.perf_counter()
