@@ -20,7 +20,6 @@ import argparse
 import json
 from functools import partial
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
 from bench_speculative import machine  # noqa: E402
 from edgespec.cli import ensure_policy_engines  # noqa: E402
-from edgespec.robots.inference import InferenceProcess  # noqa: E402
+from edgespec.robots.inference import InferenceProcess, single_threaded_env  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
 from edgespec.robots.profile import chrome_trace, loop_profile, plot_timeline  # noqa: E402
 from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa: E402
@@ -40,8 +39,7 @@ from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa
 SEED0 = 950_000  # loop episodes; bench_vla evaluates on 900000+, the draft head trains on 700000+
 
 
-def _hog(stop) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _hog(stop) -> None:  # one busy thread: Load starts it with single-threaded BLAS
     a = np.random.default_rng(0).random((256, 256))
     while not stop.is_set():
         a = np.tanh(a @ a)
@@ -57,8 +55,9 @@ class Load:
         ctx = mp.get_context("spawn")
         self.stop = ctx.Event()
         self.procs = [ctx.Process(target=_hog, args=(self.stop,), daemon=True) for _ in range(self.n)]
-        for p in self.procs:
-            p.start()
+        with single_threaded_env():  # numpy reads it at import in the child: exactly one busy thread each
+            for p in self.procs:
+                p.start()
         time.sleep(0.5 if self.n else 0.0)
         return self
 

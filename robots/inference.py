@@ -12,7 +12,7 @@ the worker thread only blocks on a pipe, which releases the GIL.
     chunk = policy(obs)        # (H, D); policy.last_info is the child's policy.last_info
     policy.close()             # or use it as a context manager
 
-`factory` must be picklable (a module-level function or a functools.partial of one): the child builds the
+The child runs with single-threaded BLAS (`single_threaded_env`). `factory` must be picklable (a module-level function or a functools.partial of one): the child builds the
 policy itself, since engine sessions cannot cross processes. An exception in the policy comes back as a
 RuntimeError naming it; a child that dies turns the next call into a RuntimeError; the loop records both as
 faults. Observations cross the pipe pickled (the reacher's: a 12 KB image, ~0.1 ms).
@@ -25,6 +25,28 @@ import threading
 from typing import Callable
 
 import numpy as np
+
+
+SINGLE_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class single_threaded_env:
+    """While active, child processes started with "spawn" get single-threaded BLAS / OpenMP (numpy reads
+    these variables at import, which in a spawned child happens after this environment is copied). A
+    numpy BLAS pool of one thread per core spins between calls and, on a loaded CPU, stalls on preempted
+    peers: measured here, it made the draft head's small matrix-vector products the slow part of a decode."""
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in SINGLE_THREAD_ENV}
+        os.environ.update({k: "1" for k in SINGLE_THREAD_ENV})
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _serve(factory: Callable, conn, nice: int | None) -> None:
@@ -56,7 +78,8 @@ class InferenceProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(factory, child, nice), daemon=True, name="edgespec-policy")
-        self._proc.start()
+        with single_threaded_env():
+            self._proc.start()
         child.close()
         self._lock = threading.Lock()
         self.last_info: dict = {}

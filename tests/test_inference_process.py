@@ -87,3 +87,28 @@ def test_the_loop_survives_a_raising_process_policy_and_a_hung_one():
             t = time.perf_counter()
             pol.close(timeout_s=0.5)  # the child cannot answer "quit" while it sleeps: killed
             assert time.perf_counter() - t < 3.0 and not pol._proc.is_alive()
+
+
+def blas_env():
+    return {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+
+
+class EnvReport:
+    last_info: dict = {}
+
+    def __call__(self, obs):
+        return np.zeros((1, 1))
+
+
+def make_env_report():
+    r = EnvReport()
+    r.last_info = blas_env()
+    return r
+
+
+def test_the_child_gets_single_threaded_blas_and_the_parent_keeps_its_environment():
+    before = blas_env()
+    with InferenceProcess(make_env_report) as pol:
+        pol({})
+        assert pol.last_info == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    assert blas_env() == before
