@@ -115,7 +115,8 @@ def pooled(reps, dists, infos, dt) -> dict:
            "sections_ms_p99": {k: float(np.percentile(v, 99)) for k, v in sect.items()},
            "success_rate": float(np.mean(np.asarray(dists) <= SUCCESS_RADIUS)),
            "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps)),
-           "realtime": sorted({r.realtime for r in reps})}
+           "realtime": sorted({r.realtime for r in reps}),
+           "realtime_worker": sorted({r.realtime_worker for r in reps})}
     acc = [i for ii in infos for i in ii if i.get("rounds")]
     if acc:
         out["tokens_per_round"] = float(np.mean([i["tokens_per_round"] for i in acc]))
@@ -183,7 +184,8 @@ def main(argv=None) -> int:
         policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v)) for k, v in kw.items()}
     else:
         policies = {k: edgespec.load_policy(engines, **v) for k, v in kw.items()}
-    cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
+    cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
+                     rt_worker=args.inference == "process")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),

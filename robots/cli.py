@@ -119,7 +119,8 @@ def cmd_run(argv) -> int:
     args = p.parse_args(argv)
     try:
         color = color_of(args.instruction)
-        cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority)
+        cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
+                         rt_worker=args.inference == "process")
         policy, pol = make_policy(args, args.instruction)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))

@@ -48,6 +48,11 @@ class LoopConfig:
     # SCHED_FIFO priority (1..99) for the loop thread during run(), as robot controllers run; needs
     # CAP_SYS_NICE (root, or `setcap`/rtprio limits). None: normal scheduling. The report says if it took.
     rt_priority: int | None = None
+    # SCHED_FIFO for the inference worker thread too, one below the loop. Worth it when the policy runs in
+    # another process (robots/inference.py): the worker then only waits on a pipe and briefly handles the
+    # result, and at normal priority a loaded CPU can preempt it while it holds the GIL, which the
+    # real-time loop thread then waits for (priority inversion).
+    rt_worker: bool = False
 
     def __post_init__(self):
         if not 1 <= self.hz <= 1000:
@@ -70,6 +75,7 @@ class LoopReport:
     """What one run() did. Times `*_s` are on the loop clock (s since run start), durations `*_ms` in ms."""
     hz: float = 0.0
     realtime: str = "off"  # the loop thread's scheduling during the run
+    realtime_worker: str = "off"  # the inference worker thread's (LoopConfig.rt_worker)
     ticks: int = 0
     sent: int = 0
     held: int = 0
@@ -130,6 +136,12 @@ class ControlLoop:
 
     # -- inference worker --------------------------------------------------------------------------
     def _worker(self, t_origin: float, quit: threading.Event, rep: LoopReport) -> None:
+        if self.cfg.rt_priority is not None and self.cfg.rt_worker:
+            try:  # this thread only (Linux: 0 = the calling thread)
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(max(1, self.cfg.rt_priority - 1)))
+                rep.realtime_worker = f"SCHED_FIFO {max(1, self.cfg.rt_priority - 1)}"
+            except (AttributeError, OSError) as e:
+                rep.realtime_worker = f"unavailable ({type(e).__name__}: {e})"
         while not quit.is_set():
             if not self._wake.wait(0.05):
                 continue
@@ -207,7 +219,7 @@ class ControlLoop:
         quit = threading.Event()
         worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
         worker.start()
-        sched = self._enter_realtime(rep)  # after the worker started: only the loop thread goes real-time
+        sched = self._enter_realtime(rep)  # after the worker started: it keeps its own scheduling (rt_worker)
         dur, start = rep.sections_ms, rep.section_start_s
         next_tick = 0.0
         try:
