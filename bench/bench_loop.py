@@ -168,6 +168,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-below", type=float, default=0.6)
     ap.add_argument("--inference", choices=["process", "thread"], default="process",
                     help="policy in a child process (default) or in the loop's worker thread")
+    ap.add_argument("--policy-nice", type=int, default=None,
+                    help="nice value for the policy process (negative raises its priority; needs CAP_SYS_NICE)")
     ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
@@ -181,7 +183,8 @@ def main(argv=None) -> int:
     kw = {"plain": {}, "speculative": dict(draft="head" if args.draft == "head" else True, gamma=args.gamma,
                                            stop_below=args.stop_below)}
     if args.inference == "process":
-        policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v)) for k, v in kw.items()}
+        policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v), nice=args.policy_nice)
+                    for k, v in kw.items()}
     else:
         policies = {k: edgespec.load_policy(engines, **v) for k, v in kw.items()}
     cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
                "load_processes": loads, "speculative": kw["speculative"], "inference": args.inference,
-               "rt_priority": args.rt_priority, "phases": {}}
+               "rt_priority": args.rt_priority, "policy_nice": args.policy_nice, "phases": {}}
     t0 = time.time()
     for phase, n in [("idle", 0)] + [(f"load {n}", n) for n in loads]:
         acc = {k: ([], [], []) for k in policies}

@@ -1,13 +1,19 @@
 """VLA policies: image + state + instruction -> an H x D chunk of continuous actions, decoded as action
 tokens with optional speculative decoding.
 
-    policy = edgespec.load_policy("engines/vla-reacher", draft=True)             # exact (greedy) by default
+    policy = edgespec.load_policy("engines/vla-reacher", draft="head")           # exact (greedy) by default
     actions = policy.act(image, state, "reach the red target")                  # (H, D) float64
     policy.last_info  # encode_ms, decode_ms, rounds, accepted, drafted, tokens_per_round, max_dev_bins, ...
 
 A policy folder (export/vla.py) holds encoder.onnx (image, state, instruction -> prefix embeddings), a
 target decoder and optionally a draft decoder (inputs_embeds engines that read the prefix, then action
-ids), policy.json and action_stats.json. Decoding is constrained to the action ids.
+ids) and a draft head (draft_head.npz: a numpy MLP over the prefix and the ids so far, edgespec/draft_head.py),
+policy.json and action_stats.json. Decoding is constrained to the action ids.
+
+Drafts: draft="head" (the fastest here: ~0.02 ms a proposal, and its first round is fused into the
+target's prefill), draft=True (the draft decoder engine, ~0.12 ms a proposal) or a draft engine folder.
+Both stop a round early after a proposal they are unsure of (stop_below); γ and stop_below default per
+draft kind (DRAFT_DEFAULTS, from bench/bench_vla.py's sweeps).
 
 Acceptance:
   "greedy"   exact: the actions are identical to plain greedy decoding with the target;

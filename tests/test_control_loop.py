@@ -284,3 +284,22 @@ def test_realtime_scheduling_is_applied_or_reported_and_always_restored():
     assert os.sched_getscheduler(0) == before
     with pytest.raises(ValueError, match="rt_priority"):
         LoopConfig(rt_priority=100)
+
+
+def test_rt_worker_puts_the_worker_one_below_the_loop_or_says_why_not():
+    import os
+    got = []
+
+    def policy(obs):
+        got.append((os.sched_getscheduler(0), os.sched_getparam(0).sched_priority))
+        return np.tile(obs["state"], (8, 1))
+
+    with MockRobot(dims=2) as robot:
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, rt_priority=10, rt_worker=True)).run(0.2)
+    if rep.realtime_worker.startswith("unavailable"):  # no CAP_SYS_NICE here: reported, not silently skipped
+        assert rep.realtime.startswith("unavailable")
+        return
+    assert rep.realtime_worker == "SCHED_FIFO 9" and got and set(got) == {(os.SCHED_FIFO, 9)}
+    with MockRobot(dims=2) as robot:  # without rt_priority, rt_worker changes nothing
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, rt_worker=True)).run(0.1)
+    assert rep.realtime_worker == "off"
