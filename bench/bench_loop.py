@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-below", type=float, default=0.6)
     ap.add_argument("--inference", choices=["process", "thread"], default="process",
                     help="policy in a child process (default) or in the loop's worker thread")
+    ap.add_argument("--spin-ms", type=float, default=0.0, help="busy-wait the last ms before each tick")
     ap.add_argument("--policy-nice", type=int, default=None,
                     help="nice value for the policy process (negative raises its priority; needs CAP_SYS_NICE)")
     ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
@@ -188,13 +189,14 @@ def main(argv=None) -> int:
     else:
         policies = {k: edgespec.load_policy(engines, **v) for k, v in kw.items()}
     cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
-                     rt_worker=args.inference == "process")
+                     rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
                "load_processes": loads, "speculative": kw["speculative"], "inference": args.inference,
-               "rt_priority": args.rt_priority, "policy_nice": args.policy_nice, "phases": {}}
+               "rt_priority": args.rt_priority, "policy_nice": args.policy_nice,
+               "spin_ms": args.spin_ms, "phases": {}}
     t0 = time.time()
     for phase, n in [("idle", 0)] + [(f"load {n}", n) for n in loads]:
         acc = {k: ([], [], []) for k in policies}
