@@ -1,8 +1,8 @@
 """`edgespec robot run` and `edgespec robot node`: a VLA policy on the control loop or behind a DDS node.
 
-    edgespec robot run --env reacher --policy engines/vla-reacher --draft --hz 20 \\
+    edgespec robot run --env reacher --policy engines/vla-reacher --draft head --hz 20 \\
         --instruction "reach the red target" --seconds 3 --profile loop.json
-    edgespec robot node --policy engines/vla-reacher --draft --hz 20 --loopback --seconds 10
+    edgespec robot node --policy engines/vla-reacher --draft head --hz 20 --loopback --seconds 10
 
 `run` drives the MuJoCo reacher (lockstep: one physics period per tick) and prints the loop's latency
 profile and the episode's result; --profile writes the profile JSON, a Chrome trace (.trace.json) and a
@@ -115,12 +115,14 @@ def cmd_run(argv) -> int:
     p.add_argument("--request-threshold", type=int, default=4, help="ask for a chunk below this many actions")
     p.add_argument("--profile", type=Path, default=None, help="write the loop profile JSON (+ trace, PNG)")
     p.add_argument("--rt-priority", type=int, default=None,
-                   help="run the loop thread SCHED_FIFO at this priority (needs CAP_SYS_NICE)")
+                   help="run the loop thread SCHED_FIFO at this priority (needs CAP_SYS_NICE); with "
+                        "--inference process the worker thread one below")
+    p.add_argument("--spin-ms", type=float, default=0.0, help="busy-wait the last ms before each tick")
     args = p.parse_args(argv)
     try:
         color = color_of(args.instruction)
         cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
-                         rt_worker=args.inference == "process")
+                         rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3)
         policy, pol = make_policy(args, args.instruction)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))

@@ -303,3 +303,13 @@ def test_rt_worker_puts_the_worker_one_below_the_loop_or_says_why_not():
     with MockRobot(dims=2) as robot:  # without rt_priority, rt_worker changes nothing
         rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, rt_worker=True)).run(0.1)
     assert rep.realtime_worker == "off"
+
+
+def test_spin_keeps_the_period_and_is_validated():
+    with MockRobot(dims=2) as robot:
+        rep = ControlLoop(robot, lambda obs: np.tile(obs["state"], (8, 1)),
+                          LoopConfig(hz=HZ, spin_s=0.002)).run(0.3)
+    periods = np.diff(rep.tick_start_s)
+    assert rep.ticks >= int(0.3 * HZ) - 1 and abs(np.median(periods) - 1 / HZ) < 1e-3
+    with pytest.raises(ValueError, match=r"spin_s must be in \[0, period"):
+        LoopConfig(hz=HZ, spin_s=1.0 / HZ)
