@@ -102,6 +102,25 @@ def tiny_engines(tmp_path_factory):
 import numpy as np  # noqa: E402
 
 
+def policy_obs(seed: int):
+    """A random (image, state, instruction) observation for the tiny policies."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), rng.normal(0, 1, 6),
+            ["reach the red target", "go to the blue target", "touch the green target"][seed % 3])
+
+
+def assert_fast_path_matches_reference(pol, seeds) -> None:
+    """The policy's lean decoding and its generic-round reference give the same ids and statistics."""
+    for seed in seeds:
+        pre = pol.encode(*policy_obs(seed))
+        fast, fi = pol.decode_ids(pre)
+        ref, ri = pol.decode_ids(pre, reference=True)
+        assert fast == ref
+        for key in ("rounds", "drafted", "accepted", "target_calls", "draft_calls", "max_dev_bins"):
+            assert fi[key] == ri[key], (key, fi, ri)
+
+
 def random_draft_head(prefix_len: int, embed: int, n_ids: int, horizon: int, dims: int, hidden: int = 32,
                       radius: int = 6, seed: int = 0):
     """Random numpy draft-head weights (sharp logits, so argmax ties never happen)."""

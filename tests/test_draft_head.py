@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import random_draft_head
+from conftest import assert_fast_path_matches_reference, policy_obs, random_draft_head
 from edgespec.draft_head import DraftHead, DraftHeadWeights, head_features
 from edgespec.policy import load_policy
 
@@ -93,10 +93,7 @@ def test_weights_round_trip_and_clear_errors(tmp_path):
 
 
 # -- inside a policy -------------------------------------------------------------------------------------
-def obs(seed: int):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), rng.normal(0, 1, 6),
-            ["reach the red target", "go to the blue target", "touch the green target"][seed % 3])
+obs = policy_obs
 
 
 @pytest.mark.parametrize("gamma, stop_below", [(1, 0.0), (4, 0.0), (11, 0.0), (11, 0.5), (3, 0.9)])
@@ -121,13 +118,7 @@ def test_head_speculative_greedy_gives_exactly_the_plain_actions(tiny_policies, 
 def test_head_fast_rounds_match_the_generic_round(tiny_policies, mode, radius, gamma, stop_below):
     pol = load_policy(tiny_policies["plain"], draft="head", mode=mode, radius=radius, gamma=gamma,
                       stop_below=stop_below)
-    for seed in range(4):
-        pre = pol.encode(*obs(seed))
-        fast, fi = pol.decode_ids(pre)
-        ref, ri = pol.decode_ids(pre, reference=True)
-        assert fast == ref
-        for key in ("rounds", "drafted", "accepted", "target_calls", "draft_calls", "max_dev_bins"):
-            assert fi[key] == ri[key], (key, fi, ri)
+    assert_fast_path_matches_reference(pol, range(4))
 
 
 def test_fused_first_round_accepts_everything_with_a_huge_radius(tiny_policies):

@@ -7,14 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import assert_fast_path_matches_reference, policy_obs
 from edgespec.policy import PolicyConfig, load_policy
 from edgespec.speculative import accept_relaxed
 
 
-def obs(seed: int):
-    rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), rng.normal(0, 1, 6),
-            ["reach the red target", "go to the blue target", "touch the green target"][seed % 3])
+obs = policy_obs
 
 
 # -- the acceptance rule ---------------------------------------------------------------------------------
@@ -159,10 +157,4 @@ def test_fast_round_matches_the_generic_speculative_round(tiny_policies, mode, r
     for name in ("plain", "self"):
         pol = load_policy(tiny_policies[name], draft=True, mode=mode, radius=radius, gamma=gamma,
                           stop_below=stop_below)
-        for seed in range(3):
-            pre = pol.encode(*obs(seed))
-            fast, fi = pol.decode_ids(pre)
-            ref, ri = pol.decode_ids(pre, reference=True)
-            assert fast == ref
-            for key in ("rounds", "drafted", "accepted", "target_calls", "draft_calls", "max_dev_bins"):
-                assert fi[key] == ri[key], (key, fi, ri)
+        assert_fast_path_matches_reference(pol, range(3))
