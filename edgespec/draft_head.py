@@ -164,12 +164,17 @@ class DraftHead:
             z = h @ self.w.abs_w + self.w.abs_b
             best = int(z.argmax())
             return best, float(1.0 / np.exp(z - z[best]).sum())
-        z = h @ self.w.rel_w + self.w.rel_b  # (2R+1,) steps -R..R from ids[t-D]
-        base = int(ids[t - self.dims]) - self.radius
-        lo, hi = max(0, -base), min(len(z), self.n_ids - base)  # steps that stay inside the bins
-        z = z[lo:hi]
+        z, first = self._steps(h, ids, t)
         best = int(z.argmax())
-        return base + lo + best, float(1.0 / np.exp(z - z[best]).sum())
+        return first + best, float(1.0 / np.exp(z - z[best]).sum())
+
+    def _steps(self, h: np.ndarray, ids, t: int) -> tuple[np.ndarray, int]:
+        """-> the step logits that land on a bin (steps -R..R from ids[t-D], clipped to 0..n-1), and the
+        bin id of the first of them."""
+        z = h @ self.w.rel_w + self.w.rel_b  # (2R+1,)
+        base = int(ids[t - self.dims]) - self.radius
+        lo, hi = max(0, -base), min(len(z), self.n_ids - base)
+        return z[lo:hi], base + lo
 
     def logits(self, ids) -> np.ndarray:
         """The next id's logits over all n bins (-inf where the head cannot propose): for the generic path."""
@@ -179,10 +184,8 @@ class DraftHead:
         if t < self.dims:
             return h @ self.w.abs_w + self.w.abs_b
         out = np.full(self.n_ids, -np.inf, np.float32)
-        z = h @ self.w.rel_w + self.w.rel_b
-        base = int(ids[t - self.dims]) - self.radius
-        lo, hi = max(0, -base), min(len(z), self.n_ids - base)
-        out[base + lo:base + hi] = z[lo:hi]
+        z, first = self._steps(h, ids, t)
+        out[first:first + len(z)] = z
         return out
 
     def reference_logits(self, prefix: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ from . import contract as C
 from .actions import ActionStats, ActionTokenizer
 from .decoder import Decoder
 from .draft_head import DraftHead, HeadDraft
-from .drafts import DraftModel
+from .drafts import DraftModel, max_prob
 from .engine import OrtEngine, session_options
 from .generate import Timer
 from .sampling import SamplingConfig
@@ -190,8 +190,17 @@ class Policy:
         return logits[:, lo:hi].argmax(-1) + lo, None
 
     def _confidence(self, logits: np.ndarray) -> np.ndarray:  # (B, V) -> (B,) p of the constrained argmax
-        z = logits[:, self.tok.first_id:self.tok.vocab_end]
-        return 1.0 / np.exp(z - z.max(-1, keepdims=True)).sum(-1)
+        return max_prob(logits[:, self.tok.first_id:self.tok.vocab_end])
+
+    def _accept(self, drafts: np.ndarray, logits: np.ndarray, pos: int, info: dict) -> tuple[int, int]:
+        """accept_relaxed for drafts (c,) at chunk index pos, logits (c+1, V) the target's there (exact where
+        the radius is 0); notes the largest bin distance it accepted in info["max_dev_bins"]."""
+        lo, hi, radius = self.tok.first_id, self.tok.vocab_end, self._radius
+        k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + len(drafts)])
+        if k and radius[pos:pos + k].any():
+            t = logits[:k, lo:hi].argmax(-1) + lo
+            info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
+        return k, nxt
 
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
@@ -235,15 +244,10 @@ class Policy:
             return self._speculative_fast(ids, n, p, info)
         draft._ctx_len[:] = p
         ctx = [0] * p + ids  # placeholder ids stand for the prefix rows already in both caches
-        timer, radius, dev = Timer(), self._radius, [0]
-        lo, hi = self.tok.first_id, self.tok.vocab_end
+        timer = Timer()
 
-        def relax(d, lg, pos):  # d (k,), lg (k+1, V), pos: absolute position of d[0]
-            k, nxt = accept_relaxed(d, lg, lo, hi, radius[pos - p:pos - p + len(d)])
-            if k:
-                t = lg[:k, lo:hi].argmax(-1) + lo
-                dev[0] = max(dev[0], int(np.abs(d[:k] - t).max()))
-            return k, nxt
+        def relax(d, lg, at):  # d (k,), lg (k+1, V), at: absolute position of d[0]
+            return self._accept(d, lg, at - p, info)
 
         calls0 = dd.calls
         while len(ids) < n:
@@ -262,7 +266,6 @@ class Policy:
             info["accepted"] += int(k[0])
             info["target_calls"] += 1
         info["draft_calls"] = dd.calls - calls0 + 1
-        info["max_dev_bins"] = dev[0]
         info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
         return ids[:n], info
 
@@ -272,7 +275,7 @@ class Policy:
         (accept_relaxed: exact when the radius is 0), roll the caches back. Both caches hold the prefix; the
         target's lacks ids[-1], the draft's lacks `pending` (1 or 2 ids)."""
         target, dd = self.target, self.draft.dec
-        lo, hi, radius, stop = self.tok.first_id, self.tok.vocab_end, self._radius, self.cfg.stop_below
+        lo, hi, stop = self.tok.first_id, self.tok.vocab_end, self.cfg.stop_below
         pending = [ids[-1]]
         feed = np.empty((1, self.cfg.gamma + 1), np.int64)
         calls0 = dd.calls
@@ -299,10 +302,7 @@ class Policy:
             drafts = feed[0, 1:c + 1]
             logits = target(feed[:, :c + 1])[0]  # (c+1, V)
             pos = len(ids)  # chunk index of drafts[0]
-            k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
-            if k and radius[pos:pos + k].any():
-                t = logits[:k, lo:hi].argmax(-1) + lo
-                info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
+            k, nxt = self._accept(drafts, logits, pos, info)
             target.cache.lengths += 1 + k
             dd.cache.lengths -= (c - 1) - min(k, c - 1)  # keep the fed drafts that were accepted
             pending = [int(drafts[c - 1]), nxt] if k == c else [nxt]
@@ -321,7 +321,7 @@ class Policy:
         so a chunk costs one target call fewer than prefill-then-verify. Later rounds verify pending + drafts.
         reference=True runs the later rounds through the generic `speculative_round` + `HeadDraft`."""
         target, head = self.target, self.head
-        lo, hi, radius, stop = self.tok.first_id, self.tok.vocab_end, self._radius, self.cfg.stop_below
+        lo, hi, stop = self.tok.first_id, self.tok.vocab_end, self.cfg.stop_below
         info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0, "max_dev_bins": 0}
         head.start(prefix)
         calls0 = head.calls
@@ -329,15 +329,6 @@ class Policy:
         feed = np.empty((1, self.cfg.gamma + 1), np.int64)
         ids: list[int] = []
         timer = Timer()
-
-        def account(drafts, logits, pos, k):  # drafts (c,), logits (c+1, V) the target's at those positions
-            if k and radius[pos:pos + k].any():
-                t = logits[:k, lo:hi].argmax(-1) + lo
-                info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
-            info["rounds"] += 1
-            info["drafted"] += len(drafts)
-            info["accepted"] += k
-            info["target_calls"] += 1
 
         while len(ids) < n:
             g = min(self.cfg.gamma, n - len(ids) - 1)
@@ -365,30 +356,23 @@ class Policy:
                 if not ids:  # fused first round: prefix + drafts in the prefill
                     x = np.concatenate([prefix, target.embedding[drafts][None]], 1) if c else prefix
                     logits = target(None, embeds=x.astype(np.float32))[0, p - 1:]  # (c+1, V)
-                    k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
+                    k, nxt = self._accept(drafts, logits, pos, info)
                     target.cache.lengths[:] = p + k
                 else:
                     feed[0, 0] = ids[-1]
                     logits = target(feed[:, :c + 1])[0]  # (c+1, V)
-                    k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + c])
+                    k, nxt = self._accept(drafts, logits, pos, info)
                     target.cache.lengths += 1 + k
-                account(drafts, logits, pos, k)
                 ids += drafts[:k].tolist() + [nxt]
-                continue
-
-            def relax(d, lg, at):  # at: absolute position of d[0]
-                k, nxt = accept_relaxed(d, lg, lo, hi, radius[at - p:at - p + len(d)])
-                if k and radius[at - p:at - p + k].any():
-                    t = lg[:k, lo:hi].argmax(-1) + lo
-                    info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(d[:k] - t).max()))
-                return k, nxt
-
-            new, k, m = speculative_round(target, drafter, [[0] * p + ids], np.ones(1, bool), g, "relaxed",
-                                          SamplingConfig(), None, None, self._pick, timer, relax=relax)
-            ids += new[0]
+            else:
+                new, k, c = speculative_round(target, drafter, [[0] * p + ids], np.ones(1, bool), g, "relaxed",
+                                              SamplingConfig(), None, None, self._pick, timer,
+                                              relax=lambda d, lg, at: self._accept(d, lg, at - p, info))
+                ids += new[0]
+                k, c = int(k[0]), int(c[0])
             info["rounds"] += 1
-            info["drafted"] += int(m[0])
-            info["accepted"] += int(k[0])
+            info["drafted"] += c
+            info["accepted"] += k
             info["target_calls"] += 1
         info["draft_calls"] = head.calls - calls0
         info["tokens_per_round"] = n / max(info["rounds"], 1)

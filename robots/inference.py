@@ -2,9 +2,8 @@
 
 The loop's inference worker is a thread. When the policy runs in that thread, its Python code (picking
 tokens, the draft, binding engine inputs) holds the GIL between engine calls, and the loop thread waits for
-the GIL whenever it wakes during one of those stretches. Measured on the reacher at 20 Hz, this roughly
-doubles the in-loop decode time, and under CPU load it lets a preempted worker hold the GIL while a
-real-time loop thread waits (priority inversion). In a child process the policy has its own interpreter:
+the GIL whenever it wakes during one of those stretches, and under CPU load a preempted worker can hold
+the GIL while a real-time loop thread waits (priority inversion). In a child process the policy has its own interpreter:
 the worker thread only blocks on a pipe, which releases the GIL.
 
     from functools import partial
@@ -34,7 +33,7 @@ class single_threaded_env:
     """While active, child processes started with "spawn" get single-threaded BLAS / OpenMP (numpy reads
     these variables at import, which in a spawned child happens after this environment is copied). A
     numpy BLAS pool of one thread per core spins between calls and, on a loaded CPU, stalls on preempted
-    peers: measured here, it made the draft head's small matrix-vector products the slow part of a decode."""
+    peers, which stalls the draft head's small matrix-vector products."""
 
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in SINGLE_THREAD_ENV}

@@ -54,8 +54,8 @@ class LoopConfig:
     # real-time loop thread then waits for (priority inversion).
     rt_worker: bool = False
     # Sleep until this long before each tick, then busy-wait to it: a thread that sleeps right up to its
-    # deadline wakes late whenever the kernel or the hypervisor is slow to deliver the timer (measured here
-    # under load: p99 3-14 ms late even on SCHED_FIFO). Costs up to spin_s of CPU per period.
+    # deadline wakes late whenever the kernel or the hypervisor is slow to deliver the timer (see the
+    # loop-rt results in bench/results). Costs up to spin_s of CPU per period.
     spin_s: float = 0.0
 
     def __post_init__(self):

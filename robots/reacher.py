@@ -31,7 +31,7 @@ import numpy as np
 
 os.environ.setdefault("MUJOCO_GL", "osmesa")
 # osmesa's llvmpipe otherwise starts a rasteriser thread per core: for a 64x64 image they cost more than they
-# save (2.5 vs 3.3 ms per step + render here) and they take the cores the policy decodes on
+# save, and they take the cores the policy decodes on
 os.environ.setdefault("LP_NUM_THREADS", "0")
 
 COLORS = {"red": "0.9 0.1 0.1 1", "green": "0.1 0.75 0.1 1", "blue": "0.15 0.25 0.95 1"}
