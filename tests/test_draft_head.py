@@ -58,7 +58,7 @@ def test_next_and_logits_match_the_reference_formula(head):
 
 
 def test_numpy_head_matches_the_torch_head_it_was_trained_as():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason="the torch parity check needs the export extra (torch)")
     from edgespec.export.train_draft_head import build_head
     torch.manual_seed(0)
     th = build_head(P, E, N, H, D, hidden=16, radius=6)
