@@ -2,9 +2,13 @@
 on an idle CPU and on a CPU shared with more and more other work, all in one run.
 
     MUJOCO_GL=osmesa python bench/bench_loop.py --out bench/results/loop.json --load 3,6,9
+    MUJOCO_GL=osmesa python bench/bench_loop.py --out bench/results/loop-pinned/loop.json --episodes 15 \
+        --load 1,2,1,2,1 --loop-cpus 0 --policy-cpus 1 --rt-priority 50 --spin-ms 2
 
 Phases: "idle" (nothing else running), then "load N" for each N of --load (N background processes each
-spinning a single-threaded numpy matmul, standing in for perception / logging on the robot's computer).
+spinning a single-threaded numpy matmul, standing in for perception / logging on the robot's computer; a
+number given again repeats the phase as "load N #2", ...). --loop-cpus / --policy-cpus isolate the loop
+on its own core, as robot controllers do, with the policy process and the load processes on the others.
 In each phase, plain and speculative (exact; the numpy draft head by default) policies run the same
 --episodes reacher episodes (2 s each, seeds 950000+i; the draft head trains on 700000+), interleaved
 episode by episode. The policy runs in a child process by default (--inference process; robots/inference.py).
@@ -20,6 +24,7 @@ import argparse
 import json
 from functools import partial
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,22 +44,24 @@ from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa
 SEED0 = 950_000  # loop episodes; bench_vla evaluates on 900000+, the draft head trains on 700000+
 
 
-def _hog(stop) -> None:  # one busy thread: Load starts it with single-threaded BLAS
+def _hog(stop, cpus=None) -> None:  # one busy thread: Load starts it with single-threaded BLAS
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     a = np.random.default_rng(0).random((256, 256))
     while not stop.is_set():
         a = np.tanh(a @ a)
 
 
 class Load:
-    """n background processes keeping CPUs busy, for the length of a `with` block."""
+    """n background processes keeping CPUs busy (those in `cpus`, default any), for a `with` block."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, cpus=None):
+        self.n, self.cpus = n, cpus
 
     def __enter__(self):
         ctx = mp.get_context("spawn")
         self.stop = ctx.Event()
-        self.procs = [ctx.Process(target=_hog, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        self.procs = [ctx.Process(target=_hog, args=(self.stop, self.cpus), daemon=True) for _ in range(self.n)]
         with single_threaded_env():  # numpy reads it at import in the child: exactly one busy thread each
             for p in self.procs:
                 p.start()
@@ -116,7 +123,8 @@ def pooled(reps, dists, infos, dt) -> dict:
            "success_rate": float(np.mean(np.asarray(dists) <= SUCCESS_RADIUS)),
            "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps)),
            "realtime": sorted({r.realtime for r in reps}),
-           "realtime_worker": sorted({r.realtime_worker for r in reps})}
+           "realtime_worker": sorted({r.realtime_worker for r in reps}),
+           "loop_cpus": sorted({r.cpus for r in reps})}
     acc = [i for ii in infos for i in ii if i.get("rounds")]
     if acc:
         out["tokens_per_round"] = float(np.mean([i["tokens_per_round"] for i in acc]))
@@ -161,7 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--hz", type=float, default=20.0)
     ap.add_argument("--load", default="3", help="background busy processes per loaded phase, comma-separated "
-                    "(one phase each, after the idle phase)")
+                    "(one phase each, after the idle phase; a number given again repeats that phase)")
     ap.add_argument("--request-threshold", type=int, default=2)
     ap.add_argument("--draft", default="head", help="speculative policy's draft: 'head' or 'decoder'")
     ap.add_argument("--gamma", type=int, default=15)
@@ -172,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy-nice", type=int, default=None,
                     help="nice value for the policy process (negative raises its priority; needs CAP_SYS_NICE)")
     ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
+    ap.add_argument("--loop-cpus", default=None, help="CPUs for the loop thread, e.g. 0 (default: any)")
+    ap.add_argument("--policy-cpus", default=None,
+                    help="CPUs for the policy process and the load processes, e.g. 1 (default: any)")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
     args = ap.parse_args(argv)
@@ -180,38 +191,55 @@ def main(argv=None) -> int:
         assert all(n > 0 for n in loads)
     except (ValueError, AssertionError):
         ap.error(f"--load must be positive integers separated by commas, got {args.load!r}")
+    def cpu_list(flag, text):
+        try:
+            out = frozenset(int(x) for x in text.split(",")) if text is not None else None
+        except ValueError:
+            ap.error(f"{flag} must be CPU numbers separated by commas, got {text!r}")
+        if out is not None and not out <= os.sched_getaffinity(0):
+            ap.error(f"{flag} {text}: this machine lets the bench use CPUs {sorted(os.sched_getaffinity(0))}")
+        return out
+
+    loop_cpus, policy_cpus = cpu_list("--loop-cpus", args.loop_cpus), cpu_list("--policy-cpus", args.policy_cpus)
     engines = ensure_policy_engines(args.models, args.engines)
     kw = {"plain": {}, "speculative": dict(draft="head" if args.draft == "head" else True, gamma=args.gamma,
                                            stop_below=args.stop_below)}
     if args.inference == "process":
-        policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v), nice=args.policy_nice)
-                    for k, v in kw.items()}
+        policies = {k: InferenceProcess(partial(edgespec.load_policy, str(engines), **v), nice=args.policy_nice,
+                                        cpus=policy_cpus) for k, v in kw.items()}
     else:
+        if policy_cpus is not None:
+            ap.error("--policy-cpus needs --inference process (a thread runs on the loop's CPUs)")
         policies = {k: edgespec.load_policy(engines, **v) for k, v in kw.items()}
     cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
-                     rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3)
+                     rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3, cpus=loop_cpus)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"command": "MUJOCO_GL=osmesa python bench/bench_loop.py " + " ".join(argv or sys.argv[1:]),
                "machine": machine(), "hz": args.hz, "request_threshold": args.request_threshold,
                "load_processes": loads, "speculative": kw["speculative"], "inference": args.inference,
                "rt_priority": args.rt_priority, "policy_nice": args.policy_nice,
-               "spin_ms": args.spin_ms, "phases": {}}
+               "spin_ms": args.spin_ms, "loop_cpus": sorted(loop_cpus) if loop_cpus else None,
+               "policy_cpus": sorted(policy_cpus) if policy_cpus else None, "phases": {}}
     t0 = time.time()
-    for phase, n in [("idle", 0)] + [(f"load {n}", n) for n in loads]:
+    phases = [("idle", 0)]
+    for n in loads:  # a load given twice runs twice: "load 1", then "load 1 #2" (a repeat in the same run)
+        k = sum(m == n for _, m in phases)
+        phases.append((f"load {n}" + (f" #{k + 1}" if k else ""), n))
+    for phase, n in phases:
         acc = {k: ([], [], []) for k in policies}
-        with Load(n):
+        with Load(n, policy_cpus):
             for ep in range(args.episodes):
                 for name, pol in policies.items():
                     rep, dist, infos = episode(pol, cfg, SEED0 + ep, args.seconds)
                     acc[name][0].append(rep), acc[name][1].append(dist), acc[name][2].append(infos)
-                    if n == loads[-1] and ep == 0:  # the trace of one episode at the heaviest load
+                    if phase == f"load {max(loads)}" and ep == 0:  # the trace of one episode at the heaviest load
                         stem = out.with_name(f"loop-load{n}-{name}")
                         chrome_trace(rep, stem.with_suffix(".trace.json"))
                         plot_timeline(rep, stem.with_suffix(".png"))
         results["phases"][phase] = {k: pooled(*v, cfg.dt) for k, v in acc.items()}
         for k, r in results["phases"][phase].items():
-            print(f"{phase:7s} {k:11s} jitter p99 {r['jitter_ms']['p99']:.2f} ms, starved after the first chunk "
+            print(f"{phase:10s} {k:11s} jitter p99 {r['jitter_ms']['p99']:.2f} ms, starved after the first chunk "
                   f"{r['starved_after_first_chunk']} ({r['episodes_starved_after_first_chunk']}/{r['episodes']} "
                   f"episodes; start-up {r['startup_ticks']}), inference p50/p99 "
                   f"{r['inference_ms']['p50']:.1f}/{r['inference_ms']['p99']:.1f} ms, success {r['success_rate']:.2f}")

@@ -134,13 +134,16 @@ def targets(ids: np.ndarray, dims: int, radius: int) -> tuple[np.ndarray, np.nda
     return ids[:, :dims], rel
 
 
-def agreement(head, prefix, ids, dims: int, radius: int) -> np.ndarray:
-    """Teacher-forced per-position agreement of the head's argmax with the target's ids -> (T,)."""
+def agreement(head, prefix, ids, dims: int, radius: int, n_ids: int) -> np.ndarray:
+    """Teacher-forced per-position agreement with the target's ids -> (T,), of the argmax the runtime takes
+    (DraftHead.next: among the steps that land on a bin)."""
     import torch
     with torch.no_grad():
         la, lr = head(torch.from_numpy(prefix.astype(np.float32)), torch.from_numpy(ids))
-    pred_abs = la.argmax(-1).numpy()
-    pred = np.concatenate([pred_abs, ids[:, :-dims] + lr.argmax(-1).numpy() - radius], 1)
+    base = ids[:, :-dims]  # (B, T-D): the id each step starts from
+    land = base[:, :, None] + np.arange(-radius, radius + 1)  # (B, T-D, 2R+1)
+    rel = np.where((land >= 0) & (land < n_ids), lr.numpy(), -np.inf)
+    pred = np.concatenate([la.argmax(-1).numpy(), base + rel.argmax(-1) - radius], 1)
     return (pred == ids).mean(0)
 
 
@@ -202,7 +205,7 @@ def main(argv=None) -> int:
             opt.step()
             step += 1
         head.eval()
-        acc = agreement(head, prefix[va], ids[va], dims, args.radius)
+        acc = agreement(head, prefix[va], ids[va], dims, args.radius, n_ids)
         history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4), "val_agree": round(float(acc.mean()), 4),
                         "epoch_s": round(time.time() - t0, 1)})
         print(history[-1], "per position", np.round(acc, 2).tolist(), flush=True)

@@ -40,6 +40,19 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inference", choices=["process", "thread"], default="process",
                    help="run the policy in a child process (default: its Python never holds the loop's GIL) "
                         "or in the loop's worker thread")
+    p.add_argument("--policy-cpus", type=cpu_set, default=None,
+                   help="CPUs for the policy process, e.g. 1 (with --inference process; default: any)")
+
+
+def cpu_set(text: str) -> frozenset:
+    """'0,2' -> frozenset({0, 2}) (argparse type)."""
+    try:
+        out = frozenset(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers separated by commas, got {text!r}") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected CPU numbers >= 0, got {text!r}")
+    return out
 
 
 class FixedInstruction:
@@ -72,7 +85,9 @@ def make_policy(args, instruction: str | None = None):
     if instruction:
         pol.instruction_ids(instruction)  # unknown words: fail now
     if getattr(args, "inference", "thread") == "process":
-        return InferenceProcess(partial(build_policy, instruction, **kw)), pol
+        return InferenceProcess(partial(build_policy, instruction, **kw), cpus=args.policy_cpus), pol
+    if args.policy_cpus is not None:
+        raise ValueError("--policy-cpus needs --inference process (a thread runs on the loop's CPUs)")
     return InThread(FixedInstruction(pol, instruction) if instruction else pol), pol
 
 
@@ -118,11 +133,13 @@ def cmd_run(argv) -> int:
                    help="run the loop thread SCHED_FIFO at this priority (needs CAP_SYS_NICE); with "
                         "--inference process the worker thread one below")
     p.add_argument("--spin-ms", type=float, default=0.0, help="busy-wait the last ms before each tick")
+    p.add_argument("--loop-cpus", type=cpu_set, default=None,
+                   help="CPUs for the loop thread, e.g. 0 (a core of its own; put --policy-cpus elsewhere)")
     args = p.parse_args(argv)
     try:
         color = color_of(args.instruction)
         cfg = LoopConfig(hz=args.hz, request_threshold=args.request_threshold, rt_priority=args.rt_priority,
-                         rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3)
+                         rt_worker=args.inference == "process", spin_s=args.spin_ms / 1e3, cpus=args.loop_cpus)
         policy, pol = make_policy(args, args.instruction)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))

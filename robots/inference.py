@@ -48,9 +48,11 @@ class single_threaded_env:
                 os.environ[k] = v
 
 
-def _serve(factory: Callable, conn, nice: int | None) -> None:
+def _serve(factory: Callable, conn, nice: int | None, cpus) -> None:
     if nice:
         os.nice(nice)
+    if cpus is not None:  # before the policy is built: engine threads inherit it
+        os.sched_setaffinity(0, cpus)
     try:
         policy = factory()
     except Exception as e:  # noqa: BLE001
@@ -73,10 +75,21 @@ def _serve(factory: Callable, conn, nice: int | None) -> None:
 
 
 class InferenceProcess:
-    def __init__(self, factory: Callable, start_timeout_s: float = 120.0, nice: int | None = None):
+    def __init__(self, factory: Callable, start_timeout_s: float = 120.0, nice: int | None = None,
+                 cpus=None):
+        """nice: the child's nice increment (negative raises its priority; needs CAP_SYS_NICE). cpus: the CPUs
+        the child may run on (e.g. all but the control loop's; LoopConfig.cpus), None: any."""
+        if cpus is not None:
+            cpus = frozenset(int(c) for c in cpus)
+            have = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+            if not cpus or not cpus <= have:
+                raise ValueError(f"cpus must be a non-empty subset of this process's CPUs {sorted(have)}, "
+                                 f"got {sorted(cpus)}")
+        self.cpus = cpus
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(factory, child, nice), daemon=True, name="edgespec-policy")
+        self._proc = ctx.Process(target=_serve, args=(factory, child, nice, cpus), daemon=True,
+                                 name="edgespec-policy")
         with single_threaded_env():
             self._proc.start()
         child.close()

@@ -57,8 +57,16 @@ class LoopConfig:
     # deadline wakes late whenever the kernel or the hypervisor is slow to deliver the timer (see the
     # loop-rt results in bench/results). Costs up to spin_s of CPU per period.
     spin_s: float = 0.0
+    # CPUs for the loop thread (and its inference worker) during run(), e.g. {0}: a core of its own, as robot
+    # controllers isolate theirs (with the policy process and other work pinned elsewhere: InferenceProcess
+    # cpus=). None: wherever the OS schedules. The report says what took (LoopReport.cpus).
+    cpus: frozenset[int] | None = None
 
     def __post_init__(self):
+        if self.cpus is not None:
+            self.cpus = frozenset(int(c) for c in self.cpus)
+            if not self.cpus or min(self.cpus) < 0:
+                raise ValueError(f"cpus must be None or a non-empty set of CPU numbers, got {sorted(self.cpus)}")
         if not 1 <= self.hz <= 1000:
             raise ValueError(f"hz must be in [1, 1000], got {self.hz}")
         if self.rt_priority is not None and not 1 <= self.rt_priority <= 99:
@@ -82,6 +90,7 @@ class LoopReport:
     hz: float = 0.0
     realtime: str = "off"  # the loop thread's scheduling during the run
     realtime_worker: str = "off"  # the inference worker thread's (LoopConfig.rt_worker)
+    cpus: str = "any"  # the loop thread's CPUs during the run (LoopConfig.cpus)
     ticks: int = 0
     sent: int = 0
     held: int = 0
@@ -142,6 +151,11 @@ class ControlLoop:
 
     # -- inference worker --------------------------------------------------------------------------
     def _worker(self, t_origin: float, quit: threading.Event, rep: LoopReport) -> None:
+        if self.cfg.cpus is not None:
+            try:  # with the loop thread: it only hands observations over and takes chunks in
+                os.sched_setaffinity(0, self.cfg.cpus)
+            except (AttributeError, OSError):
+                pass  # _pin reports it for the loop thread
         if self.cfg.rt_priority is not None and self.cfg.rt_worker:
             try:  # this thread only (Linux: 0 = the calling thread)
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(max(1, self.cfg.rt_priority - 1)))
@@ -205,6 +219,19 @@ class ControlLoop:
         rep.realtime = f"SCHED_FIFO {self.cfg.rt_priority}"
         return old
 
+    def _pin(self, rep: LoopReport):
+        """Pin the calling (loop) thread to cfg.cpus; returns the affinity to restore, or None."""
+        if self.cfg.cpus is None:
+            return None
+        try:
+            old = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cfg.cpus)
+        except (AttributeError, OSError) as e:  # not Linux, or CPUs this process may not use
+            rep.cpus = f"unavailable ({type(e).__name__}: {e})"
+            return None
+        rep.cpus = ",".join(map(str, sorted(self.cfg.cpus)))
+        return old
+
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> LoopReport:
         """Run for `seconds` at cfg.hz; returns this run's report. A latched stop carries over until reset()."""
@@ -215,6 +242,7 @@ class ControlLoop:
         self._job, self._busy_since, self._hung = None, None, False
         self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
         clock = time.perf_counter
+        pinned = self._pin(rep)  # before the worker starts, which pins itself alike
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = self.robot.hold_position(first)
@@ -259,6 +287,8 @@ class ControlLoop:
             sys.setswitchinterval(switch)
             if sched is not None:
                 os.sched_setscheduler(0, *sched)
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
             quit.set()
             self._wake.set()
             with self._lock:

@@ -313,3 +313,25 @@ def test_spin_keeps_the_period_and_is_validated():
     assert rep.ticks >= int(0.3 * HZ) - 1 and abs(np.median(periods) - 1 / HZ) < 1e-3
     with pytest.raises(ValueError, match=r"spin_s must be in \[0, period"):
         LoopConfig(hz=HZ, spin_s=1.0 / HZ)
+
+
+def test_cpus_pin_the_loop_and_its_worker_for_the_run_only():
+    import os
+    before, seen = os.sched_getaffinity(0), []
+    cpu = min(before)
+
+    def policy(obs):  # runs in the inference worker thread
+        seen.append(os.sched_getaffinity(0))
+        return np.tile(obs["state"], (8, 1))
+
+    with MockRobot(dims=2) as robot:
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, cpus={cpu})).run(0.2)
+    assert rep.cpus == str(cpu) and seen and all(s == {cpu} for s in seen)
+    assert os.sched_getaffinity(0) == before  # restored
+    with MockRobot(dims=2) as robot:  # a CPU this process may not use: reported, the loop still runs
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ, cpus={4096})).run(0.1)
+    assert rep.cpus.startswith("unavailable") and rep.ticks > 0 and rep.sent > 0
+    with MockRobot(dims=2) as robot:
+        assert ControlLoop(robot, policy, LoopConfig(hz=HZ)).run(0.05).cpus == "any"
+    with pytest.raises(ValueError, match="cpus must be None or a non-empty set"):
+        LoopConfig(cpus=set())

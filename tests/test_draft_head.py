@@ -72,6 +72,16 @@ def test_numpy_head_matches_the_torch_head_it_was_trained_as():
         ra, rr = DraftHead(w).reference_logits(prefix[b:b + 1], ids[b])
         np.testing.assert_allclose(ra, la[b].numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(rr, lr[b].numpy(), rtol=1e-4, atol=1e-5)
+    # the training report's agreement is the numpy head's own teacher-forced argmax agreement (steps that
+    # would leave the bins do not count as the head's pick)
+    from edgespec.export.train_draft_head import agreement
+    acc, head = agreement(th, prefix, ids, D, 6, N), DraftHead(w)
+    for t in range(H * D):
+        hits = []
+        for b in range(2):
+            head.start(prefix[b:b + 1])
+            hits.append(head.next(list(ids[b, :t]))[0] == ids[b, t])
+        assert acc[t] == pytest.approx(np.mean(hits)), t
 
 
 def test_weights_round_trip_and_clear_errors(tmp_path):

@@ -112,3 +112,21 @@ def test_the_child_gets_single_threaded_blas_and_the_parent_keeps_its_environmen
         pol({})
         assert pol.last_info == {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     assert blas_env() == before
+
+
+class AffinityReport:
+    def __init__(self):
+        self.last_info = {}
+
+    def __call__(self, obs):
+        self.last_info = {"cpus": sorted(os.sched_getaffinity(0))}
+        return np.zeros((1, 1))
+
+
+def test_cpus_pin_the_child_and_bad_sets_are_refused():
+    cpu = min(os.sched_getaffinity(0))
+    with InferenceProcess(AffinityReport, cpus=[cpu]) as pol:
+        pol({})
+        assert pol.last_info == {"cpus": [cpu]} and pol.cpus == {cpu}
+    with pytest.raises(ValueError, match=r"cpus must be a non-empty subset of this process's CPUs .*got \[4096\]"):
+        InferenceProcess(AffinityReport, cpus=[4096])

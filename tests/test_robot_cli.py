@@ -31,6 +31,17 @@ def test_robot_run_refuses_bad_instructions(tiny_reacher_policy, instruction, ma
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, match", [(["--loop-cpus", "zero"], "expected CPU numbers separated by commas"),
+                                          (["--policy-cpus", "-1"], "expected CPU numbers >= 0"),
+                                          (["--policy-cpus", "0", "--inference", "thread"],
+                                           "--policy-cpus needs --inference process"),
+                                          (["--policy-cpus", "4096"], "non-empty subset of this process's CPUs")])
+def test_robot_run_refuses_bad_cpu_flags(tiny_reacher_policy, flags, match, capsys):
+    with pytest.raises(SystemExit):
+        edgespec_main(["robot", "run", "--policy", str(tiny_reacher_policy)] + flags)
+    assert match in capsys.readouterr().err
+
+
 def test_robot_node_starts_and_stops(tiny_reacher_policy, capsys):
     from edgespec.robots.node import use_loopback
     use_loopback()
