@@ -124,7 +124,9 @@ def pooled(reps, dists, infos, dt) -> dict:
            "queue_dropped_stale": int(sum(r.queue_dropped_stale for r in reps)),
            "realtime": sorted({r.realtime for r in reps}),
            "realtime_worker": sorted({r.realtime_worker for r in reps}),
-           "loop_cpus": sorted({r.cpus for r in reps})}
+           "loop_cpus": sorted({r.cpus for r in reps}),
+           "gc_pauses": {"collections": int(sum(len(r.gc_pauses) for r in reps)),  # in the loop's process
+                         "max_ms": float(max((ms for r in reps for _, _, ms in r.gc_pauses), default=0.0))}}
     acc = [i for ii in infos for i in ii if i.get("rounds")]
     if acc:
         out["tokens_per_round"] = float(np.mean([i["tokens_per_round"] for i in acc]))

@@ -17,6 +17,7 @@ throughout. `edgespec.robots.profile` turns the report into percentiles, a Chrom
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -61,6 +62,12 @@ class LoopConfig:
     # controllers isolate theirs (with the policy process and other work pinned elsewhere: InferenceProcess
     # cpus=). None: wherever the OS schedules. The report says what took (LoopReport.cpus).
     cpus: frozenset[int] | None = None
+    # Python's cyclic garbage collector stops the thread that triggers it -- and, through the GIL, the loop
+    # thread -- for as long as it walks the tracked objects: a full collection over a process holding a
+    # simulator, engines and plotting walked them for ~25 ms here. run() collects once before tick 0, then
+    # gc.freeze()s what exists (later collections walk only objects made during the run) and unfreezes at
+    # the end. The report lists every collection during the run (LoopReport.gc_pauses) either way.
+    gc_freeze: bool = True
 
     def __post_init__(self):
         if self.cpus is not None:
@@ -91,6 +98,7 @@ class LoopReport:
     realtime: str = "off"  # the loop thread's scheduling during the run
     realtime_worker: str = "off"  # the inference worker thread's (LoopConfig.rt_worker)
     cpus: str = "any"  # the loop thread's CPUs during the run (LoopConfig.cpus)
+    gc_pauses: list = field(default_factory=list)  # (loop time s, generation, ms) per collection in the run
     ticks: int = 0
     sent: int = 0
     held: int = 0
@@ -219,6 +227,18 @@ class ControlLoop:
         rep.realtime = f"SCHED_FIFO {self.cfg.rt_priority}"
         return old
 
+    @staticmethod
+    def _gc_watch(rep: LoopReport, clock, t_origin: float):
+        """A gc callback recording each collection's start (loop time), generation and duration."""
+        started = [0.0]
+
+        def watch(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = clock()
+            else:
+                rep.gc_pauses.append((started[0] - t_origin, info["generation"], (clock() - started[0]) * 1e3))
+        return watch
+
     def _pin(self, rep: LoopReport):
         """Pin the calling (loop) thread to cfg.cpus; returns the affinity to restore, or None."""
         if self.cfg.cpus is None:
@@ -246,6 +266,9 @@ class ControlLoop:
         first = self._observe(0.0)
         if first is not None:  # until the first chunk lands, hold where the robot stands
             self.safety.last_target = self.robot.hold_position(first)
+        if cfg.gc_freeze:  # before tick 0: this one collection is not in any period
+            gc.collect()
+            gc.freeze()
         t_origin = clock()  # tick 0 starts now: the first observation's cost is not a late first period
         switch = sys.getswitchinterval()
         if cfg.gil_switch_s is not None:
@@ -256,6 +279,8 @@ class ControlLoop:
         sched = self._enter_realtime(rep)  # after the worker started: it keeps its own scheduling (rt_worker)
         dur, start = rep.sections_ms, rep.section_start_s
         next_tick = 0.0
+        gc_watch = self._gc_watch(rep, clock, t_origin)
+        gc.callbacks.append(gc_watch)
         try:
             while next_tick < seconds:
                 s0 = clock()
@@ -285,6 +310,9 @@ class ControlLoop:
                 rep.ticks += 1
         finally:
             sys.setswitchinterval(switch)
+            gc.callbacks.remove(gc_watch)
+            if cfg.gc_freeze:
+                gc.unfreeze()
             if sched is not None:
                 os.sched_setscheduler(0, *sched)
             if pinned is not None:

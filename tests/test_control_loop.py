@@ -335,3 +335,27 @@ def test_cpus_pin_the_loop_and_its_worker_for_the_run_only():
         assert ControlLoop(robot, policy, LoopConfig(hz=HZ)).run(0.05).cpus == "any"
     with pytest.raises(ValueError, match="cpus must be None or a non-empty set"):
         LoopConfig(cpus=set())
+
+
+def test_gc_is_frozen_during_the_run_and_every_collection_is_reported():
+    import gc
+    frozen, before = [], gc.get_freeze_count()
+
+    def policy(obs):  # a full collection in the worker: the report must show it
+        frozen.append(gc.get_freeze_count())
+        gc.collect()
+        return np.tile(obs["state"], (8, 1))
+
+    callbacks = list(gc.callbacks)
+    with MockRobot(dims=2) as robot:
+        rep = ControlLoop(robot, policy, LoopConfig(hz=HZ)).run(0.2)
+    assert frozen and min(frozen) > 0 and gc.get_freeze_count() == before  # frozen in the run, not after
+    assert gc.callbacks == callbacks
+    assert any(g == 2 for _, g, _ in rep.gc_pauses) and all(ms >= 0 and 0 <= t <= rep.end_s
+                                                           for t, _, ms in rep.gc_pauses)
+    from edgespec.robots.profile import loop_profile
+    assert loop_profile(rep)["gc_pauses_ms"]["n"] == len(rep.gc_pauses)
+    frozen.clear()
+    with MockRobot(dims=2) as robot:  # gc_freeze=False leaves the collector as it is
+        ControlLoop(robot, policy, LoopConfig(hz=HZ, gc_freeze=False)).run(0.1)
+    assert frozen and set(frozen) == {before}
