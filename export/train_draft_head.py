@@ -72,15 +72,28 @@ def _collect(args) -> dict:
 BLOCK = 500  # episodes per cached data file
 
 
+def policy_key(policy_dir: Path) -> str:
+    """12 hex digits naming the exported encoder + target, the two things the data depends on: cached
+    blocks from another policy (a retrained target) are never reused."""
+    import hashlib
+
+    from edgespec.contract import file_sha256
+    meta = json.loads((policy_dir / "policy.json").read_text())
+    target = json.loads((policy_dir / "target" / "engine.json").read_text())
+    enc = meta.get("encoder_sha256") or file_sha256(policy_dir / meta.get("encoder_file", "encoder.onnx"))
+    tgt = file_sha256(policy_dir / "target" / target["model_file"])
+    return hashlib.sha256(f"{enc}:{tgt}".encode()).hexdigest()[:12]
+
+
 def collect(policy_dir: Path, work: Path, episodes: int, workers: int = 2, noise_std: float = 0.01) -> dict:
-    """Episodes in blocks of BLOCK (seeds 700000 + ...), each cached in `work`: a larger --episodes reuses
-    the blocks already there."""
+    """Episodes in blocks of BLOCK (seeds 700000 + ...), each cached in `work` under the policy's key: a
+    larger --episodes reuses the blocks already there."""
     from multiprocessing import get_context
     if episodes % BLOCK:
         raise ValueError(f"--episodes must be a multiple of {BLOCK}, got {episodes}")
-    blocks, t0 = [], time.time()
+    blocks, t0, key = [], time.time(), policy_key(policy_dir)
     for b in range(episodes // BLOCK):
-        path = work / f"draft-head-data-{700_000 + b * BLOCK}-{BLOCK}.npz"
+        path = work / f"draft-head-data-{key}-{700_000 + b * BLOCK}-{BLOCK}.npz"
         if not path.exists():
             seeds = np.arange(700_000 + b * BLOCK, 700_000 + (b + 1) * BLOCK)
             with get_context("spawn").Pool(workers) as pool:

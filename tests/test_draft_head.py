@@ -173,3 +173,16 @@ def test_draft_length_defaults_follow_the_draft_kind(tiny_policies):
     assert (cfg.gamma, cfg.stop_below) == (3, 0.0)
     with pytest.raises(ValueError, match=r"stop_below must be a probability in \[0, 1\), got 1.5"):
         load_policy(tiny_policies["plain"], draft="head", stop_below=1.5)
+
+
+def test_cached_head_data_is_keyed_by_the_policy_it_came_from(tiny_policies, tmp_path):
+    """A retrained target must not reuse the previous target's cached chunks (train_draft_head.collect)."""
+    from edgespec.export.train_draft_head import policy_key
+    a = policy_key(tiny_policies["plain"])
+    c = tmp_path / "copy"
+    shutil.copytree(tiny_policies["plain"], c)
+    assert policy_key(c) == a and len(a) == 12
+    model = c / "target" / json.loads((c / "target" / "engine.json").read_text())["model_file"]
+    with open(model, "ab") as f:
+        f.write(b"\0")
+    assert policy_key(c) != a
