@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
 from bench_speculative import machine  # noqa: E402
 from edgespec.cli import ensure_policy_engines  # noqa: E402
+from edgespec.robots.cli import cpu_set  # noqa: E402
 from edgespec.robots.inference import InferenceProcess, single_threaded_env  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
 from edgespec.robots.profile import chrome_trace, loop_profile, plot_timeline  # noqa: E402
@@ -182,8 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy-nice", type=int, default=None,
                     help="nice value for the policy process (negative raises its priority; needs CAP_SYS_NICE)")
     ap.add_argument("--rt-priority", type=int, default=None, help="SCHED_FIFO priority for the loop thread")
-    ap.add_argument("--loop-cpus", default=None, help="CPUs for the loop thread, e.g. 0 (default: any)")
-    ap.add_argument("--policy-cpus", default=None,
+    ap.add_argument("--loop-cpus", type=cpu_set, default=None,
+                    help="CPUs for the loop thread, e.g. 0 (default: any)")
+    ap.add_argument("--policy-cpus", type=cpu_set, default=None,
                     help="CPUs for the policy process and the load processes, e.g. 1 (default: any)")
     ap.add_argument("--models", default="models")
     ap.add_argument("--engines", default="engines")
@@ -193,16 +195,10 @@ def main(argv=None) -> int:
         assert all(n > 0 for n in loads)
     except (ValueError, AssertionError):
         ap.error(f"--load must be positive integers separated by commas, got {args.load!r}")
-    def cpu_list(flag, text):
-        try:
-            out = frozenset(int(x) for x in text.split(",")) if text is not None else None
-        except ValueError:
-            ap.error(f"{flag} must be CPU numbers separated by commas, got {text!r}")
-        if out is not None and not out <= os.sched_getaffinity(0):
-            ap.error(f"{flag} {text}: this machine lets the bench use CPUs {sorted(os.sched_getaffinity(0))}")
-        return out
-
-    loop_cpus, policy_cpus = cpu_list("--loop-cpus", args.loop_cpus), cpu_list("--policy-cpus", args.policy_cpus)
+    loop_cpus, policy_cpus = args.loop_cpus, args.policy_cpus
+    for flag, cpus in (("--loop-cpus", loop_cpus), ("--policy-cpus", policy_cpus)):
+        if cpus is not None and not cpus <= os.sched_getaffinity(0):
+            ap.error(f"{flag} {sorted(cpus)}: this machine lets the bench use CPUs {sorted(os.sched_getaffinity(0))}")
     engines = ensure_policy_engines(args.models, args.engines)
     kw = {"plain": {}, "speculative": dict(draft="head" if args.draft == "head" else True, gamma=args.gamma,
                                            stop_below=args.stop_below)}
