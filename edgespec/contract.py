@@ -3,22 +3,26 @@
 This is the only module that spells a tensor name. The exporter writes `engine.json` from it and every
 runtime backend binds from it.
 
-Decoder graph (one call = S new tokens of B sequences, on top of P cached rows per sequence):
+Decoder graph (one call = S new tokens of B sequences, over P bound cache rows per sequence):
 
     input_ids        int64   [B, S]            (or inputs_embeds float32 [B, S, E])
-    position_ids     int64   [B, S]            absolute positions of the new tokens
-    attention_bias   float32 [B, 1, S, P + S]  additive: 0 = attend, MASKED = do not
-    past.{i}.key     float32 [B, Hkv, P, D]    read-only; P is whatever the runtime binds (its buffer)
-    past.{i}.value   float32 [B, Hkv, P, D]
+    position_ids     int64   [B, S]            absolute positions of the new tokens = the cache rows they go to
+    attention_bias   float32 [B, 1, S, P]      additive over the P bound rows: 0 = attend, MASKED = do not
+    past.{i}.key     cache   [B, Hkv, P, D]    the runtime's buffer of layer i (P >= max position + 1)
+    past.{i}.value   cache   [B, Hkv, P, D]
       ──▶
     logits           float32 [B, S, V]
-    present.{i}.key  float32 [B, Hkv, S, D]    only the S new rows (RoPE applied)
-    present.{i}.value float32 [B, Hkv, S, D]
+    next_ids         int64   [B, S]            argmax of logits over the manifest's argmax_ids [lo, hi)
+    present.{i}.key  cache   [B, Hkv, P, D]    past with row position_ids[b, s] set to the new key (RoPE applied)
+    present.{i}.value cache  [B, Hkv, P, D]
 
-The runtime owns one buffer per layer and a committed length L per sequence; it binds the buffer as
-`past` (stale rows beyond L are masked in `attention_bias`, never cleared) and writes `present` into rows
-L..L+S-1. Rolling back is lowering L. Every query row of `attention_bias` must leave at least one key
-unmasked (a padded query attends to itself).
+`cache` is float32, or float16 for fp16 engines. The runtime binds each `present` output to the buffer
+it binds as `past`, so the graph's ScatterND writes the S new rows in place at their positions and
+nothing is copied afterwards (ONNX Runtime skips ScatterND's input copy when its output is its input).
+Rows past the committed length L are stale: masked in `attention_bias` with a select in the graph (so
+NaN or inf in a stale row never reaches the output), overwritten by later calls, never cleared.
+Rolling back is lowering L. Every query row of `attention_bias` must leave at least one row unmasked
+(a padded query attends to itself).
 
 VLA encoder graph (`encoder.onnx` of a policy folder; its decoders are inputs_embeds engines):
 
@@ -35,7 +39,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: cache written in place (ScatterND into the bound buffer), next_ids output
 MANIFEST_FILE = "engine.json"
 MASKED = -1e30  # additive bias of a masked key: exp underflows to 0 in fp32; becomes -inf in fp16
 
@@ -44,6 +48,7 @@ INPUTS_EMBEDS = "inputs_embeds"
 POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
 LOGITS = "logits"
+NEXT_IDS = "next_ids"
 
 ENC_IMAGE, ENC_STATE, ENC_INSTRUCTION, ENC_PREFIX = "image", "state", "instruction", "prefix_embeds"
 POLICY_FILE = "policy.json"
@@ -54,6 +59,7 @@ BATCH, SEQ, PAST, TOTAL = "batch", "seq", "past", "total"
 PRECISIONS = ("fp32", "fp16", "int8")
 ENGINE_KINDS = ("decoder", "optimum")  # "optimum": concat-style export, manifest derived from the graph
 INPUT_MODES = ("ids", "embeds")
+CACHE_DTYPES = ("float32", "float16")
 
 
 class EngineError(ValueError):
@@ -109,21 +115,30 @@ class TensorSpec:
 
 
 def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, hidden_size: int,
-               input_mode: str = "ids") -> tuple[list[TensorSpec], list[TensorSpec]]:
+               input_mode: str = "ids", cache_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """(inputs, outputs) of a contract decoder, in graph order."""
     if input_mode not in INPUT_MODES:
         raise EngineError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+    if cache_dtype not in CACHE_DTYPES:
+        raise EngineError(f"cache dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
     first = (TensorSpec(INPUT_IDS, "int64", [BATCH, SEQ]) if input_mode == "ids"
              else TensorSpec(INPUTS_EMBEDS, "float32", [BATCH, SEQ, hidden_size]))
     inputs = [first, TensorSpec(POSITION_IDS, "int64", [BATCH, SEQ]),
-              TensorSpec(ATTENTION_BIAS, "float32", [BATCH, 1, SEQ, TOTAL])]
-    outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size])]
+              TensorSpec(ATTENTION_BIAS, "float32", [BATCH, 1, SEQ, PAST])]
+    outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size]), TensorSpec(NEXT_IDS, "int64", [BATCH, SEQ])]
+    kv = [BATCH, num_kv_heads, PAST, head_dim]
     for i in range(num_layers):
-        inputs += [TensorSpec(past_key(i), "float32", [BATCH, num_kv_heads, PAST, head_dim]),
-                   TensorSpec(past_value(i), "float32", [BATCH, num_kv_heads, PAST, head_dim])]
-        outputs += [TensorSpec(present_key(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim]),
-                    TensorSpec(present_value(i), "float32", [BATCH, num_kv_heads, SEQ, head_dim])]
+        inputs += [TensorSpec(past_key(i), cache_dtype, kv), TensorSpec(past_value(i), cache_dtype, kv)]
+        outputs += [TensorSpec(present_key(i), cache_dtype, kv), TensorSpec(present_value(i), cache_dtype, kv)]
     return inputs, outputs
+
+
+def cache_names(num_layers: int) -> list[tuple[str, str]]:
+    """(past, present) name pairs in buffer order: key 0, value 0, key 1, ... (the runtime's buffers[2i], [2i+1])."""
+    out = []
+    for i in range(num_layers):
+        out += [(past_key(i), present_key(i)), (past_value(i), present_value(i))]
+    return out
 
 
 def optimum_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int
@@ -173,6 +188,7 @@ class Manifest:
     source_sha256: str | None = None
     model_sha256: str | None = None
     embedding_file: str | None = None  # embeds engines: the token embedding table, to embed ids on the host
+    argmax_ids: list[int] | None = None  # [lo, hi): the ids next_ids picks among (None: the whole vocabulary)
     edgespec_version: str = ""
     contract_version: int = CONTRACT_VERSION
     extra: dict = field(default_factory=dict)
@@ -188,6 +204,13 @@ class Manifest:
             raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.max_context <= 0:
             raise EngineError(f"max_context must be > 0, got {self.max_context}")
+        if self.argmax_ids is not None:
+            lo, hi = (list(self.argmax_ids) + [None, None])[:2] if isinstance(self.argmax_ids, (list, tuple)) else (None, None)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= self.vocab_size) \
+                    or len(self.argmax_ids) != 2:
+                raise EngineError(f"argmax_ids must be [lo, hi] with 0 <= lo < hi <= vocab_size {self.vocab_size}, "
+                                  f"got {self.argmax_ids!r}")
+            self.argmax_ids = [lo, hi]
         self.inputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.inputs]
         self.outputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.outputs]
 
@@ -258,3 +281,14 @@ class Manifest:
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def argmax_range(self) -> tuple[int, int]:
+        """[lo, hi) of the ids next_ids picks among."""
+        return tuple(self.argmax_ids) if self.argmax_ids else (0, self.vocab_size)
+
+    @property
+    def cache_dtype(self) -> str:
+        """dtype of the KV cache buffers (the past inputs'), e.g. float32 or float16."""
+        spec = next((t for t in self.inputs if t.name in (past_key(0), optimum_past_key(0))), None)
+        return spec.dtype if spec is not None else "float32"

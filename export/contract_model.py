@@ -3,16 +3,20 @@
 Differences from `reference.ReferenceDecoder`, all for speed on the device:
 - q/k/v and gate/up projections are fused into one MatMul each;
 - grouped-query attention folds the query group into the row axis, so K/V are never repeated;
-- attention over the cache is split: scores against `past` and against the S new keys are computed
-  separately and only the (S x P) score matrices are concatenated, so the P cached rows are never copied;
-- only the S new K/V rows are returned (`present`); the runtime writes them into its own buffer.
+- the cache is updated in place: each layer's S new K/V rows are scattered (ONNX ScatterND) into the
+  bound buffer at their positions and attention reads that buffer, so nothing is concatenated or copied
+  (the runtime binds `present` to `past`'s own memory; ONNX Runtime then skips ScatterND's input copy);
+- masked rows are removed with a select on the scores, so whatever a stale row's key holds (NaN, inf,
+  huge values) its weight is exactly 0; and non-finite K/V values are written to the cache as 0, so a
+  stale row's value is always finite and 0 x value = 0 (an additive mask alone gives 0 x NaN = NaN);
+- `next_ids` (the argmax over argmax_ids) comes out beside the logits, so greedy decoding on a device
+  copies S ids back, not S x V logits.
 
-One layer's attention, shapes per batch row (g = H / Hkv query heads per KV head):
+One layer's attention, shapes per batch row (g = H / Hkv query heads per KV head, P bound cache rows):
 
-    h ─┬─ Wqkv ─▶ q (H,S,D) ─rope─▶ q' (Hkv, g·S, D) ──┬──▶ q'·pastKᵀ (Hkv, g·S, P) ─┐
-       │          k (Hkv,S,D) ─rope─▶ present.key ──────┴──▶ q'·kᵀ     (Hkv, g·S, S) ─┴─ concat + bias ─ softmax
-       │          v (Hkv,S,D) ──────▶ present.value                                        │
-       │                                           o = p[:, :, :P]·pastV + p[:, :, P:]·v ◀─┘
+    h ─┬─ Wqkv ─▶ q (H,S,D) ─rope─▶ q' (Hkv, g·S, D) ─────────────────┐
+       │          k (Hkv,S,D) ─rope─ finite ─▶ ScatterND(past.key, rows) = K ───┴─▶ q'·Kᵀ (Hkv, g·S, P) ─ where(ok) ─ softmax ─ p
+       │          v (Hkv,S,D) ────── finite ─▶ ScatterND(past.value, rows) = V ──────────────▶ o = p·V (Hkv, g·S, D)
 """
 from __future__ import annotations
 
@@ -20,13 +24,37 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edgespec.contract import MASKED
+
 from .checkpoint import ModelSpec
 
 
+def _finite(x):
+    """x with NaN and inf set to 0: what goes into the cache is always finite, so a masked row (weight
+    exactly 0 after the select) adds exactly 0 (0 x NaN would be NaN). The call's own outputs use x as it is."""
+    return torch.where(torch.isfinite(x), x, 0.0)
+
+
+class ScatterRows(torch.autograd.Function):
+    """cache (B, Hkv, P, D) with rows idx (B, Hkv, S, 3) = (b, h, row) set to new (B, Hkv, S, D): ONNX ScatterND."""
+
+    @staticmethod
+    def forward(ctx, cache, idx, new):
+        out = cache.clone()
+        out[idx[..., 0], idx[..., 1], idx[..., 2]] = new
+        return out
+
+    @staticmethod
+    def symbolic(g, cache, idx, new):
+        return g.op("ScatterND", cache, idx, new)
+
+
 class ContractDecoder(torch.nn.Module):
-    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], input_mode: str = "ids"):
+    def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], input_mode: str = "ids",
+                 argmax_ids: tuple[int, int] | None = None):
         super().__init__()
         self.spec, self.input_mode = spec, input_mode
+        self.argmax_lo, self.argmax_hi = argmax_ids or (0, spec.vocab_size)
         t = lambda a: torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)),
                                          requires_grad=False)
         self.embed = t(weights["model.embed_tokens.weight"])  # (V, E)
@@ -53,9 +81,9 @@ class ContractDecoder(torch.nn.Module):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps))
 
     def forward(self, first, position_ids, attention_bias, *past):
-        """first: input_ids (B, S) int64 or inputs_embeds (B, S, E); position_ids (B, S);
-        attention_bias (B, 1, S, P+S); past: key_0, value_0, key_1, ... each (B, Hkv, P, D).
-        Returns logits (B, S, V), then present key_0, value_0, ... each (B, Hkv, S, D)."""
+        """first: input_ids (B, S) int64 or inputs_embeds (B, S, E); position_ids (B, S) = the rows written;
+        attention_bias (B, 1, S, P); past: key_0, value_0, key_1, ... each (B, Hkv, P, D).
+        Returns logits (B, S, V), next_ids (B, S), then present key_0, value_0, ... each (B, Hkv, P, D)."""
         s = self.spec
         x = F.embedding(first, self.embed) if self.input_mode == "ids" else first
         b, n = x.shape[0], x.shape[1]
@@ -64,7 +92,10 @@ class ContractDecoder(torch.nn.Module):
         freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq  # (B, S, D/2)
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)  # (B, 1, S, D)
         cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        bias = attention_bias.unsqueeze(1)  # (B, 1, 1, S, T)
+        ok = (attention_bias > MASKED / 2).unsqueeze(1)  # (B, 1, 1, S, P): query s may read row p
+        rows = position_ids.unsqueeze(1).expand(b, hk, n)  # (B, Hkv, S)
+        idx = torch.stack([torch.arange(b).view(b, 1, 1).expand(b, hk, n),
+                           torch.arange(hk).view(1, hk, 1).expand(b, hk, n), rows], dim=-1)  # (B, Hkv, S, 3)
         presents = []
         for i, L in enumerate(self.layers):
             pk, pv = past[2 * i], past[2 * i + 1]  # (B, Hkv, P, D)
@@ -74,21 +105,22 @@ class ContractDecoder(torch.nn.Module):
             q = self._rope(q.view(b, n, hq, d).transpose(1, 2), cos, sin)  # (B, H, S, D)
             k = self._rope(k.view(b, n, hk, d).transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
             v = v.view(b, n, hk, d).transpose(1, 2)  # (B, Hkv, S, D)
-            presents += [k, v]
+            kc = ScatterRows.apply(pk, idx, _finite(k).to(pk.dtype))  # (B, Hkv, P, D): the cache with the new rows
+            vc = ScatterRows.apply(pv, idx, _finite(v).to(pv.dtype))
+            presents += [kc, vc]
             q = (q * (d ** -0.5)).reshape(b, hk, g * n, d)  # (B, Hkv, g*S, D)
-            sp = torch.matmul(q, pk.transpose(-1, -2))  # (B, Hkv, g*S, P)
-            sn = torch.matmul(q, k.transpose(-1, -2))  # (B, Hkv, g*S, S)
-            sc = torch.cat([sp, sn], dim=-1).view(b, hk, g, n, -1) + bias
-            pr = sc.softmax(-1).view(b, hk, g * n, -1)  # (B, Hkv, g*S, P+S)
-            npast = pk.shape[2]
-            o = torch.matmul(pr[..., :npast], pv) + torch.matmul(pr[..., npast:], v)  # (B, Hkv, g*S, D)
+            sc = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, g*S, P)
+            sc = torch.where(ok, sc.view(b, hk, g, n, -1), MASKED)  # select: what a stale row holds never counts
+            pr = sc.softmax(-1).view(b, hk, g * n, -1)  # (B, Hkv, g*S, P)
+            o = torch.matmul(pr, vc)  # (B, Hkv, g*S, D); masked rows weigh exactly 0 and hold finite values
             o = o.view(b, hq, n, d).transpose(1, 2).reshape(b, n, hq * d)
             x = x + F.linear(o, L.wo)
             h = self._norm(x, L.ln2)
             gate, up = F.linear(h, L.wgu).split([s.intermediate_size, s.intermediate_size], dim=-1)
             x = x + F.linear(F.silu(gate) * up, L.wd)
         logits = F.linear(self._norm(x, self.norm), self.lm_head)
-        return (logits, *presents)
+        next_ids = logits[..., self.argmax_lo:self.argmax_hi].argmax(-1) + self.argmax_lo  # (B, S)
+        return (logits, next_ids, *presents)
 
     @staticmethod
     def _rope(x, cos, sin):

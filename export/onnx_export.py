@@ -29,6 +29,7 @@ from .checkpoint import CheckpointError, ModelSpec, hash_files, load_checkpoint,
 from .validate import agreement, parity_gate, require, verify_gate
 
 DEFAULT_MAX_CONTEXT = 2048
+CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float32"}  # KV cache I/O dtype per precision
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -46,9 +47,10 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
     return max_context
 
 
-def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str) -> C.Manifest:
+def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str,
+                   argmax_ids: tuple[int, int] | None = None) -> C.Manifest:
     inputs, outputs = C.decoder_io(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
-                                   spec.hidden_size, input_mode)
+                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision])
     eos = spec.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return C.Manifest(model_file="model.onnx", architecture=spec.model_type, num_layers=spec.num_layers,
@@ -56,7 +58,7 @@ def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode
                       hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, max_context=max_context,
                       precision=precision, input_mode=input_mode, inputs=inputs, outputs=outputs,
                       sliding_window=spec.sliding_window, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
-                      edgespec_version=edgespec.__version__)
+                      argmax_ids=list(argmax_ids) if argmax_ids else None, edgespec_version=edgespec.__version__)
 
 
 def export_onnx(model, manifest: C.Manifest, path: Path, batch: int = 1, seq: int = 3, past: int = 5) -> None:
@@ -68,8 +70,9 @@ def export_onnx(model, manifest: C.Manifest, path: Path, batch: int = 1, seq: in
         first = torch.zeros(batch, seq, dtype=torch.int64)
     else:
         first = torch.zeros(batch, seq, m.hidden_size)
-    args = [first, torch.arange(past, past + seq)[None].repeat(batch, 1), torch.zeros(batch, 1, seq, past + seq)]
-    args += [torch.zeros(batch, m.num_kv_heads, past, m.head_dim) for _ in range(2 * m.num_layers)]
+    rows = past + seq  # the bound buffer holds the committed rows and the new ones
+    args = [first, torch.arange(past, past + seq)[None].repeat(batch, 1), torch.zeros(batch, 1, seq, rows)]
+    args += [torch.zeros(batch, m.num_kv_heads, rows, m.head_dim) for _ in range(2 * m.num_layers)]
     axes = {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)} for t in m.inputs + m.outputs}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -78,16 +81,19 @@ def export_onnx(model, manifest: C.Manifest, path: Path, batch: int = 1, seq: in
                           dynamic_axes=axes, do_constant_folding=True)
 
 
-def to_fp16(src: Path, dst: Path) -> None:
-    """fp16 weights and compute, fp32 I/O (the contract's dtypes stay as they are)."""
+def to_fp16(src: Path, dst: Path, num_layers: int) -> None:
+    """fp16 weights, compute and KV cache; the other inputs and outputs stay as the contract has them."""
     import onnx
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = convert_float_to_float16(onnx.load(str(src)), keep_io_types=True, disable_shape_infer=False)
+    model = onnx.load(str(src))
+    cache = {n for pair in C.cache_names(num_layers) for n in pair}
+    keep = [t.name for t in list(model.graph.input) + list(model.graph.output) if t.name not in cache]
+    model = convert_float_to_float16(model, keep_io_types=keep, disable_shape_infer=False)
     onnx.save(model, str(dst))
 
 
-def to_int8(src: Path, dst: Path) -> None:
+def to_int8(src: Path, dst: Path, num_layers: int) -> None:
     """Dynamic int8 quantization of the MatMul weights, per output channel (CPU / ARM)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -121,7 +127,7 @@ def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq:
 
 def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", max_context: int | None = None,
                   input_mode: str = "ids", force: bool = False, progress: bool = True,
-                  agreement_tokens: int = 1024) -> C.Manifest:
+                  agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None) -> C.Manifest:
     from tqdm import tqdm
 
     from edgespec.engine import OrtEngine
@@ -137,7 +143,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     t0 = time.time()
     spec, weights = load_checkpoint(ckpt_dir)
     max_context = resolve_max_context(spec, max_context)
-    manifest = build_manifest(spec, max_context, "fp32", input_mode)
+    manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids)
     bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
     stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
@@ -146,7 +152,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         # 1) the fp32 graph
         bar.set_description("export: tracing to ONNX")
         bar.update(1)
-        export_onnx(ContractDecoder(spec, weights, input_mode), manifest, stage / "model.onnx")
+        export_onnx(ContractDecoder(spec, weights, input_mode, manifest.argmax_range), manifest, stage / "model.onnx")
         # 2) tokenizer
         for name in TOKENIZER_FILES:
             if (ckpt_dir / name).is_file():
@@ -183,7 +189,10 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         if dtype != "fp32":
             fp32_path = stage / "model.fp32.onnx"
             os.replace(stage / "model.onnx", fp32_path)
-            (to_fp16 if dtype == "fp16" else to_int8)(fp32_path, stage / "model.onnx")
+            (to_fp16 if dtype == "fp16" else to_int8)(fp32_path, stage / "model.onnx", spec.num_layers)
+            fp32_io = manifest.inputs, manifest.outputs
+            variant_io = build_manifest(spec, max_context, dtype, input_mode)
+            manifest.inputs, manifest.outputs = variant_io.inputs, variant_io.outputs
             manifest.precision = dtype
             manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
             manifest.write(stage)
@@ -191,6 +200,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             variant = OrtEngine(stage)
             manifest.model_file = "model.fp32.onnx"
             manifest.precision = "fp32"
+            manifest.inputs, manifest.outputs = fp32_io
             manifest.model_sha256 = None
             manifest.write(stage)
             base = OrtEngine(stage)
@@ -200,6 +210,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             del base, variant
             fp32_path.unlink()
             manifest.model_file, manifest.precision = "model.onnx", dtype
+            manifest.inputs, manifest.outputs = variant_io.inputs, variant_io.outputs
             manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
         # 6) manifest, then the atomic rename
         bar.set_description("export: writing manifest")

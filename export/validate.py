@@ -1,7 +1,7 @@
 """Export-time validation gates. Each returns a report dict; `require` raises GateError with the worst diff.
 
 1. parity:  ONNX Runtime fp32 logits vs the eager reference, at past length 0, mid and near capacity,
-            with garbage in the stale cache rows (they must be masked, never read).
+            with garbage in the stale cache rows (NaN, inf and huge keys, huge values: they must be masked).
 2. verify:  one S = k+1 verify pass vs k+1 single-token steps on the same engine.
 3. agreement (precision variants): top-1 agreement and mean KL(fp32 || variant) over >= 1000
             teacher-forced tokens.
@@ -21,10 +21,25 @@ class GateError(RuntimeError):
 
 
 def _empty_past(m: C.Manifest, batch: int, rows: int, rng=None) -> list[np.ndarray]:
+    """Cache buffers (B, Hkv, rows, D): zeros, or with rng garbage in every row: keys with NaN, inf and huge
+    values, values with huge ones (the graph stores only finite values, so a stale value row is finite)."""
     shape = (batch, m.num_kv_heads, rows, m.head_dim)
     if rng is None:
-        return [np.zeros(shape, np.float32) for _ in range(2 * m.num_layers)]
-    return [rng.standard_normal(shape).astype(np.float32) * 3 for _ in range(2 * m.num_layers)]
+        return [np.zeros(shape, m.cache_dtype) for _ in range(2 * m.num_layers)]
+    return [garbage(shape, m.cache_dtype, rng, finite=j % 2 == 1) for j in range(2 * m.num_layers)]
+
+
+def garbage(shape, dtype, rng, finite: bool) -> np.ndarray:
+    """Random rows with huge values (and NaN / +-inf unless finite) that a masked row must never let through."""
+    a = rng.standard_normal(shape) * 3
+    huge = float(np.finfo(dtype).max) / 4
+    a[rng.random(shape) < 0.05] = huge
+    a[rng.random(shape) < 0.05] = -huge
+    if not finite:
+        a[rng.random(shape) < 0.05] = np.nan
+        a[rng.random(shape) < 0.05] = np.inf
+        a[rng.random(shape) < 0.05] = -np.inf
+    return a.astype(dtype)
 
 
 def _feeds(m: C.Manifest, first: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: list[np.ndarray]) -> dict:
@@ -35,7 +50,8 @@ def _feeds(m: C.Manifest, first: np.ndarray, pos: np.ndarray, bias: np.ndarray, 
 
 
 def step(engine, tokens: np.ndarray, buffers: list[np.ndarray], length: int, embed=None) -> np.ndarray:
-    """Feed tokens (1, S) at committed `length` over full `buffers`; write the new rows; return logits (1, S, V)."""
+    """Feed tokens (1, S) at committed `length` over full `buffers` through a plain `session.run`; the
+    buffers become the returned `present`s; return logits (1, S, V)."""
     m = engine.manifest
     s = tokens.shape[1]
     cap = buffers[0].shape[2]
@@ -43,9 +59,8 @@ def step(engine, tokens: np.ndarray, buffers: list[np.ndarray], length: int, emb
     bias = causal_bias(np.array([length]), s, cap, m.sliding_window)
     first = tokens if embed is None else embed[tokens]
     out = engine.run(_feeds(m, first, pos, bias, buffers))
-    for i in range(m.num_layers):
-        buffers[2 * i][:, :, length:length + s] = out[C.present_key(i)]
-        buffers[2 * i + 1][:, :, length:length + s] = out[C.present_value(i)]
+    for buf, (_, present) in zip(buffers, C.cache_names(m.num_layers)):
+        buf[...] = out[present]
     return out[C.LOGITS]
 
 
@@ -68,9 +83,9 @@ def parity_gate(engine, reference, max_context: int, seed: int = 0, embed=None) 
             got = step(engine, ids[:, :past_len], buffers, 0, embed)
             worst = float(np.abs(got - want[:, :past_len]).max())
         got = step(engine, ids[:, past_len:], buffers, past_len, embed)
-        worst = max(worst, float(np.abs(got - want[:, past_len:]).max()))
+        worst = float(np.max([worst, np.abs(got - want[:, past_len:]).max()]))  # np.max keeps a NaN
         report[label] = {"past_length": past_len, "max_abs_diff": worst}
-    report["max_abs_diff"] = max(r["max_abs_diff"] for r in report.values())
+    report["max_abs_diff"] = float(np.max([r["max_abs_diff"] for r in report.values()]))
     report["tolerance"] = PARITY_TOL
     return report
 
@@ -88,13 +103,14 @@ def verify_gate(engine, max_context: int, k: int = 4, seed: int = 1, embed=None)
     verify = step(engine, ids[:, prefix:], buf_a, prefix, embed)
     singles = np.concatenate([step(engine, ids[:, prefix + j:prefix + j + 1], buf_b, prefix + j, embed)
                               for j in range(k + 1)], axis=1)
-    cache = max(float(np.abs(a[:, :, :prefix + k + 1] - b[:, :, :prefix + k + 1]).max()) for a, b in zip(buf_a, buf_b))
+    cache = float(np.max([np.abs(a[:, :, :prefix + k + 1].astype(np.float32) - b[:, :, :prefix + k + 1]).max()
+                          for a, b in zip(buf_a, buf_b)]))
     return {"k": k, "max_abs_diff": float(np.abs(verify - singles).max()), "cache_max_abs_diff": cache,
             "tolerance": PARITY_TOL}
 
 
 def require(name: str, report: dict, tol: float = PARITY_TOL) -> None:
-    worst = max(report["max_abs_diff"], report.get("cache_max_abs_diff", 0.0))
+    worst = float(np.max([report["max_abs_diff"], report.get("cache_max_abs_diff", 0.0)]))
     if not np.isfinite(worst) or worst > tol:
         raise GateError(f"validation gate '{name}' failed: worst |difference| {worst:.3e} > tolerance {tol:.0e}\n"
                         f"report: {report}")
