@@ -31,7 +31,7 @@ def verify_cost(engine_dir: Path, context: int = 128, reps: int = 30) -> dict:
     d = Decoder(gen.target, 1)
     rng = np.random.default_rng(0)
     d(rng.integers(0, gen.target.manifest.vocab_size, (1, context)))
-    d.cache.lengths[:] = context
+    d.cache.commit(context)
     out = {}
     for s in (1, 5):
         ids = rng.integers(0, gen.target.manifest.vocab_size, (1, s))

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     E.session_options = base
     d = Decoder(eng, 1)
     d(np.arange(100)[None] % eng.manifest.vocab_size)
-    d.cache.lengths[:] = 100
+    d.cache.commit(100)
     one = np.ones((1, 1), np.int64)
     for _ in range(args.steps):
         d(one)

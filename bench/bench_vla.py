@@ -154,15 +154,17 @@ def call_costs(engines: Path, repeats: int = 300) -> dict:
         return round(float(np.median(ts)) * 1e3, 4)
 
     def prefill(dec, extra=0):
-        dec.cache.lengths[:] = 0
+        dec.cache.rewind_to(0)
         x = prefix if not extra else np.concatenate([prefix, np.repeat(prefix[:, -1:], extra, 1)], 1)
         dec(None, embeds=x)
 
     out = {"encoder": med(lambda: pol.encode(obs["image"], obs["state"], obs["instruction"])),
            "target_prefill": med(lambda: prefill(tgt)), "draft_decoder_prefill": med(lambda: prefill(dd)),
            "target_prefill_plus_8": med(lambda: prefill(tgt, 8))}
-    tgt.cache.lengths[:] = p
-    dd.cache.lengths[:] = p
+    prefill(tgt)
+    prefill(dd)
+    tgt.cache.commit(p)
+    dd.cache.commit(p)
     for s in (1, 2, 4, 8, 16):
         ids = np.full((1, s), 100, np.int64)
         out[f"target_S{s}"] = med(lambda: tgt(ids))

@@ -57,7 +57,8 @@ def derive_manifest(engine_dir: Path, session) -> C.Manifest:
 
 
 def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.ndarray:
-    """`Decoder.__call__` for optimum engines: tokens (B, S) -> logits (B, S, V); new rows into the cache."""
+    """`Decoder.__call__` for optimum engines: tokens (B, S) -> logits (B, S, V); new rows into the cache
+    (the graph returns past + new rows; the new ones are copied into the cache's buffers)."""
     b, s = tokens.shape
     cache, m = dec.cache, dec.m
     cache.reserve(int(cache.lengths.max()) + s)
@@ -67,12 +68,19 @@ def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.
     mask[:, p:] = 1 if valid is None else valid
     feeds = {C.INPUT_IDS: np.ascontiguousarray(tokens, dtype=np.int64), C.OPTIMUM_ATTENTION_MASK: mask,
              C.POSITION_IDS: cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]}
-    for i in range(m.num_layers):
-        feeds[C.optimum_past_key(i)] = cache.buffers[2 * i]
-        feeds[C.optimum_past_value(i)] = cache.buffers[2 * i + 1]
+    names = [(C.optimum_past_key(i), C.optimum_past_value(i), C.present_key(i), C.present_value(i))
+             for i in range(m.num_layers)]
+    for i, (pk, pv, _, _) in enumerate(names):
+        feeds[pk], feeds[pv] = cache.host(2 * i), cache.host(2 * i + 1)
     t0 = time.perf_counter()
     out = dec.engine.run(feeds)
     dec.engine_s += time.perf_counter() - t0
-    cache.write([out[n][:, :, p:] for n in dec.engine.output_names[1:]], cache.lengths)
+    for i, (_, _, nk, nv) in enumerate(names):
+        for j, name in ((2 * i, nk), (2 * i + 1, nv)):
+            host = cache.host(j)
+            for row, at in enumerate(cache.lengths.tolist()):
+                host[row, :, at:at + s] = out[name][row, :, p:]
+            dec.memory.write(cache.buffers[j], host)
+    cache.wrote(s)
     dec.calls += 1
     return out[C.LOGITS]

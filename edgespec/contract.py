@@ -12,7 +12,8 @@ Decoder graph (one call = S new tokens of B sequences, over P bound cache rows p
     past.{i}.value   cache   [B, Hkv, P, D]
       ──▶
     logits           float32 [B, S, V]
-    next_ids         int64   [B, S]            argmax of logits over the manifest's argmax_ids [lo, hi)
+    next_ids         int64   [B, S]            argmax of logits over the manifest's argmax_ids [lo, hi);
+                                               NONFINITE_ID where that row's logits hold NaN or inf
     present.{i}.key  cache   [B, Hkv, P, D]    past with row position_ids[b, s] set to the new key (RoPE applied)
     present.{i}.value cache  [B, Hkv, P, D]
 
@@ -41,6 +42,7 @@ from pathlib import Path
 
 CONTRACT_VERSION = 2  # 2: cache written in place (ScatterND into the bound buffer), next_ids output
 MANIFEST_FILE = "engine.json"
+NONFINITE_ID = -1  # next_ids where a row's logits are not all finite (argmax of NaN means nothing)
 MASKED = -1e30  # additive bias of a masked key: exp underflows to 0 in fp32; becomes -inf in fp16
 
 INPUT_IDS = "input_ids"

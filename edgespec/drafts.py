@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from .decoder import Decoder
+from .sampling import check_ids
 
 # pick(logits (B, V), positions (B,)) -> (tokens (B,), q (B, V) or None): how a model draft chooses a token
 Picker = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, "np.ndarray | None"]]
@@ -42,6 +43,12 @@ class Drafter(ABC):
 
     def reset(self, b: int) -> None:
         """Sequence b finished: forget its state."""
+
+
+def greedy_pick(logits: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, None]:
+    """The greedy Picker: each row's argmax. A DraftModel handed this one asks its engine for argmax ids
+    only (its next_ids output), so on a device no logits come back."""
+    return logits.argmax(-1), None
 
 
 def max_prob(logits: np.ndarray) -> np.ndarray:
@@ -85,16 +92,21 @@ class DraftModel(Drafter):
             if n_new[i]:
                 feed[i, :n_new[i]] = contexts[i][int(cache.lengths[i]):]
         valid = np.arange(s)[None, :] < n_new[:, None] if (n_new != s).any() else None
-        logits = self.dec(feed, valid)  # (B, s, V)
-        last = logits[np.arange(b), np.maximum(n_new - 1, 0)]  # (B, V)
-        cache.lengths = n_ctx.copy()
+        by_ids = pick is greedy_pick and not self.stop_below  # only argmax ids come back from the engine
+        out = self.dec.ids(feed, valid) if by_ids else self.dec(feed, valid)  # (B, s) ids | (B, s, V) logits
+        last = out[np.arange(b), np.maximum(n_new - 1, 0)]  # (B,) ids | (B, V) logits
+        cache.commit(n_new)
         self._ctx_len = n_ctx
         tokens = np.zeros((b, gamma), dtype=np.int64)
         counts = np.full(b, gamma, dtype=np.int64)
         drafting = active.copy()  # (B,) sequences still proposing
         qs = None
         for j in range(gamma):
-            tok, q = pick(last, n_ctx + j)  # token at position n_ctx + j
+            if by_ids:
+                check_ids(last[active], "draft", int(n_ctx.max()) + j)
+                tok, q = last, None
+            else:
+                tok, q = pick(last, n_ctx + j)  # token at position n_ctx + j
             tokens[:, j] = tok
             if q is not None:
                 if qs is None:
@@ -107,16 +119,18 @@ class DraftModel(Drafter):
                 if not drafting.any():
                     break
             if j + 1 < gamma:
-                last = self.dec(tokens[:, j:j + 1])[:, 0]
-                cache.lengths += 1
+                last = (self.dec.ids if by_ids else self.dec)(tokens[:, j:j + 1])[:, 0]
+                cache.commit(1)
         return Proposal(tokens, counts, qs)
 
     def commit(self, accepted) -> None:
         c = self.dec.cache
-        c.lengths = np.minimum(c.lengths, self._ctx_len + accepted)
+        c.rewind_to(np.minimum(c.lengths, self._ctx_len + accepted))
 
     def reset(self, b) -> None:
-        self.dec.cache.lengths[b] = 0
+        lengths = self.dec.cache.lengths.copy()
+        lengths[b] = 0
+        self.dec.cache.rewind_to(lengths)
         self._ctx_len[b] = 0
 
 

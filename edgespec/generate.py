@@ -19,9 +19,9 @@ import numpy as np
 from .contract import EngineError
 from .costmodel import AcceptanceEstimator, CostModel, median_time
 from .decoder import Decoder
-from .drafts import DraftModel, Drafter, NgramDraft
+from .drafts import DraftModel, Drafter, NgramDraft, greedy_pick
 from .engine import OrtEngine, default_provider
-from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, probs, sample
+from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import speculative_round
 from .tokenizer import TextTokenizer, check_pair
 
@@ -159,20 +159,20 @@ class Generator:
         context = min(context, m.max_context - self.gamma_max - 2)
         rng = np.random.default_rng(0)
         tgt = self._decoder(self.target, 1)
-        tgt(rng.integers(0, m.vocab_size, (1, context)))
-        tgt.cache.lengths[:] = context
+        tgt.run(rng.integers(0, m.vocab_size, (1, context)))
+        tgt.cache.commit(context)
         t_verify = []
         for s in range(1, self.gamma_max + 2):
             ids = rng.integers(0, m.vocab_size, (1, s))
-            tgt(ids)  # warm this shape
-            t_verify.append(median_time(lambda: tgt(ids), reps))
+            tgt.ids(ids)  # warm this shape
+            t_verify.append(median_time(lambda: tgt.ids(ids), reps))
         if self.drafter_kind == "model":
             d = self._decoder(self.draft, 1)
-            d(rng.integers(0, m.vocab_size, (1, context)))
-            d.cache.lengths[:] = context
+            d.run(rng.integers(0, m.vocab_size, (1, context)))
+            d.cache.commit(context)
             one = rng.integers(0, m.vocab_size, (1, 1))
-            d(one)
-            t_draft = median_time(lambda: d(one)[:, 0].argmax(-1), reps * 2)
+            d.ids(one)
+            t_draft = median_time(lambda: d.ids(one), reps * 2)
         elif self.drafter_kind == "ngram":
             ng, ctx = NgramDraft(1), [list(rng.integers(0, m.vocab_size, 512))]
             t_draft = median_time(lambda: ng.propose(ctx, 4, None, np.ones(1, bool)), reps) / 4
@@ -212,15 +212,14 @@ class Generator:
         noise = GumbelNoise(cfg.seed or 0, self.target.manifest.vocab_size) if mode == "coupled" else None
         t0 = time.perf_counter()
 
-        def pick(logits, positions):  # logits (B, V) -> tokens (B,), q (B, V) | None
-            if mode == "greedy":
-                return logits.argmax(-1), None
+        def sampled_pick(logits, positions):  # logits (B, V) -> tokens (B,), q (B, V) | None
             check_finite(logits, "draft", int(positions.max()))
             if mode == "coupled":
                 return np.array([noise.pick(logits[i], cfg, i, int(positions[i])) for i in range(b)]), None
             q = probs(logits, cfg)
             return np.array([sample(q[i], rng) for i in range(b)]), q
 
+        pick = greedy_pick if mode == "greedy" else sampled_pick  # greedy: engines return argmax ids only
         target, drafter = self._decoder(self.target, b), self._drafter(b)
         seqs = [_Seq(p, list(p)) for p in prompts]
         # prefill the prompts; the first new token comes from the prefill's last logits
@@ -230,11 +229,14 @@ class Generator:
             for i, p in enumerate(prompts):
                 feed[i, :len(p)] = p
             valid = np.arange(feed.shape[1])[None] < lens[:, None] if (lens != lens.max()).any() else None
-            logits = target(feed, valid)
-            last = logits[np.arange(b), lens - 1]
-            check_finite(last, "target", 0)
-            first, _ = pick(last, lens)
-            target.cache.lengths = lens.copy()
+            if mode == "greedy":
+                first = target.ids(feed, valid)[np.arange(b), lens - 1]  # (B,)
+                check_ids(first, "target", 0)
+            else:
+                last = target(feed, valid)[np.arange(b), lens - 1]  # (B, V)
+                check_finite(last, "target", 0)
+                first, _ = pick(last, lens)
+            target.cache.commit(lens)
         t_first = time.perf_counter()
         prefill_engine_s = target.engine_s
         for s, tok in zip(seqs, first):
@@ -271,7 +273,7 @@ class Generator:
                 if s.finish is None and len(s.ctx) > cap:
                     s.finish = "capacity"
                 if s.finish:
-                    target.cache.lengths[i] = 0  # its rows are no longer needed
+                    target.cache.rewind_to(np.where(np.arange(b) == i, 0, target.cache.lengths))  # rows unneeded
                     if drafter:
                         drafter.reset(i)
             stats.time_s = self._times(timer, t0, t_first)

@@ -1,62 +1,92 @@
 """The KV cache: one buffer per layer for keys and one for values, and a committed length per sequence.
 
-    buffers[2i], buffers[2i+1]: keys / values of layer i, each (B, Hkv, capacity, D), float32
+    buffers[2i], buffers[2i+1]: keys / values of layer i, each (B, Hkv, capacity, D), on the engine's device
 
-Rows 0..lengths[b]-1 of sequence b are committed. Rows past that are stale: masked by the attention
-bias, overwritten by later writes, never cleared or copied. Rolling back is lowering `lengths` (O(1)).
-The buffer grows in chunks as the live context grows (amortised O(1) per token), so a step binds
-about as many rows as the context holds, not the engine's full capacity.
+Row r of sequence b holds position r. Rows 0..lengths[b]-1 are committed. An engine call writes its S new
+rows in place at the committed length (the decoder binds each `present` output to the buffer it reads as
+`past`); the caller then `commit`s the rows it keeps. Rows past the committed length are stale: masked,
+overwritten by later calls, never cleared or copied. Rolling back (`rewind_to`) lowers the length: O(1).
+The buffers grow in chunks as the live context grows (amortised O(1) per token), so a step binds about as
+many rows as the context holds, not the engine's full capacity.
+
+Nothing outside this class changes `lengths`: the verbs are `reserve`, `commit` and `rewind_to`.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .memory import Buffer, HostMemory
 
 GROW_CHUNK = 128  # rows added per reallocation
 
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_context: int,
-                 dtype=np.float32, chunk: int = GROW_CHUNK):
+                 dtype="float32", memory: HostMemory | None = None, chunk: int = GROW_CHUNK):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.shape = (batch, kv_heads, head_dim)
-        self.num_layers, self.max_context, self.dtype, self.chunk = num_layers, max_context, dtype, chunk
-        self.lengths = np.zeros(batch, dtype=np.int64)  # committed rows per sequence
-        self.buffers: list[np.ndarray] = []
+        self.num_layers, self.max_context, self.chunk = num_layers, max_context, chunk
+        self.dtype = np.dtype(dtype)
+        self.memory = memory or HostMemory()
+        self._lengths = np.zeros(batch, dtype=np.int64)  # committed rows per sequence
+        self._written = np.zeros(batch, dtype=np.int64)  # rows holding values the last calls wrote
+        self.buffers: list[Buffer] = []
         self.generation = 0  # bumps whenever buffers are reallocated (bindings must be renewed)
-        self._alloc(min(chunk, max_context))
+        b, h, d = self.shape
+        self.buffers = [self.memory.zeros((b, h, min(chunk, max_context), d), self.dtype)
+                        for _ in range(2 * num_layers)]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """(B,) committed rows per sequence (a read-only view)."""
+        v = self._lengths.view()
+        v.flags.writeable = False
+        return v
 
     @property
     def capacity(self) -> int:
         return self.buffers[0].shape[2]
 
-    def _alloc(self, rows: int) -> None:
-        b, h, d = self.shape
-        new = [np.zeros((b, h, rows, d), dtype=self.dtype) for _ in range(2 * self.num_layers)]
-        for old, buf in zip(self.buffers, new):
-            keep = min(old.shape[2], rows)
-            buf[:, :, :keep] = old[:, :, :keep]
-        self.buffers = new
-        self.generation += 1
+    @property
+    def batch(self) -> int:
+        return self.shape[0]
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` rows per sequence (grow in chunks, never past max_context)."""
         if rows > self.max_context:
             raise ValueError(f"KV cache needs {rows} rows but the engine's max context is {self.max_context}")
         if rows > self.capacity:
-            self._alloc(min(self.max_context, -(-rows // self.chunk) * self.chunk))
+            new = min(self.max_context, -(-rows // self.chunk) * self.chunk)
+            self.buffers = [self.memory.grow(buf, new) for buf in self.buffers]
+            self.generation += 1
 
-    def write(self, presents: list[np.ndarray], at: np.ndarray) -> None:
-        """presents[2i], [2i+1]: (B, Hkv, S, D) new rows of layer i, written at rows at[b]..at[b]+S-1."""
-        s = presents[0].shape[2]
-        if len(at) == 1 or np.all(at == at[0]):
-            a = int(at[0])
-            for buf, new in zip(self.buffers, presents):
-                buf[:, :, a:a + s] = new
-        else:
-            for b, a in enumerate(at.tolist()):
-                for buf, new in zip(self.buffers, presents):
-                    buf[b, :, a:a + s] = new[b]
+    def wrote(self, s: int) -> None:
+        """An engine call wrote S rows per sequence at the committed lengths (the decoder calls this)."""
+        self._written = self._lengths + s
+
+    def commit(self, n) -> None:
+        """Keep n (int, or (B,) per sequence) more rows of what the last calls wrote."""
+        new = self._lengths + np.asarray(n, dtype=np.int64)
+        if np.any(new < self._lengths) or np.any(new > self._written):
+            raise ValueError(f"commit({np.asarray(n).tolist()}): committed {self._lengths.tolist()} rows, "
+                             f"written up to {self._written.tolist()}; can keep 0..{(self._written - self._lengths).tolist()}")
+        self._lengths = new
+        self._written = np.maximum(self._written, new)
+
+    def rewind_to(self, lengths) -> None:
+        """Lower the committed lengths (int, or (B,) per sequence) to `lengths`; later rows become stale."""
+        new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self._lengths.shape).copy()
+        if np.any(new < 0) or np.any(new > self._lengths):
+            raise ValueError(f"rewind_to({np.asarray(lengths).tolist()}): lengths must be in 0..{self._lengths.tolist()}")
+        self._lengths = new
+        self._written = new.copy()
+
+    def host(self, j: int) -> np.ndarray:
+        """Buffer j as a host array (B, Hkv, capacity, D): the array itself on the CPU, a copy on a device."""
+        return self.memory.to_host(self.buffers[j])
 
     def rows(self, b: int, n: int | None = None) -> list[np.ndarray]:
-        """Committed rows of sequence b (for tests): per buffer (Hkv, n, D)."""
-        n = int(self.lengths[b]) if n is None else n
-        return [buf[b, :, :n] for buf in self.buffers]
+        """Committed rows of sequence b (for tests): per buffer (Hkv, n, D), host copies."""
+        n = int(self._lengths[b]) if n is None else n
+        return [self.host(j)[b, :, :n].copy() for j in range(len(self.buffers))]

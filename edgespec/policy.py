@@ -38,7 +38,7 @@ from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel, max_prob
 from .engine import OrtEngine, session_options
 from .generate import Timer
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, check_ids
 from .speculative import accept_relaxed, speculative_round
 
 MODES = ("greedy", "relaxed")
@@ -115,6 +115,7 @@ class Policy:
         self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
         self.target = self._decoder(OrtEngine(self.dir / "target", provider, threads, check_hashes))
+        self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head = None, None
         if draft == "head":
             hpath = self.dir / HEAD_FILE
@@ -137,6 +138,7 @@ class Policy:
                     f" ({self.dir} has no draft/; load without draft=True)" if draft is True else ""))
             self.draft = DraftModel(self._decoder(OrtEngine(ddir, provider, threads, check_hashes)),
                                     self.cfg.stop_below, self._confidence)
+            self._check_argmax(self.draft.dec.m, ddir)
             if self.draft.dec.m.input_mode != "embeds":
                 raise ValueError(f"{ddir} takes input_ids; a policy draft must read the encoder's prefix "
                                  f"(an inputs_embeds engine)")
@@ -152,6 +154,12 @@ class Policy:
         r = self.cfg.radius if self.cfg.mode == "relaxed" else 0
         self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n)], np.int64)  # (H*D,)
         self.last_info: dict = {}
+
+    def _check_argmax(self, m: C.Manifest, where: Path) -> None:
+        want = (self.tok.first_id, self.tok.vocab_end)
+        if m.argmax_range != want:
+            raise C.EngineError(f"{where}: its next_ids pick among ids {list(m.argmax_range)}, this policy's action "
+                                f"ids are {list(want)}; re-export the policy with `edgespec export-policy`")
 
     @staticmethod
     def _decoder(engine: OrtEngine) -> Decoder:
@@ -192,15 +200,22 @@ class Policy:
     def _confidence(self, logits: np.ndarray) -> np.ndarray:  # (B, V) -> (B,) p of the constrained argmax
         return max_prob(logits[:, self.tok.first_id:self.tok.vocab_end])
 
-    def _accept(self, drafts: np.ndarray, logits: np.ndarray, pos: int, info: dict) -> tuple[int, int]:
-        """accept_relaxed for drafts (c,) at chunk index pos, logits (c+1, V) the target's there (exact where
-        the radius is 0); notes the largest bin distance it accepted in info["max_dev_bins"]."""
+    def _accept(self, drafts: np.ndarray, t: np.ndarray, pos: int, info: dict) -> tuple[int, int]:
+        """accept_relaxed for drafts (c,) at chunk index pos, t (c+1,) the target's action ids there (exact
+        where the radius is 0); notes the largest bin distance it accepted in info["max_dev_bins"]."""
         lo, hi, radius = self.tok.first_id, self.tok.vocab_end, self._radius
-        k, nxt = accept_relaxed(drafts, logits, lo, hi, radius[pos:pos + len(drafts)])
+        check_ids(t, "target", self.prefix_len + pos)
+        k, nxt = accept_relaxed(drafts, t, lo, hi, radius[pos:pos + len(drafts)])
         if k and radius[pos:pos + k].any():
-            t = logits[:k, lo:hi].argmax(-1) + lo
-            info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t).max()))
+            info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t[:k]).max()))
         return k, nxt
+
+    def _step_id(self, token: int) -> int:
+        """One plain target step: the action id after `token` (committed)."""
+        t = self.target.ids(np.array([[token]]))[0]  # (1,)
+        check_ids(t, "target", int(self.target.cache.lengths[0]))
+        self.target.cache.commit(1)
+        return int(t[0])
 
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
@@ -221,25 +236,25 @@ class Policy:
         the generic `speculative_round` + `DraftModel` (slow, obvious; tests compare the two)."""
         n, p = self.horizon * self.dims, prefix.shape[1]
         target = self.target
-        target.cache.lengths[:] = 0
+        target.cache.rewind_to(0)
         if self.head is not None and (use_draft is None or use_draft):
             return self._decode_head(prefix, n, p, reference)
-        first = self._pick(target(None, embeds=prefix)[:, -1])[0]  # the prefill's last logits
-        target.cache.lengths[:] = p
+        first = target.ids(None, embeds=prefix)[0, -1:]  # the prefill's last id
+        check_ids(first, "target", p)
+        target.cache.commit(p)
         ids = [int(first[0])]
         info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 1, "draft_calls": 0, "max_dev_bins": 0}
         draft = self.draft if use_draft is None or use_draft else None
         if draft is None:
             while len(ids) < n:  # plain decoding
-                ids.append(int(self._pick(target(np.array([[ids[-1]]]))[:, 0])[0][0]))
-                target.cache.lengths += 1
+                ids.append(self._step_id(ids[-1]))
             info["target_calls"] = n
             info["tokens_per_round"] = 1.0
             return ids, info
         dd = draft.dec
-        dd.cache.lengths[:] = 0
-        dd(None, embeds=prefix)
-        dd.cache.lengths[:] = p
+        dd.cache.rewind_to(0)
+        dd.run(None, embeds=prefix)
+        dd.cache.commit(p)
         if not reference:
             return self._speculative_fast(ids, n, p, info)
         draft._ctx_len[:] = p
@@ -253,8 +268,7 @@ class Policy:
         while len(ids) < n:
             g = min(self.cfg.gamma, n - len(ids) - 1)
             if g == 0:
-                ids.append(int(self._pick(target(np.array([[ids[-1]]]))[:, 0])[0][0]))
-                target.cache.lengths += 1
+                ids.append(self._step_id(ids[-1]))
                 info["target_calls"] += 1
                 continue
             new, k, m = speculative_round(target, draft, [ctx], np.ones(1, bool), g, "relaxed", SamplingConfig(),
@@ -282,12 +296,11 @@ class Policy:
         while len(ids) < n:
             g = min(self.cfg.gamma, n - len(ids) - 1)
             if g == 0:  # one id left: a plain target step
-                ids.append(int(target(np.array([[ids[-1]]]))[0, 0, lo:hi].argmax()) + lo)
-                target.cache.lengths += 1
+                ids.append(self._step_id(ids[-1]))
                 info["target_calls"] += 1
                 continue
             lg = dd(np.array([pending], np.int64))[0, -1, lo:hi]  # catch up, then draft
-            dd.cache.lengths += len(pending)
+            dd.cache.commit(len(pending))
             c = g  # proposals this round
             for j in range(g):
                 best = lg.argmax()
@@ -297,14 +310,14 @@ class Policy:
                     break
                 if j + 1 < g:
                     lg = dd(feed[:, j + 1:j + 2])[0, 0, lo:hi]
-                    dd.cache.lengths += 1
+                    dd.cache.commit(1)
             feed[0, 0] = ids[-1]
             drafts = feed[0, 1:c + 1]
-            logits = target(feed[:, :c + 1])[0]  # (c+1, V)
+            t = target.ids(feed[:, :c + 1])[0]  # (c+1,)
             pos = len(ids)  # chunk index of drafts[0]
-            k, nxt = self._accept(drafts, logits, pos, info)
-            target.cache.lengths += 1 + k
-            dd.cache.lengths -= (c - 1) - min(k, c - 1)  # keep the fed drafts that were accepted
+            k, nxt = self._accept(drafts, t, pos, info)
+            target.cache.commit(1 + k)
+            dd.cache.rewind_to(dd.cache.lengths - ((c - 1) - min(k, c - 1)))  # keep the fed drafts accepted
             pending = [int(drafts[c - 1]), nxt] if k == c else [nxt]
             ids += drafts[:k].tolist() + [nxt]
             info["rounds"] += 1
@@ -333,8 +346,7 @@ class Policy:
         while len(ids) < n:
             g = min(self.cfg.gamma, n - len(ids) - 1)
             if g == 0 and ids:  # one id left: a plain target step
-                ids.append(int(target(np.array([[ids[-1]]]))[0, 0, lo:hi].argmax()) + lo)
-                target.cache.lengths += 1
+                ids.append(self._step_id(ids[-1]))
                 info["target_calls"] += 1
                 continue
             if not ids or not reference:  # draft up to g ids from the head
@@ -355,14 +367,14 @@ class Policy:
                 pos = len(ids)
                 if not ids:  # fused first round: prefix + drafts in the prefill
                     x = np.concatenate([prefix, target.embedding[drafts][None]], 1) if c else prefix
-                    logits = target(None, embeds=x.astype(np.float32))[0, p - 1:]  # (c+1, V)
-                    k, nxt = self._accept(drafts, logits, pos, info)
-                    target.cache.lengths[:] = p + k
+                    t = target.ids(None, embeds=x.astype(np.float32))[0, p - 1:]  # (c+1,)
+                    k, nxt = self._accept(drafts, t, pos, info)
+                    target.cache.commit(p + k)
                 else:
                     feed[0, 0] = ids[-1]
-                    logits = target(feed[:, :c + 1])[0]  # (c+1, V)
-                    k, nxt = self._accept(drafts, logits, pos, info)
-                    target.cache.lengths += 1 + k
+                    t = target.ids(feed[:, :c + 1])[0]  # (c+1,)
+                    k, nxt = self._accept(drafts, t, pos, info)
+                    target.cache.commit(1 + k)
                 ids += drafts[:k].tolist() + [nxt]
             else:
                 new, k, c = speculative_round(target, drafter, [[0] * p + ids], np.ones(1, bool), g, "relaxed",
@@ -399,10 +411,9 @@ class Policy:
                      C.POSITION_IDS: np.arange(s, dtype=np.int64)[None],
                      C.ATTENTION_BIAS: np.where(np.tril(np.ones((s, s), bool)), 0.0, C.MASKED)
                      .astype(np.float32)[None, None]}
-            for i in range(self.target.m.num_layers):
-                empty = np.zeros((1, self.target.m.num_kv_heads, 0, self.target.m.head_dim), np.float32)
-                feeds[C.past_key(i)] = empty
-                feeds[C.past_value(i)] = empty
+            for past, _ in C.cache_names(self.target.m.num_layers):
+                feeds[past] = np.zeros((1, self.target.m.num_kv_heads, s, self.target.m.head_dim),
+                                       self.target.m.cache_dtype)  # rows 0..s-1: written by the call
             logits = sess.run(feeds)[C.LOGITS][0, -1]
             ids.append(int(self._pick(logits[None])[0][0]))
         return ids

@@ -41,6 +41,14 @@ def check_finite(logits: np.ndarray, engine: str, step: int) -> None:
                                  f"refusing to sample or accept from them")
 
 
+def check_ids(ids: np.ndarray, engine: str, step: int) -> None:
+    """The engine's next_ids carry NONFINITE_ID (-1) where its logits held NaN or inf."""
+    if ids.min(initial=0) < 0:
+        bad = int((ids < 0).sum())
+        raise FloatingPointError(f"{engine} engine produced NaN/inf logits at step {step} ({bad} position(s)); "
+                                 f"refusing to accept from them")
+
+
 def filtered_logits(logits: np.ndarray, cfg: SamplingConfig) -> np.ndarray:
     """logits / T with everything outside top-k / top-p set to -inf. (..., V) -> (..., V) float64."""
     x = logits.astype(np.float64) / (cfg.temperature if cfg.temperature > 0 else 1.0)

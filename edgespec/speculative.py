@@ -10,12 +10,11 @@ import numpy as np
 
 from .decoder import Decoder
 from .drafts import Drafter, Proposal
-from .sampling import GumbelNoise, SamplingConfig, check_finite, probs, sample
+from .sampling import GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 
 
-def accept_greedy(drafts: np.ndarray, logits: np.ndarray) -> tuple[int, int]:
-    """drafts (n,); logits (n+1, V). Keep drafts while they equal the target's argmax."""
-    t = logits.argmax(-1)
+def accept_greedy(drafts: np.ndarray, t: np.ndarray) -> tuple[int, int]:
+    """drafts (n,); t (n+1,) the target's argmax ids. Keep drafts while they equal the target's argmax."""
     k = 0
     while k < len(drafts) and drafts[k] == t[k]:
         k += 1
@@ -39,12 +38,11 @@ def accept_rejection(drafts: np.ndarray, p: np.ndarray, q: np.ndarray | None, rn
     return len(drafts), sample(p[len(drafts)], rng)  # all accepted: bonus token from p
 
 
-def accept_relaxed(drafts: np.ndarray, logits: np.ndarray, lo: int, hi: int, radius: np.ndarray) -> tuple[int, int]:
-    """Action tokens (lossy, opt-in). drafts (n,); logits (n+1, V); radius (n,) bins allowed per draft
-    position (0 = exact, e.g. a binary dimension). The target's choice is its argmax over the action ids
-    lo..hi-1 (ids are bins, so |id difference| = bin distance); keep a draft while it is an action id within
-    radius[i] of that choice. With radius 0 everywhere this is exact greedy decoding constrained to actions."""
-    t = logits[:, lo:hi].argmax(-1) + lo  # (n+1,)
+def accept_relaxed(drafts: np.ndarray, t: np.ndarray, lo: int, hi: int, radius: np.ndarray) -> tuple[int, int]:
+    """Action tokens (lossy, opt-in). drafts (n,); t (n+1,) the target's choices, its argmax over the action
+    ids lo..hi-1; radius (n,) bins allowed per draft position (0 = exact, e.g. a binary dimension). Ids are
+    bins, so |id difference| = bin distance: keep a draft while it is an action id within radius[i] of the
+    target's choice. With radius 0 everywhere this is exact greedy decoding constrained to actions."""
     k = 0
     while k < len(drafts) and lo <= drafts[k] < hi and abs(int(drafts[k]) - int(t[k])) <= radius[k]:
         k += 1
@@ -65,7 +63,8 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
                       gamma: int, mode: str, cfg: SamplingConfig, rng, noise, pick, timer,
                       relax=None) -> tuple[list, np.ndarray]:
     """One round for every active sequence. Returns (new tokens per sequence, accepted (B,), drafted (B,)).
-    mode "relaxed" (action tokens) calls relax(drafts (n,), logits (n+1, V), first draft position) -> (k, next)."""
+    Greedy and relaxed rounds bring back only the target's argmax ids; sampled ones its logits.
+    mode "relaxed" (action tokens) calls relax(drafts (n,), target ids (n+1,), first draft position) -> (k, next)."""
     b = len(contexts)
     committed = target.cache.lengths.copy()  # (B,) target rows; contexts[b][-1] is the pending token
     # 1) draft: up to γ proposals per sequence, for positions committed+1 ...
@@ -79,29 +78,31 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
     feed[:, 0] = [c[-1] for c in contexts]
     feed[:, 1:] = prop.tokens[:, :s - 1]
     valid = np.arange(s)[None, :] <= n[:, None] if (n != s - 1).any() else None
-    with timer("verify"):
-        logits = target(feed, valid)  # (B, s, V): logits[b, i] predicts position committed[b] + i + 1
+    by_ids = mode in ("greedy", "relaxed")
+    with timer("verify"):  # [b, i] predicts position committed[b] + i + 1
+        verified = target.ids(feed, valid) if by_ids else target(feed, valid)  # ids (B, s) | logits (B, s, V)
     # 3) accept / reject, then the correction or bonus token
     with timer("sampling"):
-        check_finite(logits if active.all() else logits[active], "target", int(committed.max()))
-        out, k = [], np.zeros(b, dtype=np.int64)
+        check = check_ids if by_ids else check_finite
+        check(verified if active.all() else verified[active], "target", int(committed.max()))
+        found, k = [], np.zeros(b, dtype=np.int64)
         for i in range(b):
             if not active[i]:
-                out.append([])
+                found.append([])
                 continue
-            d, lg = prop.tokens[i, :n[i]], logits[i, :n[i] + 1]
+            d, t = prop.tokens[i, :n[i]], verified[i, :n[i] + 1]  # t: ids (n+1,) or logits (n+1, V)
             if mode == "greedy":
-                k[i], nxt = accept_greedy(d, lg)
+                k[i], nxt = accept_greedy(d, t)
             elif mode == "rejection":
                 q = None if prop.q is None else prop.q[i, :n[i]]
-                k[i], nxt = accept_rejection(d, probs(lg, cfg), q, rng)
+                k[i], nxt = accept_rejection(d, probs(t, cfg), q, rng)
             elif mode == "relaxed":
-                k[i], nxt = relax(d, lg, int(committed[i]) + 1)
+                k[i], nxt = relax(d, t, int(committed[i]) + 1)
             else:
-                k[i], nxt = accept_coupled(d, lg, cfg, noise, i, int(committed[i]) + 1)
-            out.append([int(t) for t in d[:k[i]]] + [nxt])
+                k[i], nxt = accept_coupled(d, t, cfg, noise, i, int(committed[i]) + 1)
+            found.append([int(t) for t in d[:k[i]]] + [nxt])
     # 4) commit: the target keeps the pending token and k drafts; the draft rolls back what was rejected
-    target.cache.lengths = np.where(active, committed + k + 1, committed)
+    target.cache.commit(np.where(active, k + 1, 0))
     if drafter is not None:
         drafter.commit(k)
-    return out, k, n
+    return found, k, n

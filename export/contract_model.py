@@ -9,8 +9,8 @@ Differences from `reference.ReferenceDecoder`, all for speed on the device:
 - masked rows are removed with a select on the scores, so whatever a stale row's key holds (NaN, inf,
   huge values) its weight is exactly 0; and non-finite K/V values are written to the cache as 0, so a
   stale row's value is always finite and 0 x value = 0 (an additive mask alone gives 0 x NaN = NaN);
-- `next_ids` (the argmax over argmax_ids) comes out beside the logits, so greedy decoding on a device
-  copies S ids back, not S x V logits.
+- `next_ids` (the argmax over argmax_ids, or NONFINITE_ID where a row's logits hold NaN or inf) comes
+  out beside the logits, so greedy decoding on a device copies S ids back, not S x V logits.
 
 One layer's attention, shapes per batch row (g = H / Hkv query heads per KV head, P bound cache rows):
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgespec.contract import MASKED
+from edgespec.contract import MASKED, NONFINITE_ID
 
 from .checkpoint import ModelSpec
 
@@ -120,6 +120,7 @@ class ContractDecoder(torch.nn.Module):
             x = x + F.linear(F.silu(gate) * up, L.wd)
         logits = F.linear(self._norm(x, self.norm), self.lm_head)
         next_ids = logits[..., self.argmax_lo:self.argmax_hi].argmax(-1) + self.argmax_lo  # (B, S)
+        next_ids = torch.where(torch.isfinite(logits).all(-1), next_ids, NONFINITE_ID)  # a NaN row is no id
         return (logits, next_ids, *presents)
 
     @staticmethod

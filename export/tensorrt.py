@@ -5,10 +5,10 @@ ONNX Runtime TensorRT execution-provider options.
 
 Three profiles cover the three kinds of call the runtime makes (S = new tokens, P = bound cache rows):
 
-    profile   S (seq)            P (past)         used for
-    decode    1                  0 .. max_ctx     plain decoding, draft steps
-    verify    2 .. γmax+1        0 .. max_ctx     one speculative verify pass
-    prefill   1 .. prefill_max   0 .. max_ctx     prompts (chunked beyond prefill_max)
+    profile   S (seq)            P (bound rows)   used for
+    decode    1                  1 .. max_ctx     plain decoding, draft steps
+    verify    2 .. γmax+1        2 .. max_ctx     one speculative verify pass
+    prefill   1 .. prefill_max   1 .. max_ctx     prompts (chunked beyond prefill_max)
 
 The build writes model.plan beside model.onnx and records it in engine.json (extra.tensorrt). It needs
 an NVIDIA GPU and the `trt` extra; the profile and option builders below are pure Python.
@@ -40,18 +40,20 @@ class ProfileSpec:
 
 
 def default_profiles(max_context: int, gamma_max: int = 8, prefill_max: int = 512, batch: int = 1) -> list[ProfileSpec]:
+    """The bound rows P always hold the S new tokens (P >= S): past's min is seq's min."""
     opt_past = min(256, max_context)
     b = (1, 1, batch)
-    return [ProfileSpec("decode", (1, 1, 1), (0, opt_past, max_context), b),
-            ProfileSpec("verify", (2, min(5, gamma_max + 1), gamma_max + 1), (0, opt_past, max_context), b),
-            ProfileSpec("prefill", (1, min(128, prefill_max), prefill_max), (0, 0, max_context), b)]
+    prefill_opt = min(128, prefill_max)
+    return [ProfileSpec("decode", (1, 1, 1), (1, opt_past, max_context), b),
+            ProfileSpec("verify", (2, min(5, gamma_max + 1), gamma_max + 1), (2, opt_past, max_context), b),
+            ProfileSpec("prefill", (1, prefill_opt, prefill_max), (1, max(prefill_opt, opt_past), max_context), b)]
 
 
 def profile_shapes(m: C.Manifest, p: ProfileSpec) -> dict[str, tuple[tuple, tuple, tuple]]:
     """Input name -> (min, opt, max) concrete shapes for one profile."""
     out = {}
     for k in range(3):
-        dims = {C.BATCH: p.batch[k], C.SEQ: p.seq[k], C.PAST: p.past[k], C.TOTAL: p.past[k] + p.seq[k]}
+        dims = {C.BATCH: p.batch[k], C.SEQ: p.seq[k], C.PAST: p.past[k]}
         for t in m.inputs:
             shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
             out.setdefault(t.name, [None, None, None])[k] = shape

@@ -102,9 +102,12 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
     stage.mkdir(parents=True)
     try:
         gate = export_encoder(model_dir, stage / ENCODER_FILE)
+        meta = json.loads((model_dir / C.POLICY_FILE).read_text())
+        actions = (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"]))  # next_ids picks among these
         for name in ("target", "draft"):
             if (model_dir / name / "config.json").is_file():
-                export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress)
+                export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress,
+                              argmax_ids=actions)
         shutil.copy2(model_dir / "action_stats.json", stage / "action_stats.json")
         policy = json.loads((model_dir / C.POLICY_FILE).read_text())
         policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),

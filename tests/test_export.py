@@ -49,7 +49,7 @@ def test_inputs_embeds_variant_matches_ids(tiny_checkpoints, tmp_path, llama_eng
     feeds = {C.POSITION_IDS: np.arange(3)[None], C.ATTENTION_BIAS: np.zeros((1, 1, 3, 3), np.float32)}
     feeds[C.ATTENTION_BIAS][..., np.triu_indices(3, 1)[0], np.triu_indices(3, 1)[1]] = C.MASKED
     for i in range(m.num_layers):
-        feeds[C.past_key(i)] = feeds[C.past_value(i)] = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
+        feeds[C.past_key(i)] = feeds[C.past_value(i)] = np.zeros((1, m.num_kv_heads, 3, m.head_dim), np.float32)
     a = OrtEngine(tmp_path / "emb").run({**feeds, C.INPUTS_EMBEDS: emb[ids]})[C.LOGITS]
     b = OrtEngine(llama_engine).run({**feeds, C.INPUT_IDS: ids})[C.LOGITS]
     np.testing.assert_allclose(a, b, atol=1e-5)

@@ -1,42 +1,44 @@
-"""The attention-bias builders: fast path vs the obvious reference, windows, padding, trees."""
+"""The attention-bias builder: fast path vs the obvious reference, layout, windows, padding."""
 import numpy as np
 import pytest
 
 from edgespec.contract import MASKED
-from edgespec.masks import causal_bias, causal_bias_reference, tree_bias
+from edgespec.masks import causal_bias, causal_bias_reference
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_fast_bias_equals_reference(seed):
     rng = np.random.default_rng(seed)
-    b, s, p = rng.integers(1, 4), rng.integers(1, 10), rng.integers(0, 40)
-    lengths = rng.integers(0, p + 1, b)
-    np.testing.assert_array_equal(causal_bias(lengths, s, p), causal_bias_reference(lengths, s, p))
+    b, s, extra = rng.integers(1, 4), rng.integers(1, 10), rng.integers(0, 30)
+    lengths = rng.integers(0, 30, b)
+    rows = int(lengths.max()) + s + extra
+    np.testing.assert_array_equal(causal_bias(lengths, s, rows), causal_bias_reference(lengths, s, rows))
 
 
 def test_bias_layout():
-    bias = causal_bias(np.array([2]), 2, 4)[0, 0]
+    # 2 committed rows, 2 new tokens at rows 2 and 3, 6 bound rows (4 and 5 stale)
+    bias = causal_bias(np.array([2]), 2, 6)[0, 0]
     ok = bias == 0
-    assert ok.tolist() == [[True, True, False, False, True, False],
-                           [True, True, False, False, True, True]]
-    assert bias[0, 2] == MASKED
+    assert ok.tolist() == [[True, True, True, False, False, False],
+                           [True, True, True, True, False, False]]
+    assert bias[0, 3] == MASKED and bias[1, 5] == MASKED
+
+
+def test_batch_rows_follow_each_sequence():
+    ok = causal_bias(np.array([1, 3]), 1, 5)[:, 0, 0] == 0  # (B, P): each query sees its rows 0..L
+    assert ok.tolist() == [[True, True, False, False, False], [True, True, True, True, False]]
 
 
 def test_sliding_window_and_padding():
-    bias = causal_bias(np.array([3]), 3, 4, sliding_window=2, valid=np.array([[True, True, False]]))[0, 0] == 0
+    bias = causal_bias(np.array([3]), 3, 7, sliding_window=2, valid=np.array([[True, True, False]]))[0, 0] == 0
     # query 0 sits at position 3: window 2 keeps positions 2..3 (cache row 2 and itself)
-    assert bias[0].tolist() == [False, False, True, False, True, False, False]
-    assert bias[2, 6] and not bias[0, 6] and not bias[1, 6]  # a padded key is hidden; a padded query sees itself
+    assert bias[0].tolist() == [False, False, True, True, False, False, False]
+    assert bias[2, 5] and not bias[0, 5] and not bias[1, 5]  # a padded key is hidden; a padded query sees itself
+    assert bias[2].tolist() == [False, False, False, False, True, True, False]  # window 2 from position 5
 
 
-def test_lengths_beyond_bound_rows_are_refused():
+def test_rows_too_few_for_the_new_tokens_are_refused():
     with pytest.raises(ValueError, match="exceed the bound cache rows"):
-        causal_bias(np.array([5]), 1, 4)
-
-
-def test_tree_bias_follows_ancestors():
-    bias = tree_bias(2, 3, [-1, 0, 0, 1]) == 0  # root, two children of the root, a grandchild
-    new = bias[0, 0, :, 3:]
-    assert new.tolist() == [[True, False, False, False], [True, True, False, False],
-                            [True, False, True, False], [True, True, False, True]]
-    assert bias[0, 0, :, :2].all() and not bias[0, 0, :, 2].any()
+        causal_bias(np.array([3]), 2, 4)
+    with pytest.raises(ValueError, match="exceed the bound cache rows"):
+        causal_bias_reference(np.array([3]), 2, 4)

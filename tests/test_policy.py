@@ -22,8 +22,12 @@ def one_hot_logits(choices, v=16):
     return lg
 
 
+def target_choice(lg, lo, hi):  # what the engine's next_ids gives: the argmax over the action ids lo..hi-1
+    return lg[:, lo:hi].argmax(-1) + lo
+
+
 def test_accept_relaxed_keeps_drafts_within_radius_and_returns_target_choice():
-    lg = one_hot_logits([10, 10, 10, 10])  # target wants 10 at every position
+    lg = target_choice(one_hot_logits([10, 10, 10, 10]), 0, 16)  # target wants 10 at every position
     d = np.array([10, 12, 7, 10])
     assert accept_relaxed(d[:3], lg, 0, 16, np.array([0, 0, 0])) == (1, 10)  # exact: stops at 12
     assert accept_relaxed(d[:3], lg, 0, 16, np.array([2, 2, 2])) == (2, 10)  # 12 within 2, 7 is 3 away
@@ -32,7 +36,7 @@ def test_accept_relaxed_keeps_drafts_within_radius_and_returns_target_choice():
 
 
 def test_accept_relaxed_never_relaxes_non_action_tokens_and_constrains_the_choice():
-    lg = one_hot_logits([3, 12, 12], v=16)  # position 0: the unconstrained argmax (3) is not an action id
+    lg = target_choice(one_hot_logits([3, 12, 12], v=16), 8, 16)  # position 0: the argmax (3) is not an action id
     # constrained to the action ids 8..15, position 0's choice is 8 (all tied, the first): 9 is 1 bin away
     assert accept_relaxed(np.array([9, 12]), lg, 8, 16, np.array([9, 9])) == (2, 12)
     assert accept_relaxed(np.array([9]), lg, 8, 16, np.array([0])) == (0, 8)

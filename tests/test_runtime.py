@@ -3,9 +3,11 @@ import numpy as np
 import pytest
 
 import edgespec
+from edgespec import contract as C
 from edgespec.contract import EngineError
 from edgespec.costmodel import AcceptanceEstimator, CostModel, expected_tokens
 from edgespec.decoder import Decoder
+from edgespec.kvcache import KVCache
 from edgespec.drafts import DraftModel, NgramDraft
 from edgespec.sampling import SamplingConfig
 from edgespec.speculative import speculative_round
@@ -135,7 +137,7 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
     feed = np.zeros((2, 8), np.int64)  # prefill all but the pending token, right-padded
     feed[0, :4], feed[1, :8] = ctx[0][:-1], ctx[1][:-1]
     target(feed, np.arange(8)[None] < np.array([[4], [8]]))
-    target.cache.lengths[:] = [len(c) - 1 for c in ctx]
+    target.cache.commit([len(c) - 1 for c in ctx])
     cfg, active = SamplingConfig(), np.ones(2, bool)
     timer = edgespec.generate.Timer()
     pick = lambda logits, pos: (logits.argmax(-1), None)  # noqa: E731
@@ -169,20 +171,20 @@ def test_bound_call_equals_plain_session_run(tiny_engines):
         valid = np.array([[True] * s, [True] * (s - 1) + [s == 1]])
         np.testing.assert_allclose(a(ids, valid), b.reference_call(ids, valid), atol=1e-5)
         for d in (a, b):
-            d.cache.lengths += valid.sum(1)
+            d.cache.commit(valid.sum(1))
 
 
 def test_growing_cache_keeps_committed_rows(tiny_engines):
     eng = edgespec.load(tiny_engines["target"]).target
     d = Decoder(eng, 1)
-    d.cache.chunk = 16
-    d.cache._alloc(16)
+    m = eng.manifest
+    d.cache = KVCache(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.max_context, chunk=16)
     ids = np.arange(40)[None] % 95
     full = Decoder(eng, 1)(ids).copy()
     steps = []
     for t in range(40):
         steps.append(d(ids[:, t:t + 1])[:, 0].copy())
-        d.cache.lengths += 1
+        d.cache.commit(1)
     assert d.cache.capacity == 48
     np.testing.assert_allclose(np.stack(steps, 1), full, atol=1e-5)
 
@@ -319,21 +321,22 @@ def test_empty_and_too_long_prompts_are_refused_before_compute(plain):
         plain.generate([1, 500])
 
 
-def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])  # greedy reads next_ids, sampling the logits
+def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch, temperature):
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=2)
-    real = Decoder.__call__
+    real = Decoder.run
     calls = {"n": 0}
 
-    def poisoned(self, tokens, valid=None):
-        out = real(self, tokens, valid)
+    def poisoned(self, tokens, valid=None, embeds=None):  # the outputs the graph gives for NaN logits
+        real(self, tokens, valid, embeds)
         if self.engine is gen.target:
             calls["n"] += 1
             if calls["n"] == 3:
-                out[...] = np.nan
-        return out
-    monkeypatch.setattr(Decoder, "__call__", poisoned)
-    with pytest.raises(FloatingPointError, match="target engine produced .* NaN/inf logits at step"):
-        gen.generate([1, 2, 3], max_new_tokens=20)
+                self._last[2].handle[...] = np.nan
+                self._last[3].handle[...] = C.NONFINITE_ID
+    monkeypatch.setattr(Decoder, "run", poisoned)
+    with pytest.raises(FloatingPointError, match="target engine produced .*NaN/inf logits at step"):
+        gen.generate([1, 2, 3], max_new_tokens=20, temperature=temperature, seed=0)
 
 
 def test_positionwise_acceptance_sees_bursty_drafts():

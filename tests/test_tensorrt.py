@@ -24,8 +24,11 @@ def test_profiles_cover_decode_verify_prefill(engine):
     shapes = {p.name: profile_shapes(m, p) for p in profs}
     assert shapes["decode"][C.INPUT_IDS] == ((1, 1), (1, 1), (2, 1))
     assert shapes["verify"][C.INPUT_IDS][2] == (2, 9)  # S = γmax + 1
-    assert shapes["verify"][C.ATTENTION_BIAS][2] == (2, 1, 9, m.max_context + 9)
-    assert shapes["prefill"][C.past_key(0)][0] == (1, m.num_kv_heads, 0, m.head_dim)
+    assert shapes["verify"][C.ATTENTION_BIAS][2] == (2, 1, 9, m.max_context)  # over the bound cache rows
+    assert shapes["verify"][C.past_key(0)][0] == (1, m.num_kv_heads, 2, m.head_dim)  # rows hold the new tokens
+    for name in ("decode", "verify", "prefill"):  # at min and opt the bound rows hold the new tokens
+        for k in (0, 1):
+            assert shapes[name][C.past_key(0)][k][2] >= shapes[name][C.INPUT_IDS][k][1]
     assert set(shapes["decode"]) == {t.name for t in m.inputs}  # every dynamic input is given
 
 
