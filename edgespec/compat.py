@@ -80,7 +80,7 @@ def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.
             host = cache.host(j)
             for row, at in enumerate(cache.lengths.tolist()):
                 host[row, :, at:at + s] = out[name][row, :, p:]
-            dec.memory.write(cache.buffers[j], host)
+            dec.memory.write(cache.out_buffers[j], host)
     cache.wrote(s)
     dec.calls += 1
     return out[C.LOGITS]

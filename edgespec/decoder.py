@@ -32,8 +32,8 @@ class Decoder:
         self.batch = batch
         self.memory = memory or memory_for(engine.provider)
         self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, m.cache_dtype,
-                             self.memory)
-        self._bindings: dict[int, list] = {}  # S -> [IOBinding, cache generation bound, logits, next_ids]
+                             self.memory, in_place=engine.provider != "tensorrt")  # TensorRT: I/O never alias
+        self._bindings: dict[tuple, list] = {}  # (S, parity) -> [IOBinding, cache generation bound, logits, ids]
         self._last: list | None = None  # the binding of the last call (its outputs are still in place)
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
@@ -51,7 +51,8 @@ class Decoder:
 
     def _binding(self, s: int) -> list:
         """-> [IOBinding for S new tokens with its outputs and the current cache bound, gen, logits, ids]."""
-        entry = self._bindings.get(s)
+        key = (s, self.cache.parity)
+        entry = self._bindings.get(key)
         mem = self.memory
         if entry is None:
             b, m = self.batch, self.m
@@ -59,12 +60,13 @@ class Decoder:
             bind = self.engine.session.io_binding()
             for name, buf in ((C.LOGITS, logits), (C.NEXT_IDS, ids)):
                 bind.bind_output(name, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
-            entry = self._bindings[s] = [bind, -1, logits, ids]
+            entry = self._bindings[key] = [bind, -1, logits, ids]
         if entry[1] != self.cache.generation:
-            for buf, (past, present) in zip(self.cache.buffers, C.cache_names(self.m.num_layers)):
-                # the same memory in and out: ScatterND writes the new rows where they belong
+            cache = self.cache
+            for buf, out, (past, present) in zip(cache.buffers, cache.out_buffers, C.cache_names(self.m.num_layers)):
+                # in place: the same memory in and out, so ScatterND writes the new rows where they belong
                 entry[0].bind_input(past, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
-                entry[0].bind_output(present, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
+                entry[0].bind_output(present, mem.device, mem.device_id, out.dtype.type, list(out.shape), out.ptr)
             entry[1] = self.cache.generation
         return entry
 
@@ -149,6 +151,6 @@ class Decoder:
             feeds[past] = self.cache.host(j).copy()
         out = self.engine.run(feeds)
         for j, (_, present) in enumerate(names):
-            self.memory.write(self.cache.buffers[j], out[present])
+            self.memory.write(self.cache.out_buffers[j], out[present])
         self.cache.wrote(first.shape[1])
         return out[C.LOGITS]

@@ -10,6 +10,11 @@ The buffers grow in chunks as the live context grows (amortised O(1) per token),
 many rows as the context holds, not the engine's full capacity.
 
 Nothing outside this class changes `lengths`: the verbs are `reserve`, `commit` and `rewind_to`.
+
+Backends that may not bind one buffer as both an input and an output (TensorRT: its I/O tensors must not
+alias) get `in_place=False`: two buffer sets, read from `buffers`, written to `out_buffers` (the graph's
+ScatterND copies the bound rows and adds the new ones), swapped after each call. That costs one
+device-side copy of the bound rows per call; rolling back is still lowering the length.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ GROW_CHUNK = 128  # rows added per reallocation
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_context: int,
-                 dtype="float32", memory: HostMemory | None = None, chunk: int = GROW_CHUNK):
+                 dtype="float32", memory: HostMemory | None = None, chunk: int = GROW_CHUNK,
+                 in_place: bool = True, capacity: int | None = None):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.shape = (batch, kv_heads, head_dim)
@@ -31,11 +37,23 @@ class KVCache:
         self.memory = memory or HostMemory()
         self._lengths = np.zeros(batch, dtype=np.int64)  # committed rows per sequence
         self._written = np.zeros(batch, dtype=np.int64)  # rows holding values the last calls wrote
-        self.buffers: list[Buffer] = []
         self.generation = 0  # bumps whenever buffers are reallocated (bindings must be renewed)
+        self.in_place = in_place
         b, h, d = self.shape
-        self.buffers = [self.memory.zeros((b, h, min(chunk, max_context), d), self.dtype)
-                        for _ in range(2 * num_layers)]
+        rows = min(capacity or chunk, max_context)  # capacity: a fixed size from the start (CUDA graphs)
+        self._sets = [[self.memory.zeros((b, h, rows, d), self.dtype) for _ in range(2 * num_layers)]
+                      for _ in range(1 if in_place else 2)]
+        self.parity = 0  # which set holds the cache (flips after every call when not in place)
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        """The cache: per layer key, value (B, Hkv, capacity, D). A call reads these as `past`."""
+        return self._sets[self.parity]
+
+    @property
+    def out_buffers(self) -> list[Buffer]:
+        """Where a call writes `present`: the same buffers when in place, else the other set."""
+        return self._sets[self.parity ^ 1] if not self.in_place else self._sets[0]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -58,12 +76,15 @@ class KVCache:
             raise ValueError(f"KV cache needs {rows} rows but the engine's max context is {self.max_context}")
         if rows > self.capacity:
             new = min(self.max_context, -(-rows // self.chunk) * self.chunk)
-            self.buffers = [self.memory.grow(buf, new) for buf in self.buffers]
+            self._sets = [[self.memory.grow(buf, new) for buf in bufs] for bufs in self._sets]
             self.generation += 1
 
     def wrote(self, s: int) -> None:
-        """An engine call wrote S rows per sequence at the committed lengths (the decoder calls this)."""
+        """An engine call wrote S rows per sequence at the committed lengths into `out_buffers` (the decoder
+        calls this); those are the cache from now on."""
         self._written = self._lengths + s
+        if not self.in_place:
+            self.parity ^= 1
 
     def commit(self, n) -> None:
         """Keep n (int, or (B,) per sequence) more rows of what the last calls wrote."""
