@@ -1,7 +1,9 @@
 """ONNX Runtime engines for contract decoders.
 
-`OrtEngine.run(feeds)` is the slow, obvious path (numpy in, numpy out). The speculative runtime uses
-`OrtEngine.bind(...)` (IOBinding over preallocated buffers) — see kvcache.py.
+`OrtEngine.run(feeds)` is the slow, obvious path (numpy in, numpy out). The runtime decodes through
+`OrtEngine.decoder()`: a `Decoder` (decoder.py) that binds the KV cache and the outputs in the engine's
+memory. The TensorRT execution provider starts with explicit optimization profiles and an engine cache
+(profiles.py), so it builds its engines once, not once per context length.
 """
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ PROVIDERS = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
+INSTALL_HINT = {
+    "cuda": "install onnxruntime-gpu in place of onnxruntime (`pip install edgespec[gpu]` on x86; on a Jetson, "
+            "NVIDIA's onnxruntime-gpu wheel for your JetPack)",
+    "tensorrt": "install onnxruntime-gpu with TensorRT (see the README's GPU section), or build a native plan "
+                "(`python -m edgespec.export.tensorrt DIR`, `trt` extra) and load it with provider='tensorrt'",
+}
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16",
               "tensor(int32)": "int32"}
 
@@ -25,6 +33,38 @@ def default_provider() -> str:
     import onnxruntime as ort
     avail = ort.get_available_providers()
     return "cuda" if PROVIDERS["cuda"] in avail else "cpu"
+
+
+ENGINE_PROVIDERS = ("cpu", "cuda", "tensorrt", "tensorrt-ep", "tensorrt-native")
+PLAN_FILE = "model.plan"
+
+
+def plan_path(engine_dir: Path) -> Path | None:
+    """The folder's TensorRT plan (built by export/tensorrt.py and recorded in engine.json), if any."""
+    d = Path(engine_dir)
+    try:
+        info = Manifest.read(d).extra.get("tensorrt") or {}
+    except EngineError:
+        return None
+    p = d / info.get("plan", PLAN_FILE)
+    return p if info and p.is_file() else None
+
+
+def open_engine(engine_dir: str | Path, provider: str | None = None, threads: int | None = None,
+                check_hashes: bool = True):
+    """An engine folder on a provider:
+        cpu / cuda        ONNX Runtime with that execution provider
+        tensorrt          the folder's native TensorRT plan if it has one, else ONNX Runtime's TensorRT EP
+        tensorrt-ep       ONNX Runtime's TensorRT EP (profiles and an engine cache: profiles.py)
+        tensorrt-native   the native plan (trt.py); an error if the folder has none
+    Every engine gives `.decoder(batch, embedding)` and `.manifest`."""
+    provider = provider or default_provider()
+    if provider not in ENGINE_PROVIDERS:
+        raise EngineError(f"provider must be one of {ENGINE_PROVIDERS}, got {provider!r}")
+    if provider == "tensorrt-native" or (provider == "tensorrt" and plan_path(engine_dir) is not None):
+        from .trt import TrtEngine
+        return TrtEngine(engine_dir, check_hashes=check_hashes)
+    return OrtEngine(engine_dir, "tensorrt" if provider == "tensorrt-ep" else provider, threads, check_hashes)
 
 
 def session_options(threads: int | None = None):
@@ -61,8 +101,13 @@ class OrtEngine:
             raise EngineError(f"provider must be one of {sorted(PROVIDERS)}, got {provider!r}")
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise EngineError(f"provider {provider!r} is not available in this onnxruntime build "
-                              f"(available: {ort.get_available_providers()})")
-        providers = [(PROVIDERS[provider], provider_options or {})]
+                              f"(available: {ort.get_available_providers()}): {INSTALL_HINT.get(provider, '')}")
+        if provider == "tensorrt" and provider_options is None and not derived:
+            from .profiles import default_profiles, ort_trt_options
+            provider_options = ort_trt_options(self.manifest, self.dir, default_profiles(self.manifest.max_context),
+                                               fp16=self.manifest.precision != "fp32")
+        self.provider_options = dict(provider_options or {})
+        providers = [(PROVIDERS[provider], self.provider_options)]
         if provider != "cpu":
             providers.append(("CPUExecutionProvider", {}))
         self.provider = provider
@@ -84,3 +129,8 @@ class OrtEngine:
         """Plain numpy call: feeds by contract name -> outputs by contract name."""
         outs = self.session.run(self.output_names, feeds)
         return dict(zip(self.output_names, outs))
+
+    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None):
+        """A Decoder (this engine bound to its own KV cache) for `batch` sequences."""
+        from .decoder import Decoder
+        return Decoder(self, batch, embedding)

@@ -20,7 +20,7 @@ from .contract import EngineError
 from .costmodel import AcceptanceEstimator, CostModel, median_time
 from .decoder import Decoder
 from .drafts import DraftModel, Drafter, NgramDraft, greedy_pick
-from .engine import OrtEngine, default_provider
+from .engine import OrtEngine, default_provider, open_engine
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import speculative_round
 from .tokenizer import TextTokenizer, check_pair
@@ -140,7 +140,7 @@ class Generator:
             if engine not in self._embed:
                 self._embed[engine] = np.load(engine.dir / engine.manifest.embedding_file)
             emb = self._embed[engine]
-        dec = Decoder(engine, batch, emb)
+        dec = engine.decoder(batch, emb)
         if self.trace is not None:
             dec.trace = self.trace
             dec.trace_name = "target" if engine is self.target else "draft"
@@ -395,13 +395,13 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder)."""
     provider = provider or default_provider()
-    tgt = OrtEngine(target, provider=provider, threads=threads)
+    tgt = open_engine(target, provider, threads)
     tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
     dft, kind = None, None
     if draft is not None and str(draft) == "ngram":
         kind = "ngram"
     elif draft is not None:
-        dft = OrtEngine(draft, provider=provider, threads=draft_threads or threads)
+        dft = open_engine(draft, provider, draft_threads or threads)
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:

@@ -36,7 +36,7 @@ from .actions import ActionStats, ActionTokenizer
 from .decoder import Decoder
 from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel, max_prob
-from .engine import OrtEngine, session_options
+from .engine import open_engine, session_options
 from .generate import Timer
 from .sampling import SamplingConfig, check_ids
 from .speculative import accept_relaxed, speculative_round
@@ -114,7 +114,7 @@ class Policy:
             raise C.EngineError(f"{enc_path} does not match the sha256 in {path}")
         self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
-        self.target = self._decoder(OrtEngine(self.dir / "target", provider, threads, check_hashes))
+        self.target = self._decoder(open_engine(self.dir / "target", provider, threads, check_hashes))
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head = None, None
         if draft == "head":
@@ -136,7 +136,7 @@ class Policy:
             if not ddir.is_dir():
                 raise FileNotFoundError(f"{ddir}: no draft engine folder" + (
                     f" ({self.dir} has no draft/; load without draft=True)" if draft is True else ""))
-            self.draft = DraftModel(self._decoder(OrtEngine(ddir, provider, threads, check_hashes)),
+            self.draft = DraftModel(self._decoder(open_engine(ddir, provider, threads, check_hashes)),
                                     self.cfg.stop_below, self._confidence)
             self._check_argmax(self.draft.dec.m, ddir)
             if self.draft.dec.m.input_mode != "embeds":
@@ -162,9 +162,8 @@ class Policy:
                                 f"ids are {list(want)}; re-export the policy with `edgespec export-policy`")
 
     @staticmethod
-    def _decoder(engine: OrtEngine) -> Decoder:
-        emb = np.load(engine.dir / engine.manifest.embedding_file)
-        return Decoder(engine, 1, emb)
+    def _decoder(engine) -> Decoder:
+        return engine.decoder(1, np.load(engine.dir / engine.manifest.embedding_file))
 
     # -- inputs ------------------------------------------------------------------------------------
     def instruction_ids(self, instruction: str) -> np.ndarray:

@@ -75,3 +75,36 @@ def test_ort_tensorrt_provider_matches_cpu(engine):
     ids = np.arange(20)[None] % m.vocab_size
     a, b = Decoder(trt_eng)(ids), Decoder(cpu_eng)(ids)
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.99
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'TensorrtExecutionProvider' is not in available")
+def test_load_with_tensorrt_starts_the_ep_with_profiles_and_an_engine_cache(engine, monkeypatch):
+    """No plan in the folder: ONNX Runtime's TensorRT EP, started with ort_trt_options (faked provider list;
+    this CPU build then runs the session on its CPU fallback)."""
+    import onnxruntime as ort
+
+    import edgespec
+    real = ort.get_available_providers()
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["TensorrtExecutionProvider"] + real)
+    gen = edgespec.load(engine, provider="tensorrt")
+    m = C.Manifest.read(engine)
+    want = ort_trt_options(m, engine, default_profiles(m.max_context), fp16=True)
+    assert gen.target.provider == "tensorrt" and gen.target.provider_options == want
+    assert f"{C.past_key(0)}:1x{m.num_kv_heads}x1x{m.head_dim}" in want["trt_profile_min_shapes"]
+    assert want["trt_engine_cache_enable"] and want["trt_engine_cache_path"] == str(engine / "trt_cache")
+
+
+def test_tensorrt_without_the_runtime_says_what_to_install(engine):
+    import onnxruntime as ort
+
+    import edgespec
+    if "TensorrtExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime build has the TensorRT EP")
+    with pytest.raises(C.EngineError, match="provider 'tensorrt' is not available.*install onnxruntime-gpu"):
+        edgespec.load(engine, provider="tensorrt")
+
+
+def test_unknown_provider_is_refused(engine):
+    import edgespec
+    with pytest.raises(C.EngineError, match="provider must be one of"):
+        edgespec.load(engine, provider="rocm")
