@@ -200,14 +200,16 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
     out = []
     for name, (ckpt, dtype) in DEMO_ENGINES.items():
         eng = engines / name
-        if not (eng / "engine.json").is_file():
+        old = _older_contract(eng)
+        if not (eng / "engine.json").is_file() or old:
             if not (models / ckpt / "config.json").is_file():
                 raise FileNotFoundError(f"neither {eng} nor the checkpoint {models / ckpt} exists; run from the "
                                         f"repository root, or pass --engines/--models")
             _need_export_extra()
             from edgespec.export.onnx_export import export_engine
-            print(f"exporting {models / ckpt} -> {eng} ({dtype}, first run only)", file=sys.stderr)
-            export_engine(models / ckpt, eng, dtype=dtype, max_context=2048)
+            why = "made by an older edgespec" if old else "first run only"
+            print(f"exporting {models / ckpt} -> {eng} ({dtype}, {why})", file=sys.stderr)
+            export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old)
         out.append(eng)
     return out[0], out[1]
 
@@ -220,18 +222,29 @@ def _sha(path: Path) -> str:
     return file_sha256(path)
 
 
+def _older_contract(engine_dir: Path) -> bool:
+    """True for an engine folder exported for an earlier engine contract (re-exported on use)."""
+    from edgespec.contract import CONTRACT_VERSION, MANIFEST_FILE
+    path = Path(engine_dir) / MANIFEST_FILE
+    try:
+        return path.is_file() and json.loads(path.read_text()).get("contract_version") != CONTRACT_VERSION
+    except json.JSONDecodeError:
+        return False  # let loading report the broken file
+
+
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
     eng, src = Path(engines) / name, Path(models) / name
     stale = (src / "draft_head.npz").is_file() and (eng / "policy.json").is_file() and \
         json.loads((eng / "policy.json").read_text()).get("draft_head_sha256") != _sha(src / "draft_head.npz")
+    stale = stale or _older_contract(eng / "target")
     if not (eng / "policy.json").is_file() or stale:
         if not (src / "policy.json").is_file():
             raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
                                     f"root, or pass --engines/--models")
         _need_export_extra()
         from edgespec.export.vla import export_policy
-        print(f"exporting {src} -> {eng} ({'its draft head changed' if stale else 'first run only'})",
+        print(f"exporting {src} -> {eng} ({'stale: its draft head or engine contract changed' if stale else 'first run only'})",
               file=sys.stderr)
         export_policy(src, eng, progress=False, force=stale)
     return eng

@@ -351,3 +351,24 @@ def test_positionwise_acceptance_sees_bursty_drafts():
     assert e6 == pytest.approx(1 + 6 * 0.5, rel=0.05)  # a_1 = 0.5, then every later draft is kept
     assert expected_tokens(est.alpha, 6) == pytest.approx(4.62, abs=0.01)
     assert est.expected_tokens(1) == pytest.approx(1.5, rel=0.05)
+
+
+def test_demo_engines_from_an_older_contract_are_re_exported(tiny_checkpoints, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from edgespec import cli
+    models, engines = tmp_path / "models", tmp_path / "engines"
+    monkeypatch.setattr(cli, "DEMO_ENGINES", {"t": ("ck", "fp32"), "d": ("ck", "fp32")})
+    shutil.copytree(tiny_checkpoints["llama"][0], models / "ck")
+    cfg = json.loads((models / "ck" / "config.json").read_text())
+    (models / "ck" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2048}))  # the demo's
+    eng, _ = cli.ensure_demo_engines(models, engines)
+    manifest = json.loads((eng / "engine.json").read_text())
+    manifest["contract_version"] = C.CONTRACT_VERSION - 1
+    (eng / "engine.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match="re-export"):
+        edgespec.load(eng)
+    cli.ensure_demo_engines(models, engines)
+    assert json.loads((eng / "engine.json").read_text())["contract_version"] == C.CONTRACT_VERSION
+    assert len(edgespec.load(eng).generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
