@@ -74,7 +74,7 @@ def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.
         feeds[pk], feeds[pv] = cache.host(2 * i), cache.host(2 * i + 1)
     t0 = time.perf_counter()
     out = dec.engine.run(feeds)
-    dec.engine_s += time.perf_counter() - t0
+    t1 = time.perf_counter()
     for i, (_, _, nk, nv) in enumerate(names):
         for j, name in ((2 * i, nk), (2 * i + 1, nv)):
             host = cache.host(j)
@@ -82,5 +82,9 @@ def compat_call(dec, tokens: np.ndarray, valid: np.ndarray | None = None) -> np.
                 host[row, :, at:at + s] = out[name][row, :, p:]
             dec.memory.write(cache.out_buffers[j], host)
     cache.wrote(s)
+    dec.engine_s += t1 - t0
+    if dec.trace is not None:  # this engine's new rows are copied on the host (contract engines write in place)
+        dec.trace.append((f"{dec.trace_name}.run S={s}", t0, t1))
+        dec.trace.append((f"{dec.trace_name}.kv_write", t1, time.perf_counter()))
     dec.calls += 1
     return out[C.LOGITS]
