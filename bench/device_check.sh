@@ -8,7 +8,8 @@
 # ORT TensorRT caches are reused when present. torch is installed only when an engine must be exported.
 # Package choices (see /tmp/trt_research.md §5): tensorrt-cu12 10.x (not TensorRT 11, the unpinned default),
 # cuda-python 12.x (13.x needs a driver >= 580), onnxruntime-gpu and never the CPU onnxruntime beside it
-# (both install the `onnxruntime` module). The `trt` extra is not used: its unpinned `tensorrt` would pull 11.x.
+# (both install the `onnxruntime` module). The pins are the `trt` extra's, installed by name: `pip install
+# -e '.[...]'` would also pull edgespec's CPU onnxruntime dependency back in on every re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-bench/results}"
