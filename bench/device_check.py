@@ -36,7 +36,7 @@ import edgespec  # noqa: E402
 from edgespec import contract as C  # noqa: E402
 
 PATHS = ("cpu", "cuda", "tensorrt", "native")
-PROVIDER = {"cpu": "cpu", "cuda": "cuda", "tensorrt": "tensorrt", "native": "tensorrt-native"}
+PROVIDER = {"cpu": "cpu", "cuda": "cuda", "tensorrt": "tensorrt-ep", "native": "tensorrt-native"}  # load / load_policy
 MODELS, ENGINES = ROOT / "models", ROOT / "engines"
 DEV = ENGINES / "device"
 GAMMA = 4
@@ -122,26 +122,46 @@ def ensure_plan(d: Path, gamma_max: int = 8) -> str:
 
 
 def prepare(vla: bool) -> dict:
+    """Exports first (CPU work), then plans; each item records its own error, so a machine without
+    TensorRT still gets every export and the ORT paths still run."""
     from edgespec.cli import ensure_demo_engines, ensure_policy_engines
-    out = {}
-    out["cpu_pair"] = [str(p) for p in ensure_demo_engines(MODELS, ENGINES)]  # fp32 target, int8 draft
-    for name in ("demo-target", "demo-draft"):
+    out, plans = {}, []
+
+    def item(name, fn):
+        try:
+            out[name] = fn()
+        except Exception as e:  # noqa: BLE001
+            out[name] = err(e)
+            print(f"!! prepare/{name}: {out[name]['error']}", file=sys.stderr)
+
+    def export_fp16(name):
+        from edgespec.export.onnx_export import export_engine
         d = DEV / f"{name}-fp16"
-        if not (d / "engine.json").is_file():
-            from edgespec.export.onnx_export import export_engine
-            t0 = time.time()
-            export_engine(MODELS / name, d, dtype="fp16", max_context=2048, progress=False)
-            out[f"export {d.name}"] = f"{time.time() - t0:.0f}s"
-        out[f"plan {d.name}"] = ensure_plan(d)
-    if vla:
-        out["vla_cpu"] = str(ensure_policy_engines(MODELS, ENGINES))
+        if (d / "engine.json").is_file():
+            return "reused"
+        t0 = time.time()
+        export_engine(MODELS / name, d, dtype="fp16", max_context=2048, progress=False)
+        return f"exported in {time.time() - t0:.0f}s"
+
+    def export_vla_fp16():
+        from edgespec.export.vla import export_policy
         d = DEV / "vla-reacher-fp16"
-        if not (d / C.POLICY_FILE).is_file():
-            from edgespec.export.vla import export_policy
-            export_policy(MODELS / "vla-reacher", d, dtype="fp16", progress=False)
-        for sub in ("target", "draft"):
-            if (d / sub / "engine.json").is_file():
-                out[f"plan vla {sub}"] = ensure_plan(d / sub, VLA_GAMMA_MAX)
+        if (d / C.POLICY_FILE).is_file():
+            return "reused"
+        export_policy(MODELS / "vla-reacher", d, dtype="fp16", progress=False)
+        return "exported"
+
+    item("cpu_pair", lambda: [str(p) for p in ensure_demo_engines(MODELS, ENGINES)])  # fp32 target, int8 draft
+    for name in ("demo-target", "demo-draft"):
+        item(f"export {name}-fp16", lambda name=name: export_fp16(name))
+        plans.append((DEV / f"{name}-fp16", 8))
+    if vla:
+        item("vla_cpu", lambda: str(ensure_policy_engines(MODELS, ENGINES)))
+        item("export vla-reacher-fp16", export_vla_fp16)
+        plans += [(DEV / "vla-reacher-fp16" / sub, VLA_GAMMA_MAX) for sub in ("target", "draft")]
+    for d, gmax in plans:
+        if (d / "engine.json").is_file():
+            item(f"plan {d.relative_to(DEV)}", lambda d=d, gmax=gmax: ensure_plan(d, gmax))
     return out
 
 
@@ -176,37 +196,12 @@ def generators(path: str) -> tuple[object, object, str]:
     from edgespec.generate import Generator
     from edgespec.tokenizer import TextTokenizer
     tdir, ddir = pair_dirs(path)
-    if path == "native":
-        try:  # the runtime's own entry point (needs Generator's decoder hook for provider "tensorrt-native")
-            return (edgespec.load(tdir, provider="tensorrt-native"),
-                    edgespec.load(tdir, draft=ddir, provider="tensorrt-native", gamma=GAMMA), "edgespec.load")
-        except (edgespec.EngineError, ValueError, TypeError) as e:
-            if "provider" not in str(e):
-                raise
-            return (*_fallback_native(tdir, ddir), f"device_check fallback Generator ({e})")
+    if path == "native":  # the runtime's own entry point: open_engine -> TrtEngine, engine.decoder() -> TrtDecoder
+        return (edgespec.load(tdir, provider="tensorrt-native"),
+                edgespec.load(tdir, draft=ddir, provider="tensorrt-native", gamma=GAMMA), "edgespec.load")
     tgt, dft = ort_engine(tdir, path), ort_engine(ddir, path)
     tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
     return Generator(tgt, None, None, tok, 0), Generator(tgt, "model", dft, tok, GAMMA), "Generator(OrtEngine)"
-
-
-def _fallback_native(tdir: Path, ddir: Path):
-    """Until edgespec.load knows "tensorrt-native": Generator with TrtDecoders, reused across generates."""
-    from edgespec.generate import Generator
-    from edgespec.tokenizer import TextTokenizer
-    from edgespec.trt import TrtDecoder, TrtEngine
-
-    class NativeGenerator(Generator):
-        def _decoder(self, engine, batch):
-            pool = self.__dict__.setdefault("_pool", {})
-            key = (id(engine), batch, engine is self.target)
-            if key not in pool:
-                pool[key] = TrtDecoder(engine, batch)
-            pool[key].cache.rewind_to(0)
-            return pool[key]
-
-    tgt, dft = TrtEngine(tdir), TrtEngine(ddir)
-    tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
-    return NativeGenerator(tgt, None, None, tok, 0), NativeGenerator(tgt, "model", dft, tok, GAMMA)
 
 
 # -- measurements -------------------------------------------------------------------------------------------
@@ -346,8 +341,6 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--vla-obs", type=int, default=20)
     ap.add_argument("--no-vla", action="store_true")
-    ap.add_argument("--vla-ort-tensorrt", action="store_true",
-                    help="also run the VLA on the ORT TensorRT EP (load_policy passes no profiles: slow rebuilds)")
     args = ap.parse_args(argv)
     paths = [p for p in args.only.split(",") if p]
     bad = [p for p in paths if p not in PATHS]
@@ -369,10 +362,6 @@ def main(argv=None) -> int:
             rep.step(("paths", p, "parity"), lambda p=p: parity(p, seqs))
         rep.step(("paths", p, "text"), lambda p=p: text_speed(p, seqs, args.max_new_tokens))
         if args.no_vla:
-            continue
-        if p == "tensorrt" and not args.vla_ort_tensorrt:
-            rep.data["paths"][p]["vla"] = {"skipped": "load_policy builds ORT TensorRT EP sessions without profiles "
-                                                      "(an engine rebuild per new shape); --vla-ort-tensorrt runs it"}
             continue
         rep.step(("paths", p, "vla"), lambda p=p: vla(p, args.vla_obs))
     rep.data["finished"] = time.time()

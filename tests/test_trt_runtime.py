@@ -297,28 +297,11 @@ def test_capture_failure_falls_back_and_says_why(monkeypatch, planned):
 
 
 def _native_generator(target, draft, gamma):
-    """A Generator whose decoders for TrtEngines are TrtDecoders, reused across generate calls (the hook
-    edgespec.load(provider="tensorrt-native") needs; see the report in bench/device_check.py)."""
+    """A Generator over TrtEngines: it asks each engine for `.decoder(batch, embedding)` (TrtDecoders)."""
     from edgespec.generate import Generator
     from edgespec.tokenizer import TextTokenizer
-    from edgespec.trt import TrtDecoder, TrtEngine
-
-    class NativeGenerator(Generator):
-        _pool: dict = {}
-
-        def _decoder(self, engine, batch):
-            if not isinstance(engine, TrtEngine):
-                return super()._decoder(engine, batch)
-            key = (id(engine), batch, engine is self.target)
-            dec = self._pool.get(key)
-            if dec is None:
-                emb = np.load(engine.dir / engine.manifest.embedding_file) if engine.manifest.embedding_file else None
-                dec = self._pool[key] = TrtDecoder(engine, batch, emb)
-            dec.cache.rewind_to(0)
-            return dec
-
     tok = TextTokenizer.from_engine(target.dir, target.manifest)
-    return NativeGenerator(target, "model" if draft is not None else None, draft, tok, gamma)
+    return Generator(target, "model" if draft is not None else None, draft, tok, gamma)
 
 
 def _spec_equals_plain(target_dir, draft_dir, prompts):
@@ -326,11 +309,33 @@ def _spec_equals_plain(target_dir, draft_dir, prompts):
     tgt, dft = TrtEngine(target_dir), TrtEngine(draft_dir)
     plain, spec = _native_generator(tgt, None, 0), _native_generator(tgt, dft, 4)
     drafted = 0
-    for p in prompts:
+    for p in prompts * 2:  # the second pass reuses the engines' decoders (graphs already captured)
         a, b = plain.generate(p, max_new_tokens=24), spec.generate(p, max_new_tokens=24)
         assert a.token_ids == b.token_ids, p
         drafted += b.stats.drafted
     assert drafted > 0
+    assert len(tgt._decoders) <= 2 and len(dft._decoders) == 1  # reused, not one per generate call
+    return tgt, dft
+
+
+def test_engine_decoder_is_reused_only_when_nobody_holds_it(fakes, planned):
+    eng = _trt_engine(planned["target"])
+    a = eng.decoder()
+    a.ids(np.array([[1, 2, 3]]))
+    b = eng.decoder()  # `a` is still held: a second decoder with its own cache
+    assert b is not a and a.cache.lengths.tolist() == [0] and b.calls == 0
+    a.cache.commit(3)
+    del a
+    c = eng.decoder()  # the first one is free again: rewound, counters reset
+    assert c.cache.lengths.tolist() == [0] and c.calls == 0 and c.engine_s == 0.0 and len(eng._decoders) == 2
+
+
+def test_load_with_provider_tensorrt_native(fakes, planned):
+    import edgespec
+    gen = edgespec.load(planned["target"], draft=planned["noisy"], provider="tensorrt-native", gamma=4)
+    plain = edgespec.load(planned["target"], provider="tensorrt-native")
+    p = [5, 17, 33, 2, 8]
+    assert gen.generate(p, max_new_tokens=20).token_ids == plain.generate(p, max_new_tokens=20).token_ids
 
 
 def test_greedy_speculative_equals_plain_on_the_native_path(fakes, planned):
