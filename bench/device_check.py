@@ -101,10 +101,7 @@ def versions() -> dict:
 def native_profiles(m: C.Manifest, gamma_max: int = 8):
     """default_profiles, tuned for P = max_context: the native decoder always binds the full cache."""
     from edgespec.export.tensorrt import default_profiles
-    profs = default_profiles(m.max_context, gamma_max, prefill_max=min(512, m.max_context))
-    for p in profs:
-        p.past = (p.past[0], m.max_context, m.max_context)
-    return profs
+    return default_profiles(m.max_context, gamma_max, prefill_max=min(512, m.max_context), opt_rows=m.max_context)
 
 
 def ensure_plan(d: Path, gamma_max: int = 8) -> str:

@@ -6,7 +6,7 @@
 #
 # Re-runnable: the venv (.venv-device), exported engines (engines/, engines/device/) and TensorRT plans /
 # ORT TensorRT caches are reused when present. torch is installed only when an engine must be exported.
-# Package choices (see /tmp/trt_research.md §5): tensorrt-cu12 10.x (not TensorRT 11, the unpinned default),
+# Package choices (pyproject's gpu / trt extras say why): tensorrt-cu12 10.x (not TensorRT 11, the unpinned default),
 # cuda-python 12.x (13.x needs a driver >= 580), onnxruntime-gpu and never the CPU onnxruntime beside it
 # (both install the `onnxruntime` module). The pins are the `trt` extra's, installed by name: `pip install
 # -e '.[...]'` would also pull edgespec's CPU onnxruntime dependency back in on every re-run.

@@ -49,6 +49,12 @@ class Decoder:
     def max_context(self) -> int:
         return self.m.max_context
 
+    def reset(self) -> None:
+        """Empty cache (rewound to 0, buffers and bindings kept), zero counters, no trace."""
+        self.cache.rewind_to(0)
+        self.calls, self.engine_s, self.trace, self.trace_name = 0, 0.0, None, "engine"
+        self._last = None
+
     def _binding(self, s: int) -> list:
         """-> [IOBinding for S new tokens with its outputs and the current cache bound, gen, logits, ids]."""
         key = (s, self.cache.parity)

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -130,21 +131,35 @@ class Generator:
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
         self.refine_costs = True  # auto γ: blend measured round costs into the load-time cost model
-        self._embed = {}
+        self._free: dict[tuple, list[Decoder]] = {}  # (id(engine), batch) -> decoders no generate() holds
+        self._lock = threading.Lock()
         self.trace: list | None = None  # set to a list to record (name, start, end) events (edgespec profile)
 
     # -- building blocks -------------------------------------------------------------------------
     def _decoder(self, engine: OrtEngine, batch: int) -> Decoder:
-        emb = None
-        if engine.manifest.input_mode == "embeds":
-            if engine not in self._embed:
-                self._embed[engine] = np.load(engine.dir / engine.manifest.embedding_file)
-            emb = self._embed[engine]
-        dec = engine.decoder(batch, emb)
+        """A decoder of `engine` for `batch` sequences: a free one from this generator's pool (its cache
+        rewound, counters reset: its buffers, bindings and CUDA graphs are kept), else a new one. Each
+        generate() holds its own until it ends (_release), so concurrent calls never share a cache."""
+        with self._lock:
+            free = self._free.get((id(engine), batch))
+            dec = free.pop() if free else None
+        if dec is None:
+            emb = None
+            if engine.manifest.input_mode == "embeds":
+                emb = np.load(engine.dir / engine.manifest.embedding_file)
+            dec = engine.decoder(batch, emb)
+        else:
+            dec.reset()
         if self.trace is not None:
             dec.trace = self.trace
             dec.trace_name = "target" if engine is self.target else "draft"
         return dec
+
+    def _release(self, *decoders) -> None:
+        with self._lock:
+            for d in decoders:
+                if d is not None:
+                    self._free.setdefault((id(d.engine), d.batch), []).append(d)
 
     def _drafter(self, batch: int) -> Drafter | None:
         if self.drafter_kind == "model":
@@ -178,6 +193,7 @@ class Generator:
             t_draft = median_time(lambda: ng.propose(ctx, 4, None, np.ones(1, bool)), reps) / 4
         else:
             t_draft = 0.0
+        self._release(tgt, d if self.drafter_kind == "model" else None)
         self.cost = CostModel(t_verify, t_draft, t_round=5e-5)
         return self.cost
 
@@ -206,6 +222,14 @@ class Generator:
     def _run(self, prompts: list[list[int]], max_new_tokens: int, cfg: SamplingConfig, mode: str,
              gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
         """Prefill, then rounds until every sequence is finished; yields after every round."""
+        target, drafter = self._decoder(self.target, len(prompts)), self._drafter(len(prompts))
+        try:
+            yield from self._rounds(target, drafter, prompts, max_new_tokens, cfg, mode, gamma, stop)
+        finally:
+            self._release(target, drafter.dec if isinstance(drafter, DraftModel) else None)
+
+    def _rounds(self, target: Decoder, drafter: Drafter | None, prompts: list[list[int]], max_new_tokens: int,
+                cfg: SamplingConfig, mode: str, gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
         b = len(prompts)
         stats, timer = Stats(prompt_tokens=sum(map(len, prompts))), Timer(self.trace)
         rng = np.random.default_rng(cfg.seed)
@@ -220,7 +244,6 @@ class Generator:
             return np.array([sample(q[i], rng) for i in range(b)]), q
 
         pick = greedy_pick if mode == "greedy" else sampled_pick  # greedy: engines return argmax ids only
-        target, drafter = self._decoder(self.target, b), self._drafter(b)
         seqs = [_Seq(p, list(p)) for p in prompts]
         # prefill the prompts; the first new token comes from the prefill's last logits
         with timer("prefill"):

@@ -36,10 +36,14 @@ class ProfileSpec:
 
 
 def default_profiles(max_context: int, gamma_max: int = GAMMA_MAX, prefill_max: int = PREFILL_MAX,
-                     batch: int = 1) -> list[ProfileSpec]:
-    """The bound rows P always hold the S new tokens (P >= S): past's min is seq's min."""
-    opt_past = min(256, max_context)
+                     batch: int = 1, opt_rows: int | None = None) -> list[ProfileSpec]:
+    """The bound rows P always hold the S new tokens (P >= S): past's min is seq's min. Every size is capped
+    at max_context. opt_rows: the bound rows TensorRT tunes for (the native runtime always binds
+    max_context rows; ONNX Runtime's TensorRT EP binds the growing cache, 256 by default)."""
+    opt_past = min(opt_rows or 256, max_context)
     b = (1, 1, batch)
+    prefill_max = min(prefill_max, max_context)
+    gamma_max = min(gamma_max, max_context - 1)
     prefill_opt = min(128, prefill_max)
     return [ProfileSpec("decode", (1, 1, 1), (1, opt_past, max_context), b),
             ProfileSpec("verify", (2, min(5, gamma_max + 1), gamma_max + 1), (2, opt_past, max_context), b),

@@ -131,15 +131,6 @@ def check_plan_io(m: Manifest, got_in: list[tuple], got_out: list[tuple]) -> lis
     return m.check_graph_io(order(m.inputs, got_in), order(m.outputs, got_out))
 
 
-def _unheld_refcount() -> int:
-    """sys.getrefcount of an object only a list holds, read in a for loop (as TrtEngine.decoder reads it)."""
-    for probe in [object()]:
-        return sys.getrefcount(probe)
-
-
-_UNHELD_REFS = _unheld_refcount()
-
-
 # -- the engine ---------------------------------------------------------------------------------------------
 
 def _capturing_logger(trt):
@@ -232,21 +223,9 @@ class TrtEngine:
         return out
 
     def decoder(self, batch: int = 1, embedding: np.ndarray | None = None, cuda_graphs: bool = True) -> "TrtDecoder":
-        """A TrtDecoder for `batch` sequences (what open_engine's callers ask every engine for).
-
-        A decoder allocates a max_context cache and captures its CUDA graphs on first use, so one that
-        nobody else holds any more (Generator makes new decoders per generate call) is reused: its cache
-        rewound to 0, its counters reset. "Nobody else" is CPython's reference count: only this engine's
-        list (calibrated with a probe held the same way, since interpreters count borrowed references
-        differently); any other holder means a fresh decoder."""
-        pool = self.__dict__.setdefault("_decoders", [])
-        for dec in pool:
-            if dec.batch == batch and dec.cuda_graphs == cuda_graphs and sys.getrefcount(dec) <= _UNHELD_REFS:
-                dec.reset(embedding)
-                return dec
-        dec = TrtDecoder(self, batch, embedding, cuda_graphs)
-        pool.append(dec)
-        return dec
+        """A TrtDecoder for `batch` sequences (what open_engine's callers ask every engine for). It allocates a
+        max_context cache and captures its CUDA graphs on first use: keep it (Generator pools its decoders)."""
+        return TrtDecoder(self, batch, embedding, cuda_graphs)
 
     def profile_for(self, s: int, rows: int, batch: int = 1) -> int:
         return select_profile(self.profiles, s, rows, batch)
@@ -461,13 +440,6 @@ class TrtDecoder(Decoder):
         """(B, S) int64 next_ids of the last call: a host copy."""
         io, s = self._last
         return self.memory.to_host(CudaMemory.view(io.ids, (self.batch, s)))
-
-    def reset(self, embedding: np.ndarray | None = None) -> None:
-        """Back to an empty cache and zero counters (buffers, contexts and graphs are kept)."""
-        self.cache.rewind_to(0)
-        self.embedding = embedding
-        self.calls, self.engine_s, self.trace, self.trace_name = 0, 0.0, None, "engine"
-        self._last = None
 
     def reference_call(self, *a, **k):
         raise NotImplementedError("reference_call needs ONNX Runtime: compare with Decoder(OrtEngine(...)) instead")

@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--print-ort-options", action="store_true", help="only print the ORT TensorRT EP options")
     args = ap.parse_args(argv)
     m = C.Manifest.read(args.engine_dir)
-    profiles = default_profiles(m.max_context, args.gamma_max, args.prefill, args.batch)
+    # the native runtime (edgespec/trt.py) binds a fixed max_context rows: tune the plan for that
+    profiles = default_profiles(m.max_context, args.gamma_max, args.prefill, args.batch, opt_rows=m.max_context)
     if args.print_ort_options:
         print(json.dumps(ort_trt_options(m, args.engine_dir, profiles, not args.fp32), indent=2))
         return 0

@@ -372,3 +372,20 @@ def test_demo_engines_from_an_older_contract_are_re_exported(tiny_checkpoints, t
     cli.ensure_demo_engines(models, engines)
     assert json.loads((eng / "engine.json").read_text())["contract_version"] == C.CONTRACT_VERSION
     assert len(edgespec.load(eng).generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
+
+
+def test_generator_reuses_its_decoders_but_never_shares_one(tiny_engines):
+    """Each generate() holds its own decoders (a fresh cache), and gives them back for the next one."""
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3)
+    first = gen.generate([1, 2, 3], max_new_tokens=12)
+    pooled = {id(d) for v in gen._free.values() for d in v}
+    assert len(pooled) == 2  # target and draft
+    again = gen.generate([1, 2, 3], max_new_tokens=12)
+    assert again.token_ids == first.token_ids and {id(d) for v in gen._free.values() for d in v} == pooled
+    it1 = iter(gen._run([[4, 5, 6]], 12, SamplingConfig(), "greedy", 3, []))
+    next(it1)  # one generation in flight holds a target and a draft decoder ...
+    assert sum(len(v) for v in gen._free.values()) == 0
+    other = gen.generate([1, 2, 3], max_new_tokens=12)  # ... so this one gets new ones
+    assert other.token_ids == first.token_ids
+    it1.close()
+    assert sum(len(v) for v in gen._free.values()) == 4
