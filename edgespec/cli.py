@@ -12,6 +12,8 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.engine import ENGINE_PROVIDERS
+
 
 def _need_export_extra():
     try:
@@ -37,6 +39,9 @@ def cmd_export(args) -> int:
         a = v["agreement_vs_fp32"]
         print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "
               f"top-1 agreement {a['top1_agreement']:.4f}, mean KL {a['mean_kl']:.2e}")
+    if args.tensorrt:  # a native plan for this GPU and TensorRT version (provider="tensorrt" runs it)
+        from edgespec.export.tensorrt import main as build_plan
+        return build_plan([str(args.out)] + (["--fp32"] if m.precision == "fp32" else []))
     return 0
 
 
@@ -62,6 +67,12 @@ def cmd_inspect(args) -> int:
                 print(f"  {kind} {t.name:24s} {t.dtype:8s} {t.shape}")
             if len(specs) > 5:
                 print(f"  {kind} … {len(specs) - 5} more (per-layer cache tensors)")
+        lo, hi = m.argmax_range
+        print(f"  KV cache {m.cache_dtype}, written in place; next_ids = argmax over ids {lo}..{hi - 1}")
+        trt = m.extra.get("tensorrt")
+        if trt:
+            print(f"  TensorRT plan {trt.get('plan')} (TensorRT {trt.get('tensorrt_version')}, fp16 {trt.get('fp16')}, "
+                  f"profiles {[p.get('name') for p in trt.get('profiles', [])]}): provider tensorrt runs it")
         if m.extra.get("validation"):
             print("  validation: " + json.dumps(m.extra["validation"]))
     try:
@@ -310,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tensorrt", action="store_true",
+                   help="also build model.plan for this GPU (needs an NVIDIA GPU and the trt extra)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("robot", help="run a VLA policy on the control loop (run) or as a ROS 2 DDS node (node)",
@@ -341,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
     p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
+                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     sampling_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -352,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=_gamma, default="auto")
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
+                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("profile", help="latency profile: per-round timeline, percentiles, Perfetto trace")
@@ -365,7 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)
-    p.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default=None)
+    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
+                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON (Perfetto)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     p.add_argument("--lossless-check", type=int, default=0, metavar="N",

@@ -35,6 +35,7 @@ class Decoder:
                              self.memory, in_place=engine.provider != "tensorrt")  # TensorRT: I/O never alias
         self._bindings: dict[tuple, list] = {}  # (S, parity) -> [IOBinding, cache generation bound, logits, ids]
         self._last: list | None = None  # the binding of the last call (its outputs are still in place)
+        self._ids_host: np.ndarray | None = None  # the last call's next_ids on the host, once fetched
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
         self.engine_s = 0.0  # wall time inside the engine's run (the rest of a call is host overhead)
@@ -53,7 +54,7 @@ class Decoder:
         """Empty cache (rewound to 0, buffers and bindings kept), zero counters, no trace."""
         self.cache.rewind_to(0)
         self.calls, self.engine_s, self.trace, self.trace_name = 0, 0.0, None, "engine"
-        self._last = None
+        self._last, self._ids_host = None, None
 
     def _binding(self, s: int) -> list:
         """-> [IOBinding for S new tokens with its outputs and the current cache bound, gen, logits, ids]."""
@@ -90,10 +91,10 @@ class Decoder:
         b, s = first.shape[:2]
         if b != self.batch:
             raise ValueError(f"this decoder runs batches of {self.batch}, got {b} sequences")
-        cache = self.cache
-        cache.reserve(int(cache.lengths.max()) + s)
-        pos = cache.lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
-        bias = causal_bias(cache.lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P)
+        cache, lengths = self.cache, self.cache.lengths
+        cache.reserve(int(lengths.max()) + s)
+        pos = lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
+        bias = causal_bias(lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P)
         return first, pos, bias
 
     def run(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
@@ -114,11 +115,18 @@ class Decoder:
         self.engine.session.run_with_iobinding(bind)
         t1 = time.perf_counter()
         self.cache.wrote(first.shape[1])
-        self._last = entry
+        self._last, self._ids_host = entry, None
+        self._scrub_if_failed(first.shape[1])
         self.engine_s += t1 - t0
         self.calls += 1
         if self.trace is not None:
             self.trace.append((f"{self.trace_name}.run S={first.shape[1]}", t0, t1))
+
+    def _scrub_if_failed(self, s: int) -> None:
+        """A call with NaN or inf logits (next_ids = NONFINITE_ID) may have written non-finite K/V rows:
+        zero them, so no later call reads them (the caller still sees the failure in its outputs)."""
+        if self.last_ids().min() < 0:
+            self.cache.zero_written(s)
 
     def last_logits(self) -> np.ndarray:
         """(B, S, V) logits of the last call, on the host (on the CPU: the bound array, reused by the next
@@ -126,7 +134,13 @@ class Decoder:
         return self.memory.to_host(self._last[2])
 
     def last_ids(self) -> np.ndarray:
-        """(B, S) int64 argmax ids of the last call over the manifest's argmax_ids, on the host."""
+        """(B, S) int64 argmax ids of the last call over the manifest's argmax_ids, on the host (copied back
+        once per call)."""
+        if self._ids_host is None:
+            self._ids_host = self._fetch_ids()
+        return self._ids_host
+
+    def _fetch_ids(self) -> np.ndarray:
         return self.memory.to_host(self._last[3])
 
     def __call__(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,

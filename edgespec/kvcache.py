@@ -5,7 +5,8 @@
 Row r of sequence b holds position r. Rows 0..lengths[b]-1 are committed. An engine call writes its S new
 rows in place at the committed length (the decoder binds each `present` output to the buffer it reads as
 `past`); the caller then `commit`s the rows it keeps. Rows past the committed length are stale: masked,
-overwritten by later calls, never cleared or copied. Rolling back (`rewind_to`) lowers the length: O(1).
+overwritten by later calls, never cleared or copied (except the rows of a call whose outputs were not
+finite, which are zeroed so that the cache only ever holds finite values). Rolling back (`rewind_to`) lowers the length: O(1).
 The buffers grow in chunks as the live context grows (amortised O(1) per token), so a step binds about as
 many rows as the context holds, not the engine's full capacity.
 
@@ -35,7 +36,7 @@ class KVCache:
         self.num_layers, self.max_context, self.chunk = num_layers, max_context, chunk
         self.dtype = np.dtype(dtype)
         self.memory = memory or HostMemory()
-        self._lengths = np.zeros(batch, dtype=np.int64)  # committed rows per sequence
+        self._set_lengths(np.zeros(batch, dtype=np.int64))  # committed rows per sequence
         self._written = np.zeros(batch, dtype=np.int64)  # rows holding values the last calls wrote
         self.generation = 0  # bumps whenever buffers are reallocated (bindings must be renewed)
         self.in_place = in_place
@@ -55,12 +56,15 @@ class KVCache:
         """Where a call writes `present`: the same buffers when in place, else the other set."""
         return self._sets[self.parity ^ 1] if not self.in_place else self._sets[0]
 
+    def _set_lengths(self, new: np.ndarray) -> None:
+        self._lengths = new
+        self._view = new.view()
+        self._view.flags.writeable = False
+
     @property
     def lengths(self) -> np.ndarray:
         """(B,) committed rows per sequence (a read-only view)."""
-        v = self._lengths.view()
-        v.flags.writeable = False
-        return v
+        return self._view
 
     @property
     def capacity(self) -> int:
@@ -86,21 +90,28 @@ class KVCache:
         if not self.in_place:
             self.parity ^= 1
 
+    def zero_written(self, s: int) -> None:
+        """Zero the S rows per sequence the last call wrote at the committed lengths: after a call whose
+        outputs were not finite, so the cache never holds NaN or inf (a masked row weighs 0, and 0 x NaN is
+        NaN)."""
+        for buf in self.buffers:
+            for b, n in enumerate(self._lengths.tolist()):
+                self.memory.zero_rows(buf, b, n, n + s)
+
     def commit(self, n) -> None:
         """Keep n (int, or (B,) per sequence) more rows of what the last calls wrote."""
-        new = self._lengths + np.asarray(n, dtype=np.int64)
-        if np.any(new < self._lengths) or np.any(new > self._written):
+        new = self._lengths + n
+        if (new < self._lengths).any() or (new > self._written).any():
             raise ValueError(f"commit({np.asarray(n).tolist()}): committed {self._lengths.tolist()} rows, "
                              f"written up to {self._written.tolist()}; can keep 0..{(self._written - self._lengths).tolist()}")
-        self._lengths = new
-        self._written = np.maximum(self._written, new)
+        self._set_lengths(new)
 
     def rewind_to(self, lengths) -> None:
         """Lower the committed lengths (int, or (B,) per sequence) to `lengths`; later rows become stale."""
         new = np.broadcast_to(np.asarray(lengths, dtype=np.int64), self._lengths.shape).copy()
         if np.any(new < 0) or np.any(new > self._lengths):
             raise ValueError(f"rewind_to({np.asarray(lengths).tolist()}): lengths must be in 0..{self._lengths.tolist()}")
-        self._lengths = new
+        self._set_lengths(new)
         self._written = new.copy()
 
     def host(self, j: int) -> np.ndarray:

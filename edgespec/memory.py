@@ -40,6 +40,13 @@ class HostMemory:
         """Copy a host array of buf's shape into buf."""
         np.copyto(buf.handle, host)
 
+    def zero_rows(self, buf: Buffer, b: int, start: int, stop: int) -> None:
+        """Zero rows start..stop-1 of sequence b in a (B, Hkv, T, D) buffer. Rare (after a failed call), so
+        on a device it is a round trip through the host."""
+        host = self.to_host(buf)
+        host[b, :, start:stop] = 0
+        self.write(buf, host)
+
     def grow(self, old: Buffer, rows: int, axis: int = 2) -> Buffer:
         """A zero buffer like `old` with `rows` along `axis`, holding old's contents at the front."""
         shape = list(old.shape)

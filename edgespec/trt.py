@@ -297,6 +297,7 @@ class TrtDecoder(Decoder):
         self._graphs: dict = {}  # (profile, S, parity) -> _Graph, or None where capture failed
         self._generation = self.cache.generation
         self._last: tuple | None = None  # (_IO, S) of the last call
+        self._ids_host: np.ndarray | None = None
 
     # -- buffers and contexts ---------------------------------------------------------------------------
     def _io_for(self, s: int) -> _IO:
@@ -425,7 +426,8 @@ class TrtDecoder(Decoder):
         self.stream.synchronize()
         t1 = time.perf_counter()
         self.cache.wrote(s)
-        self._last = (io, s)
+        self._last, self._ids_host = (io, s), None
+        self._scrub_if_failed(s)
         self.engine_s += t1 - t0
         self.calls += 1
         if self.trace is not None:
@@ -436,7 +438,7 @@ class TrtDecoder(Decoder):
         io, s = self._last
         return self.memory.to_host(CudaMemory.view(io.logits, (self.batch, s, self.m.vocab_size)))
 
-    def last_ids(self) -> np.ndarray:
+    def _fetch_ids(self) -> np.ndarray:
         """(B, S) int64 next_ids of the last call: a host copy."""
         io, s = self._last
         return self.memory.to_host(CudaMemory.view(io.ids, (self.batch, s)))

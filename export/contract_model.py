@@ -7,16 +7,17 @@ Differences from `reference.ReferenceDecoder`, all for speed on the device:
   bound buffer at their positions and attention reads that buffer, so nothing is concatenated or copied
   (the runtime binds `present` to `past`'s own memory; ONNX Runtime then skips ScatterND's input copy);
 - masked rows are removed with a select on the scores, so whatever a stale row's key holds (NaN, inf,
-  huge values) its weight is exactly 0; and non-finite K/V values are written to the cache as 0, so a
-  stale row's value is always finite and 0 x value = 0 (an additive mask alone gives 0 x NaN = NaN);
+  huge values) its weight is exactly 0. A stale row's value must be finite (0 x NaN = NaN): a call whose
+  values are not finite has non-finite logits (each query reads its own row), and the runtime zeroes the
+  rows of such a call (Decoder.run), so the cache only ever holds finite values;
 - `next_ids` (the argmax over argmax_ids, or NONFINITE_ID where a row's logits hold NaN or inf) comes
   out beside the logits, so greedy decoding on a device copies S ids back, not S x V logits.
 
 One layer's attention, shapes per batch row (g = H / Hkv query heads per KV head, P bound cache rows):
 
     h ─┬─ Wqkv ─▶ q (H,S,D) ─rope─▶ q' (Hkv, g·S, D) ─────────────────┐
-       │          k (Hkv,S,D) ─rope─ finite ─▶ ScatterND(past.key, rows) = K ───┴─▶ q'·Kᵀ (Hkv, g·S, P) ─ where(ok) ─ softmax ─ p
-       │          v (Hkv,S,D) ────── finite ─▶ ScatterND(past.value, rows) = V ──────────────▶ o = p·V (Hkv, g·S, D)
+       │          k (Hkv,S,D) ─rope─▶ ScatterND(past.key, rows) = K ───┴─▶ q'·Kᵀ (Hkv, g·S, P) ─ where(ok) ─ softmax ─ p
+       │          v (Hkv,S,D) ──────▶ ScatterND(past.value, rows) = V ──────────────▶ o = p·V (Hkv, g·S, D)
 """
 from __future__ import annotations
 
@@ -27,12 +28,6 @@ import torch.nn.functional as F
 from edgespec.contract import MASKED, NONFINITE_ID
 
 from .checkpoint import ModelSpec
-
-
-def _finite(x):
-    """x with NaN and inf set to 0: what goes into the cache is always finite, so a masked row (weight
-    exactly 0 after the select) adds exactly 0 (0 x NaN would be NaN). The call's own outputs use x as it is."""
-    return torch.where(torch.isfinite(x), x, 0.0)
 
 
 class ScatterRows(torch.autograd.Function):
@@ -105,8 +100,8 @@ class ContractDecoder(torch.nn.Module):
             q = self._rope(q.view(b, n, hq, d).transpose(1, 2), cos, sin)  # (B, H, S, D)
             k = self._rope(k.view(b, n, hk, d).transpose(1, 2), cos, sin)  # (B, Hkv, S, D)
             v = v.view(b, n, hk, d).transpose(1, 2)  # (B, Hkv, S, D)
-            kc = ScatterRows.apply(pk, idx, _finite(k).to(pk.dtype))  # (B, Hkv, P, D): the cache with the new rows
-            vc = ScatterRows.apply(pv, idx, _finite(v).to(pv.dtype))
+            kc = ScatterRows.apply(pk, idx, k.to(pk.dtype))  # (B, Hkv, P, D): the cache with the new rows
+            vc = ScatterRows.apply(pv, idx, v.to(pv.dtype))
             presents += [kc, vc]
             q = (q * (d ** -0.5)).reshape(b, hk, g * n, d)  # (B, Hkv, g*S, D)
             sc = torch.matmul(q, kc.transpose(-1, -2))  # (B, Hkv, g*S, P)
@@ -120,7 +115,8 @@ class ContractDecoder(torch.nn.Module):
             x = x + F.linear(F.silu(gate) * up, L.wd)
         logits = F.linear(self._norm(x, self.norm), self.lm_head)
         next_ids = logits[..., self.argmax_lo:self.argmax_hi].argmax(-1) + self.argmax_lo  # (B, S)
-        next_ids = torch.where(torch.isfinite(logits).all(-1), next_ids, NONFINITE_ID)  # a NaN row is no id
+        finite = torch.isfinite(logits.sum(-1))  # (B, S): one reduction, then a check per row
+        next_ids = torch.where(finite, next_ids, NONFINITE_ID)  # the argmax of a NaN row is no id
         return (logits, next_ids, *presents)
 
     @staticmethod

@@ -19,7 +19,8 @@ from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, pr
 
 def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = True, workspace_gib: float = 4.0) -> dict:
     """Parse model.onnx, build a TensorRT plan with the given profiles, write model.plan. Needs a GPU."""
-    import tensorrt as trt
+    from edgespec.trt import import_tensorrt
+    trt = import_tensorrt()  # an EngineError that says what to install when tensorrt is missing
 
     engine_dir = Path(engine_dir)
     m = C.Manifest.read(engine_dir)

@@ -125,7 +125,9 @@ def test_cli_export_and_inspect(tiny_checkpoints, tmp_path, capsys):
     assert cli_main(["export", str(tiny_checkpoints["mistral"][0]), "--out", str(out), "--quiet"]) == 0
     assert "parity vs reference" in capsys.readouterr().out
     assert cli_main(["inspect", str(out)]) == 0
-    assert "files and graph match the manifest: OK" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "files and graph match the manifest: OK" in said
+    assert "KV cache float32, written in place; next_ids = argmax over ids 0..95" in said
     (out / "model.onnx").write_bytes(b"broken")
     assert cli_main(["inspect", str(out)]) == 1
     assert "sha256 differs" in capsys.readouterr().err

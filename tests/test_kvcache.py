@@ -85,8 +85,8 @@ def test_rollback_then_rewrite_overwrites_stale_rows(engine):
 
 
 def test_a_failed_call_leaves_only_finite_rows(tiny_engines, tmp_path):
-    """NaN inputs give NaN logits and NONFINITE_ID, but what they wrote into the cache is finite, so the
-    next call from the committed rows is exactly what it would have been."""
+    """NaN inputs give NaN logits and NONFINITE_ID; the decoder zeroes the rows that call wrote, so the cache
+    stays finite and the next call from the committed rows is exactly what it would have been."""
     from edgespec.export.onnx_export import export_engine
     from edgespec.engine import OrtEngine
     from tests.conftest import make_checkpoint
@@ -102,7 +102,8 @@ def test_a_failed_call_leaves_only_finite_rows(tiny_engines, tmp_path):
     bad[0, 1] = np.nan
     d.run(None, embeds=bad)
     assert np.isnan(d.last_logits()[0, 1]).all() and d.last_ids()[0, 1] == C.NONFINITE_ID
-    assert np.isfinite(d.last_logits()[0, 0]).all() and d.last_ids()[0, 0] >= 0  # the earlier row is fine
+    # (row 0 may be NaN too: its query weighs row 1's NaN value by exactly 0, and 0 x NaN is NaN; the
+    # whole call has failed, and all the rows it wrote are zeroed)
     for j in range(len(d.cache.buffers)):
         assert np.isfinite(d.cache.host(j)).all()
     np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)

@@ -106,3 +106,18 @@ def test_unknown_provider_is_refused(engine):
     import edgespec
     with pytest.raises(C.EngineError, match="provider must be one of"):
         edgespec.load(engine, provider="rocm")
+
+
+def test_export_with_tensorrt_says_what_to_install(tiny_checkpoints, tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("tensorrt is installed here")
+    except ImportError:
+        pass
+    from edgespec.cli import main
+    rc = main(["export", str(tiny_checkpoints["llama"][0]), "--out", str(tmp_path / "e"), "--tensorrt", "--quiet"])
+    assert rc != 0
+    err = capsys.readouterr().err
+    assert "error:" in err and "trt` extra" in err and "python3-libnvinfer" in err
+    assert (tmp_path / "e" / "engine.json").is_file()  # the ONNX engine was still written
