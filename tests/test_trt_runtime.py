@@ -195,13 +195,17 @@ def fakes(monkeypatch):
 @pytest.fixture(scope="module")
 def planned(tiny_engines, tmp_path_factory):
     """Copies of the tiny target / noisy draft engines with fake plans (profiles as build_engine makes)."""
-    root = tmp_path_factory.mktemp("planned")
+    return _with_plans(tiny_engines, tmp_path_factory.mktemp("planned"), write_fake_plan)
+
+
+def _with_plans(tiny_engines, root, build) -> dict:
+    """Copies of the tiny target and noisy draft engines, each given a plan by build(folder, profiles)."""
     out = {}
     for name in ("target", "noisy"):
         out[name] = root / name
         shutil.copytree(tiny_engines[name], out[name])
         m = C.Manifest.read(out[name])
-        write_fake_plan(out[name], default_profiles(m.max_context, gamma_max=8, prefill_max=64))
+        build(out[name], default_profiles(m.max_context, gamma_max=8, prefill_max=64, opt_rows=m.max_context))
     return out
 
 
@@ -349,15 +353,8 @@ def _real_gpu():
 def real_plans(tiny_engines, tmp_path_factory):
     _real_gpu()
     from edgespec.export.tensorrt import build_engine
-    root = tmp_path_factory.mktemp("plans")
-    out = {}
-    for name in ("target", "noisy"):
-        out[name] = root / name
-        shutil.copytree(tiny_engines[name], out[name])
-        m = C.Manifest.read(out[name])
-        profs = default_profiles(m.max_context, gamma_max=8, prefill_max=64, opt_rows=m.max_context)
-        build_engine(out[name], profs, fp16=False)  # runtime correctness here; fp16 quality: bench/device_check.py
-    return out
+    # fp32: runtime correctness here; fp16 quality is bench/device_check.py's
+    return _with_plans(tiny_engines, tmp_path_factory.mktemp("plans"), lambda d, p: build_engine(d, p, fp16=False))
 
 
 @pytest.mark.gpu
