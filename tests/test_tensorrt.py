@@ -1,7 +1,5 @@
 """TensorRT profiles and ORT TensorRT-EP options (pure Python, always run); the ORT TensorRT EP's parity
 needs an NVIDIA GPU and skips elsewhere with the reason (the native plan's: tests/test_trt_runtime.py)."""
-import shutil
-
 import numpy as np
 import pytest
 
@@ -50,13 +48,6 @@ def test_profiles_fit_a_short_context(max_context):
 def test_bad_profile_is_refused():
     with pytest.raises(ValueError, match="seq needs 0 <= min <= opt <= max"):
         ProfileSpec("x", (4, 2, 8), (0, 0, 16))
-
-
-def _gpu_tensorrt():
-    trt = pytest.importorskip("tensorrt", reason="needs the `trt` extra (tensorrt) and an NVIDIA GPU")
-    if shutil.which("nvidia-smi") is None:
-        pytest.skip("needs an NVIDIA GPU (no nvidia-smi on this machine)")
-    return trt
 
 
 @pytest.mark.gpu
@@ -109,7 +100,6 @@ def test_unknown_provider_is_refused(engine):
 
 
 def test_export_with_tensorrt_says_what_to_install(tiny_checkpoints, tmp_path, capsys):
-    pytest.importorskip("torch")
     try:
         import tensorrt  # noqa: F401
         pytest.skip("tensorrt is installed here")
