@@ -6,9 +6,9 @@ Row r of sequence b holds position r. Rows 0..lengths[b]-1 are committed. An eng
 rows in place at the committed length (the decoder binds each `present` output to the buffer it reads as
 `past`); the caller then `commit`s the rows it keeps. Rows past the committed length are stale: masked,
 overwritten by later calls, never cleared or copied (except the rows of a call whose outputs were not
-finite, which are zeroed so that the cache only ever holds finite values). Rolling back (`rewind_to`) lowers the length: O(1).
-The buffers grow in chunks as the live context grows (amortised O(1) per token), so a step binds about as
-many rows as the context holds, not the engine's full capacity.
+finite, which are zeroed so that the cache only ever holds finite values). Rolling back (`rewind_to`)
+lowers the length: O(1). The buffers grow in chunks as the live context grows (amortised O(1) per
+token), so a step binds about as many rows as the context holds, not the engine's full capacity.
 
 Nothing outside this class changes `lengths`: the verbs are `reserve`, `commit` and `rewind_to`.
 
