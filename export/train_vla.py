@@ -32,6 +32,18 @@ SEED = 7
 WORDS = ["<pad>", "reach", "go", "to", "touch", "the", "red", "green", "blue", "target"]
 
 
+# what the state and the actions mean (policy.json; robots/ map them to a robot's joints and messages): the
+# state is the reacher's joint angles, their velocities, then the fingertip; the actions are fingertip targets
+REACHER_SEMANTICS = {
+    "embodiment": "three-target-reacher",
+    "state_names": ["joint0.position", "joint1.position", "joint0.velocity", "joint1.velocity",
+                    "fingertip.x", "fingertip.y"],
+    "state_units": ["rad", "rad", "rad/s", "rad/s", "m", "m"],
+    "action_kind": "cartesian_position",
+    "action_names": ["fingertip.x", "fingertip.y"],
+    "action_units": ["m", "m"],
+}
+
 @dataclass
 class VLAConfig:
     episodes: int = 6000  # 3000 with 2 epochs overfit the layouts (val CE 1.35 -> 1.74 in epoch 2)
@@ -318,8 +330,7 @@ def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
     policy = {"format": "edgespec-vla/1", "task": "three-target reacher (MuJoCo Reacher-v5, 64x64 RGB)",
               "horizon": cfg.horizon, "dims": cfg.dims, "n_bins": cfg.n_bins, "vocab_end": cfg.n_bins,
               "image_size": cfg.image_size, "state_dim": cfg.state_dim, "instr_len": cfg.instr_len, "words": WORDS,
-              "prefix_len": cfg.prefix_len, "binary_dims": [], "action_units": "m (fingertip position targets x, y)",
-              "config": asdict(cfg)}
+              "prefix_len": cfg.prefix_len, "binary_dims": [], **REACHER_SEMANTICS, "config": asdict(cfg)}
     (out / "policy.json").write_text(json.dumps(policy, indent=2) + "\n")
     (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")
 

@@ -172,20 +172,8 @@ def cmd_run(argv) -> int:
 
 
 def cmd_node(argv) -> int:
-    from . import node
-
-    p = argparse.ArgumentParser(prog="edgespec robot node", add_help=False)
-    policy_flags(p)
-    p.add_argument("--instruction", default=None, help="fixed instruction (default: from rt/instruction)")
-    args, rest = p.parse_known_args(argv)
-    try:
-        policy, _ = make_policy(args, args.instruction)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(str(e))
-    try:
-        return node.main(rest, policy)
-    finally:
-        policy.close()
+    from .node import cmd_node as run_node  # the node owns its command line
+    return run_node(argv)
 
 
 def main(argv=None) -> int:

@@ -421,3 +421,20 @@ def main(argv: list[str] | None = None, policy: Policy | None = None) -> int:
         status = node.spin(args.seconds)
     print(json.dumps(status, indent=1, default=str))
     return 0
+
+
+def cmd_node(argv) -> int:
+    from .cli import make_policy, policy_flags
+
+    p = argparse.ArgumentParser(prog="edgespec robot node", add_help=False)
+    policy_flags(p)
+    p.add_argument("--instruction", default=None, help="fixed instruction (default: from rt/instruction)")
+    args, rest = p.parse_known_args(argv)
+    try:
+        policy, _ = make_policy(args, args.instruction)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    try:
+        return main(rest, policy)
+    finally:
+        policy.close()
