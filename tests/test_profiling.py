@@ -72,3 +72,46 @@ def test_lossless_check_catches_a_divergence(tiny_engines):
     gen.generate = broken
     r = lossless(gen, [[1, 2, 3], [4, 5]], 10)
     assert r["diverged"] == 2 and r["first_divergent_token"] == [9, 9]
+
+
+def test_sampler_reads_a_tegrastats_stream_and_sums_energy(tmp_path, monkeypatch):
+    """Three recorded Orin Nano lines through a fake `tegrastats` on PATH and the sampler's reader thread,
+    stamped by a fake clock at t = 10.0, 10.5, 11.0 s; the summary is checked against hand-computed figures."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from edgespec import profiling
+
+    lines = [ln for ln in SAMPLES.read_text().splitlines() if ln.startswith("09-")][:3]  # Orin Nano lines
+    assert len(lines) == 3
+    stream = tmp_path / "stream.txt"
+    stream.write_text("\n".join(lines) + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "tegrastats"  # prints the lines, then idles like the real one until terminated
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > '{tmp_path / 'args.txt'}'\ncat '{stream}'\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    stamps = iter([10.0, 10.5, 11.0])
+    monkeypatch.setattr(profiling, "time", SimpleNamespace(perf_counter=lambda: next(stamps)))
+
+    with TegrastatsSampler(interval_ms=250) as ts:
+        deadline = time.monotonic() + 20
+        while len(ts.samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert ts._proc.returncode is not None  # terminated on exit, not left running
+    assert (tmp_path / "args.txt").read_text().split() == ["--interval", "250"]
+    assert [t for t, _ in ts.samples] == [10.0, 10.5, 11.0]
+
+    s = ts.summary(tokens=50)
+    assert s["available"] is True and s["samples"] == 3
+    assert s["emc_pct_mean"] == pytest.approx((0 + 87) / 2)  # the third line has no EMC_FREQ: left out, not 0
+    assert s["power_mw_mean"] == pytest.approx({"VDD_IN": (4462 + 9876 + 4523) / 3,
+                                                "VDD_CPU_GPU_CV": (480 + 3954 + 524) / 3,
+                                                "VDD_SOC": (1400 + 2411 + 1373) / 3})
+    # energy on the board input rail VDD_IN, trapezoids over the two 0.5 s intervals:
+    # (4462 + 9876) / 2 * 0.5 + (9876 + 4523) / 2 * 0.5 = 3584.5 + 3599.75 = 7184.25 mW s = 7.18425 J
+    assert s["energy_rail"] == "VDD_IN"
+    assert s["joules"] == pytest.approx(7.18425)
+    assert s["joules_per_token"] == pytest.approx(7.18425 / 50)
