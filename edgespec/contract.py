@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 CONTRACT_VERSION = 2  # 2: cache written in place (ScatterND into the bound buffer), next_ids output
@@ -165,6 +165,123 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# -- manifest field checks ----------------------------------------------------------------------------
+# engine.json is read on a robot before anything runs: a wrong or malformed field must stop the load with
+# one error naming the field, not surface later as a TypeError or an ONNX Runtime shape error mid-decode.
+
+TENSOR_DTYPES = ("int64", "int32", "float32", "float16")  # what a contract or optimum graph binds
+POSITIVE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context")
+OPTIONAL_STR_FIELDS = ("tokenizer_file", "embedding_file")
+SHA256_FIELDS = ("tokenizer_sha256", "source_sha256", "model_sha256")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a size
+
+
+def _as_list(v, what: str) -> list:
+    if not isinstance(v, (list, tuple)):
+        raise EngineError(f"{what}: expected a list of tensors (name, dtype, shape), got {v!r}")
+    return list(v)
+
+
+def _tensor_spec(t, what: str, i: int) -> TensorSpec:
+    """A TensorSpec from its JSON dict, checked: a str name, a known dtype, dims that are ints > 0 or names."""
+    if isinstance(t, TensorSpec):
+        t = asdict(t)
+    if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape"}:
+        raise EngineError(f"{what}[{i}]: expected {{name, dtype, shape}}, got {t!r}")
+    name, dtype, shape = t["name"], t["dtype"], t["shape"]
+    if not (isinstance(name, str) and name):
+        raise EngineError(f"{what}[{i}].name: expected a non-empty string, got {name!r}")
+    if dtype not in TENSOR_DTYPES:
+        raise EngineError(f"{what}[{i}] ({name}).dtype: expected one of {TENSOR_DTYPES}, got {dtype!r}")
+    if not (isinstance(shape, list) and all((_is_int(d) and d > 0) or (isinstance(d, str) and d) for d in shape)):
+        raise EngineError(f"{what}[{i}] ({name}).shape: expected a list of ints > 0 or dimension names, "
+                          f"got {shape!r}")
+    return TensorSpec(name, dtype, list(shape))
+
+
+def _field_problems(m: "Manifest") -> list[str]:
+    """Each scalar field against its expected type and range (expected ..., got ...)."""
+    problems = []
+
+    def want(name: str, ok: bool, expected: str):
+        if not ok:
+            problems.append(f"{name}: expected {expected}, got {getattr(m, name)!r}")
+
+    want("model_file", isinstance(m.model_file, str) and _inside_folder(m.model_file),
+         "a file name inside the engine folder")
+    want("architecture", isinstance(m.architecture, str), "a string")
+    for name in POSITIVE_FIELDS:
+        want(name, _is_int(getattr(m, name)) and getattr(m, name) > 0, "an integer > 0")
+    # 0 = unknown, allowed for optimum engines derived from a config.json without hidden_size
+    want("hidden_size", _is_int(m.hidden_size) and (m.hidden_size > 0 or (m.hidden_size == 0 and m.kind == "optimum")),
+         "an integer > 0")
+    want("precision", m.precision in PRECISIONS, f"one of {PRECISIONS}")
+    want("kind", m.kind in ENGINE_KINDS, f"one of {ENGINE_KINDS}")
+    want("input_mode", m.input_mode in INPUT_MODES, f"one of {INPUT_MODES}")
+    want("sliding_window", m.sliding_window is None or (_is_int(m.sliding_window) and m.sliding_window > 0),
+         "null or an integer > 0")
+    for name in OPTIONAL_STR_FIELDS:
+        v = getattr(m, name)
+        want(name, v is None or (isinstance(v, str) and _inside_folder(v)), "null or a file name inside the engine folder")
+    for name in SHA256_FIELDS:
+        v = getattr(m, name)
+        want(name, v is None or (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)),
+             "null or 64 lowercase hex digits")
+    want("edgespec_version", isinstance(m.edgespec_version, str), "a string")
+    want("contract_version", _is_int(m.contract_version), "an integer")
+    want("extra", isinstance(m.extra, dict), "a JSON object")
+    if problems:
+        return problems  # the checks below need the sizes to be numbers
+    if m.num_heads % m.num_kv_heads:
+        problems.append(f"num_heads: expected a multiple of num_kv_heads {m.num_kv_heads}, got {m.num_heads}")
+    vocab = f"an id in [0, vocab_size {m.vocab_size})"
+    want("bos_token_id", m.bos_token_id is None or (_is_int(m.bos_token_id) and 0 <= m.bos_token_id < m.vocab_size),
+         f"null or {vocab}")
+    want("eos_token_ids", isinstance(m.eos_token_ids, list)
+         and all(_is_int(t) and 0 <= t < m.vocab_size for t in m.eos_token_ids), f"a list of ids in [0, {m.vocab_size})")
+    a = m.argmax_ids
+    want("argmax_ids", a is None or (isinstance(a, (list, tuple)) and len(a) == 2 and all(map(_is_int, a))
+                                     and 0 <= a[0] < a[1] <= m.vocab_size),
+         f"null or [lo, hi] with 0 <= lo < hi <= vocab_size {m.vocab_size}")
+    return problems
+
+
+def _inside_folder(name: str) -> bool:
+    """A relative path that stays in the engine folder (no absolute path, no '..')."""
+    p = Path(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts
+
+
+def _io_problems(m: "Manifest") -> list[str]:
+    """The declared inputs/outputs against the ones the sizes imply (what the exporter writes): a manifest
+    whose num_layers, num_kv_heads, head_dim or vocab_size was edited no longer agrees with its tensors."""
+    cache = m.cache_dtype
+    if cache not in CACHE_DTYPES:
+        return [f"cache tensors ({past_key(0)}).dtype: expected one of {CACHE_DTYPES}, got {cache!r}"]
+    if m.kind == "optimum":
+        want_in, want_out = optimum_io(m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size)
+    else:
+        want_in, want_out = decoder_io(m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size, m.hidden_size,
+                                       m.input_mode, cache)
+    problems = []
+    for what, want, got in (("inputs", want_in, m.inputs), ("outputs", want_out, m.outputs)):
+        if [t.name for t in got] != [t.name for t in want]:
+            problems.append(f"{what}: expected the {len(want)} tensors num_layers {m.num_layers} and input_mode "
+                            f"{m.input_mode!r} give ({', '.join(t.name for t in want[:4])}, ...), got "
+                            f"{len(got)} ({', '.join(t.name for t in got[:4])}, ...)")
+            continue
+        for w, g in zip(want, got):
+            if (w.dtype, w.shape) != (g.dtype, g.shape):
+                problems.append(f"{what} {g.name}: expected {w.dtype} {w.shape} from num_kv_heads {m.num_kv_heads}, "
+                                f"head_dim {m.head_dim}, vocab_size {m.vocab_size}, hidden_size {m.hidden_size}; "
+                                f"got {g.dtype} {g.shape}")
+                break  # one mismatch per list says enough (every layer repeats it)
+    return problems
+
+
 @dataclass
 class Manifest:
     """What `engine.json` holds. Written by export, read and checked by every backend."""
@@ -196,25 +313,18 @@ class Manifest:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise EngineError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.kind not in ENGINE_KINDS:
-            raise EngineError(f"kind must be one of {ENGINE_KINDS}, got {self.kind!r}")
-        if self.input_mode not in INPUT_MODES:
-            raise EngineError(f"input_mode must be one of {INPUT_MODES}, got {self.input_mode!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise EngineError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.max_context <= 0:
-            raise EngineError(f"max_context must be > 0, got {self.max_context}")
+        """Check every field, then that the declared tensors agree with the sizes (ONE EngineError listing
+        what is wrong; Manifest.read prefixes the file's path)."""
+        self.inputs = [_tensor_spec(t, "inputs", i) for i, t in enumerate(_as_list(self.inputs, "inputs"))]
+        self.outputs = [_tensor_spec(t, "outputs", i) for i, t in enumerate(_as_list(self.outputs, "outputs"))]
+        problems = _field_problems(self)
+        if problems:  # later checks divide by and compare with these fields: stop at the first broken ones
+            raise EngineError("; ".join(problems))
         if self.argmax_ids is not None:
-            lo, hi = (list(self.argmax_ids) + [None, None])[:2] if isinstance(self.argmax_ids, (list, tuple)) else (None, None)
-            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= self.vocab_size) \
-                    or len(self.argmax_ids) != 2:
-                raise EngineError(f"argmax_ids must be [lo, hi] with 0 <= lo < hi <= vocab_size {self.vocab_size}, "
-                                  f"got {self.argmax_ids!r}")
-            self.argmax_ids = [lo, hi]
-        self.inputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.inputs]
-        self.outputs = [t if isinstance(t, TensorSpec) else TensorSpec(**t) for t in self.outputs]
+            self.argmax_ids = list(self.argmax_ids)
+        problems = _io_problems(self)
+        if problems:
+            raise EngineError("; ".join(problems))
 
     # -- persistence ---------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -232,16 +342,25 @@ class Manifest:
             raise EngineError(f"{engine_dir}: no {MANIFEST_FILE}; expected an engine folder made by `edgespec export`")
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EngineError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(data, dict):
+            raise EngineError(f"{path}: expected a JSON object of manifest fields, got {type(data).__name__}")
         if data.get("contract_version") != CONTRACT_VERSION:
             raise EngineError(f"{path}: contract_version {data.get('contract_version')} is not the supported "
                               f"{CONTRACT_VERSION}; re-export the engine with this edgespec")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        fields = cls.__dataclass_fields__
+        unknown = sorted(set(data) - set(fields))
         if unknown:
             raise EngineError(f"{path}: unknown manifest fields {unknown}")
-        return cls(**data)
+        missing = [n for n, f in fields.items() if n not in data
+                   and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise EngineError(f"{path}: missing manifest fields {missing}")
+        try:
+            return cls(**data)
+        except EngineError as e:
+            raise EngineError(f"{path}: {e}") from None
 
     # -- checks --------------------------------------------------------------------------------
     def check_files(self, engine_dir: Path, hashes: bool = True) -> list[str]:
@@ -265,8 +384,11 @@ class Manifest:
         return problems
 
     def check_graph_io(self, inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]]) -> list[str]:
-        """Compare the graph's (name, dtype, shape) lists with the manifest's; return what differs."""
-        problems = []
+        """Compare the graph's (name, dtype, shape) lists with the manifest's; return what differs.
+        The sizes come first, each named by its engine.json field; then every tensor's name, dtype and shape."""
+        problems = self._graph_size_problems(inputs, outputs)
+        if problems:
+            return problems  # a wrong size differs in every layer's tensors: say it once, by field
         for kind, want, got in (("input", self.inputs, inputs), ("output", self.outputs, outputs)):
             want_names, got_names = [t.name for t in want], [g[0] for g in got]
             if want_names != got_names:
@@ -278,6 +400,36 @@ class Manifest:
                 diff = spec.matches(name, dtype, shape)
                 if diff:
                     problems.append(f"{kind} {diff}")
+        return problems
+
+    def _graph_size_problems(self, inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]]
+                             ) -> list[str]:
+        """num_layers, num_kv_heads, head_dim, vocab_size, hidden_size and the cache dtype, read back from
+        the graph's tensors (a dim the graph leaves symbolic is not compared)."""
+        ins, outs = {n: (d, s) for n, d, s in inputs}, {n: (d, s) for n, d, s in outputs}
+        pk = optimum_past_key if self.kind == "optimum" else past_key
+        problems = []
+        layers = next(i for i in range(len(ins) + 1) if pk(i) not in ins)
+        presents = next(i for i in range(len(outs) + 1) if present_key(i) not in outs)
+        if (layers, presents) != (self.num_layers, self.num_layers):
+            problems.append(f"num_layers: engine.json has {self.num_layers} but the graph has {layers} "
+                            f"{pk(0).rsplit('.', 2)[0]}.i and {presents} present.i cache layers")
+        if layers:
+            dtype, shape = ins[pk(0)]
+            if dtype != self.cache_dtype:
+                problems.append(f"cache dtype: engine.json declares {self.cache_dtype} ({self.precision}) but the "
+                                f"graph's {pk(0)} is {dtype}")
+            for field_name, dim in (("num_kv_heads", 1), ("head_dim", 3)):
+                got = shape[dim] if len(shape) == 4 else None
+                if isinstance(got, int) and got != getattr(self, field_name):
+                    problems.append(f"{field_name}: engine.json has {getattr(self, field_name)} but the graph's "
+                                    f"{pk(0)} {shape} has {got} (dim {dim})")
+        for field_name, (name, shape) in (("vocab_size", (LOGITS, outs.get(LOGITS, (None, []))[1])),
+                                          ("hidden_size", (INPUTS_EMBEDS, ins.get(INPUTS_EMBEDS, (None, []))[1]))):
+            got = shape[-1] if shape else None
+            if isinstance(got, int) and got != getattr(self, field_name):
+                problems.append(f"{field_name}: engine.json has {getattr(self, field_name)} but the graph's "
+                                f"{name} {shape} has {got} (last dim)")
         return problems
 
     @property

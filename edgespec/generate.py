@@ -117,6 +117,32 @@ class _Seq:
     text_len: int | None = None  # where a stop string cut the text
 
 
+def check_text(text: str, what: str = "prompt") -> str:
+    """`text` if it can be encoded as UTF-8. A str from sys.argv or os.fsdecode carries undecodable bytes as
+    lone surrogates ('\\udcff'); the tokenizer cannot encode those, so refuse them here, by position."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the {what} is not valid UTF-8 text: {text[e.start:e.end]!a} at character {e.start} "
+                         f"(undecodable bytes, e.g. from a command line in another encoding); "
+                         f"pass UTF-8 text") from None
+    return text
+
+
+def check_token_ids(prompt) -> list[int]:
+    """A prompt of token ids (list, tuple or 1-D integer array) -> list of int. Bytes are refused: iterating
+    b"def" gives the byte values 100, 101, 102, which are not this engine's token ids."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise TypeError(f"prompt must be text (str) or a list of token ids, got {type(prompt).__name__}; "
+                        f"decode bytes first, e.g. prompt.decode('utf-8')")
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        raise TypeError(f"prompt must be text (str) or a list of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or isinstance(t, bool)]
+    if bad:
+        raise TypeError(f"token ids must be integers, got {bad[:5]!r}")
+    return [int(t) for t in prompt]
+
+
 def check_gamma(gamma, gamma_max: int):
     if not (gamma == "auto" or (isinstance(gamma, int) and not isinstance(gamma, bool) and 0 <= gamma <= gamma_max)):
         raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}], got {gamma!r}")
@@ -199,12 +225,13 @@ class Generator:
 
     # -- decoding ----------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
+        """A prompt (str text, or a list / tuple / 1-D array of int token ids) -> token ids, checked."""
         if isinstance(prompt, str):
             if self.tok is None:
                 raise ValueError("this engine folder has no tokenizer.json; pass token ids instead of text")
-            ids = self.tok.encode(prompt)
+            ids = self.tok.encode(check_text(prompt))
         else:
-            ids = [int(t) for t in prompt]
+            ids = check_token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.target.manifest.vocab_size]
             if bad:
                 raise ValueError(f"token ids must be in [0, {self.target.manifest.vocab_size}), got {bad[:5]}")
@@ -375,7 +402,9 @@ class Generator:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, acceptance: str | None = None,
                  gamma: int | str | None = None, stop: list[str] | None = None):
-        """One prompt (text or ids) -> GenerationResult; a list of prompts -> a list (decoded as one batch)."""
+        """One prompt (text or ids) -> GenerationResult; a list of prompts -> a list (decoded as one batch).
+        Text is a str (bytes are refused: decode them first). temperature 0 is greedy decoding; a sampling
+        temperature must be >= sampling.TEMPERATURE_MIN (1e-4), below which ValueError asks for 0 instead."""
         batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, np.integer))
         prompts = prompt if batch else [prompt]
         ids, cfg, mode, gamma, stop = self._prepare(prompts, max_new_tokens, temperature, top_k, top_p,

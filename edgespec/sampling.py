@@ -10,18 +10,29 @@ from dataclasses import dataclass
 import numpy as np
 
 ACCEPTANCE_MODES = ("greedy", "rejection", "coupled")
+# Smallest sampling temperature (0 = greedy, and nothing in (0, TEMPERATURE_MIN) is accepted). At 1e-4 a
+# logit gap of 0.01 is already 100 nats, so exp(-gap / T) < 4e-44 underflows float32 to 0: sampling is
+# argmax except on exact ties, i.e. greedy with rounding artefacts. Further down, logits / T stops being a
+# number: fp16-range logits (65504) overflow float32 below T ~ 2e-34, and the 1e-310 overflows
+# even the float64 division here (30 / 1e-310 = inf, then inf - inf = NaN probabilities). Ask for 0.
+TEMPERATURE_MIN = 1e-4
 
 
 @dataclass
 class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy; else >= TEMPERATURE_MIN
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and np.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if 0 < t < TEMPERATURE_MIN:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {TEMPERATURE_MIN}, got {t!r}: below "
+                             f"{TEMPERATURE_MIN} sampling is greedy up to rounding and logits / temperature "
+                             f"overflows; use temperature 0 for greedy decoding")
         if not (isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
