@@ -77,7 +77,9 @@ def cmd_inspect(args) -> int:
             print("  validation: " + json.dumps(m.extra["validation"]))
     try:
         OrtEngine(args.engine_dir, check_hashes=True)
-    except EngineError as e:
+    except Exception as e:  # the folder or graph disagrees with a readable manifest (or ORT cannot load it)
+        if not (isinstance(e, EngineError) or expected_error(e)):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("  files and graph match the manifest: OK")
@@ -96,7 +98,11 @@ def _gamma(v: str):
 def _read_batch_file(path: Path) -> list[str]:
     """One prompt per line; a line that is a JSON string (\"...\") may hold newlines as \\n."""
     prompts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: expected UTF-8 text, got byte {e.object[e.start]:#04x} at offset {e.start}") from None
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.startswith('"'):
@@ -108,6 +114,16 @@ def _read_batch_file(path: Path) -> list[str]:
     if not prompts:
         raise ValueError(f"{path}: no prompts (expected one per line)")
     return prompts
+
+
+def _check_text_args(args) -> None:
+    """--prompt and --stop as UTF-8, before any engine loads: argv holds undecodable bytes as lone
+    surrogates (os.fsdecode), which no tokenizer can encode."""
+    from edgespec.generate import check_text
+    if getattr(args, "prompt", None) is not None:
+        check_text(args.prompt, "--prompt")
+    for stop in getattr(args, "stop", None) or []:
+        check_text(stop, "--stop")
 
 
 def _stats_line(st) -> str:
@@ -127,6 +143,7 @@ def cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.batch_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
+    _check_text_args(args)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
@@ -160,6 +177,7 @@ def cmd_profile(args) -> int:
     import edgespec
     from edgespec.profiling import profile
 
+    _check_text_args(args)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
@@ -273,6 +291,7 @@ def cmd_export_policy(args) -> int:
 def cmd_demo(args) -> int:
     import edgespec
 
+    _check_text_args(args)
     target, draft = ensure_demo_engines(args.models, args.engines)
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
@@ -402,9 +421,23 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # e.g. `edgespec inspect ... | head`
         sys.stderr.close()
         return 0
-    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError, FloatingPointError) as e:
+    except Exception as e:  # expected failures (bad input, bad files, the runtime's errors): one line, exit 2
+        if not expected_error(e):
+            raise  # a bug: keep its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+# What a command may fail with for reasons outside the code: arguments, files, engines (EngineError is a
+# ValueError), numerics, and ONNX Runtime's own errors (Fail, InvalidArgument, RuntimeException, ...),
+# which share no base class but Exception, so they are recognised by their module.
+EXPECTED_ERRORS = (ValueError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                   PermissionError, RuntimeError, FloatingPointError)
+ORT_ERROR_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
+
+
+def expected_error(e: BaseException) -> bool:
+    return isinstance(e, EXPECTED_ERRORS) or type(e).__module__ == ORT_ERROR_MODULE
 
 
 if __name__ == "__main__":
