@@ -255,6 +255,17 @@ def _inside_folder(name: str) -> bool:
     return bool(name) and not p.is_absolute() and ".." not in p.parts
 
 
+def _sizes_of(m: "Manifest", name: str) -> str:
+    """The manifest fields a tensor's shape is made from, with their values (for error messages)."""
+    if name == LOGITS:
+        return f"vocab_size {m.vocab_size}"
+    if name == INPUTS_EMBEDS:
+        return f"hidden_size {m.hidden_size}"
+    if name.startswith(("past", "present")):
+        return f"num_kv_heads {m.num_kv_heads}, head_dim {m.head_dim}"
+    return "fixed by the contract"
+
+
 def _io_problems(m: "Manifest") -> list[str]:
     """The declared inputs/outputs against the ones the sizes imply (what the exporter writes): a manifest
     whose num_layers, num_kv_heads, head_dim or vocab_size was edited no longer agrees with its tensors."""
@@ -275,8 +286,7 @@ def _io_problems(m: "Manifest") -> list[str]:
             continue
         for w, g in zip(want, got):
             if (w.dtype, w.shape) != (g.dtype, g.shape):
-                problems.append(f"{what} {g.name}: expected {w.dtype} {w.shape} from num_kv_heads {m.num_kv_heads}, "
-                                f"head_dim {m.head_dim}, vocab_size {m.vocab_size}, hidden_size {m.hidden_size}; "
+                problems.append(f"{what} {g.name}: expected {w.dtype} {w.shape} ({_sizes_of(m, g.name)}), "
                                 f"got {g.dtype} {g.shape}")
                 break  # one mismatch per list says enough (every layer repeats it)
     return problems
