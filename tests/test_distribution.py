@@ -1,9 +1,12 @@
-"""Rejection sampling reproduces the target's distribution (Leviathan et al. 2023, Theorem 1).
+"""Speculative sampling reproduces the target's distribution: rejection sampling (Leviathan et al. 2023,
+Theorem 1) and coupled sampling (Gumbel-max with noise keyed by position, shared by draft and target).
 
-Unit level: accept/reject one draft token drawn from q gives tokens distributed as p.
-End to end: four-token continuations sampled with speculation match the exact joint distribution of the
-target (computed by enumerating every continuation inside top-k), by chi-square, with temperature, top-k
-and top-p; each test also checks that a 2% shift of probability mass would have been detected.
+Unit level: accept/reject one draft token drawn from q gives tokens distributed as p; one coupled draw
+argmax(filtered logits + Gumbel noise) is distributed as p.
+End to end: four-token continuations sampled with speculation (both acceptance modes) match the exact
+joint distribution of the target (computed by enumerating every continuation inside top-k), by chi-square,
+with temperature, top-k and top-p; each test also checks that a 2% shift of probability mass would have
+been detected.
 """
 import itertools
 
@@ -13,7 +16,7 @@ from scipy import stats as st
 
 import edgespec
 from edgespec.decoder import Decoder
-from edgespec.sampling import SamplingConfig, probs
+from edgespec.sampling import GumbelNoise, SamplingConfig, probs
 from edgespec.speculative import accept_rejection
 
 ALPHA = 1e-3  # significance level: fixed seeds make each test deterministic
@@ -58,6 +61,23 @@ def test_accept_reject_step_reproduces_p(point_mass):
     assert chi2_pvalue(counts, shifted(p)) < ALPHA
 
 
+def test_coupled_draw_reproduces_p():
+    """Coupled mode draws token `pos` of row `b` as argmax(filtered logits + noise(b, pos)): over many
+    (b, pos) keys that must be a sample from probs(logits) (Gumbel-max), top-k / top-p cells included."""
+    rng = np.random.default_rng(1)
+    v, rows, positions = 12, 200, 100  # 20,000 draws, each from its own (b, pos) noise
+    logits = rng.normal(0, 1.5, v).astype(np.float32)
+    cfg = SamplingConfig(temperature=0.8, top_k=10, top_p=0.97)
+    p = probs(logits, cfg)
+    assert (p == 0).sum() >= 2  # the filters cut some cells, which must then never be drawn
+    noise = GumbelNoise(seed=7, vocab_size=v)
+    draws = [noise.pick(logits, cfg, b, pos) for b in range(rows) for pos in range(positions)]
+    counts = np.bincount(draws, minlength=v).astype(float)
+    assert counts[p == 0].sum() == 0
+    assert chi2_pvalue(counts, p) > ALPHA
+    assert chi2_pvalue(counts, shifted(p)) < ALPHA
+
+
 def exact_joint(engine, prompt, cfg, depth=4):
     """{continuation tuple: probability} for `depth` sampled tokens (or up to EOS), by enumeration."""
     out = {}
@@ -83,8 +103,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("draft", ["noisy", "ngram"])
-def test_speculative_sampling_matches_the_target_joint(tiny_engines, case, draft):
+@pytest.mark.parametrize("draft,acceptance", [("noisy", "rejection"), ("ngram", "rejection"), ("noisy", "coupled")])
+def test_speculative_sampling_matches_the_target_joint(tiny_engines, case, draft, acceptance):
     kw = CASES[case]
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
     gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=3)
@@ -95,7 +115,7 @@ def test_speculative_sampling_matches_the_target_joint(tiny_engines, case, draft
     index = {c: i for i, c in enumerate(cells)}
     counts = np.zeros(len(cells))
     batch, n_batches = 250, 40  # 10,000 samples, decoded 250 at a time (batched speculation)
-    outs = [gen.generate([prompt] * batch, max_new_tokens=4, seed=seed, acceptance="rejection", **kw)
+    outs = [gen.generate([prompt] * batch, max_new_tokens=4, seed=seed, acceptance=acceptance, **kw)
             for seed in range(n_batches)]
     for out in (o for batch_out in outs for o in batch_out):
         counts[index[tuple(out.token_ids)]] += 1
