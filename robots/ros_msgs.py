@@ -10,7 +10,7 @@ ROS 2 maps a topic `/name` to the DDS topic `rt/name` (`ros_topic`); its default
 keep-last 10 (`ros_qos`); its domain id comes from `ROS_DOMAIN_ID` (`ros_domain_id`).
 
 Converters: `image_to_numpy` / `numpy_to_image` (rgb8, bgr8), `joint_state_to_numpy` / `joint_state_msg`,
-`chunk_to_trajectory` / `trajectory_to_numpy`, `diagnostics_msg`. They raise ValueError naming what was
+`chunk_to_trajectory` / `trajectory_to_numpy`, `stop_trajectory`, `diagnostics_msg`. They raise ValueError naming what was
 expected and what came.
 """
 # No `from __future__ import annotations` here: cyclonedds evaluates the field annotations at runtime.
@@ -228,10 +228,12 @@ def joint_state_msg(names: Sequence[str], position, velocity=(), effort=(), stam
                       effort=[float(x) for x in effort])
 
 
-def joint_state_to_numpy(msg: JointState, expected: Sequence[str] = ()) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """-> (names, position, velocity), velocity zeros when the message has none. With `expected` names, the
-    message must hold at least those joints; they come back in that order. Raises ValueError on a count
-    mismatch, NaN / inf, or a missing joint."""
+def joint_state_to_numpy(msg: JointState, expected: Sequence[str] = (), require_velocity: bool = False
+                         ) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """-> (names, position, velocity), velocity zeros when the message has none (unless `require_velocity`:
+    then that is an error). With `expected` names, the message must hold at least those joints (found by
+    name; others are ignored); they come back in that order. Raises ValueError on a count mismatch, NaN /
+    inf, a missing joint or missing velocities."""
     names, n = list(msg.name), len(msg.name)
     if n == 0:
         raise ValueError("joint_states: no joints in the message")
@@ -249,6 +251,8 @@ def joint_state_to_numpy(msg: JointState, expected: Sequence[str] = ()) -> tuple
             raise ValueError(f"joint_states: missing joints {missing} (expected {list(expected)}, got {names})")
         idx = [names.index(j) for j in expected]
         names, pos, vel = list(expected), pos[idx], vel[idx]
+    if require_velocity and not len(msg.velocity):
+        raise ValueError(f"joint_states: no velocities in the message (the policy's state needs them for {names})")
     return names, pos, vel
 
 
@@ -268,9 +272,16 @@ def chunk_to_trajectory(chunk: np.ndarray, joint_names: Sequence[str], dt: float
                            points=points)
 
 
+def stop_trajectory(joint_names: Sequence[str], stamp: Time | None = None, frame_id: str = "") -> JointTrajectory:
+    """A JointTrajectory with no points: ROS 2's joint_trajectory_controller takes it as "stop: cancel the
+    current trajectory and hold the current position"."""
+    return JointTrajectory(header=Header(stamp or time_msg(), frame_id), joint_names=list(joint_names), points=[])
+
+
 def trajectory_to_numpy(msg: JointTrajectory) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """-> (joint names, (H, D) positions, (H,) time_from_start seconds)."""
-    pos = np.array([p.positions for p in msg.points], dtype=np.float64).reshape(len(msg.points), -1)
+    """-> (joint names, (H, D) positions, (H,) time_from_start seconds); H = 0 for a stop trajectory."""
+    pos = np.array([p.positions for p in msg.points], dtype=np.float64).reshape(len(msg.points),
+                                                                               len(msg.joint_names))
     return list(msg.joint_names), pos, np.array([to_seconds(p.time_from_start) for p in msg.points])
 
 
