@@ -255,43 +255,6 @@ def _inside_folder(name: str) -> bool:
     return bool(name) and not p.is_absolute() and ".." not in p.parts
 
 
-def _sizes_of(m: "Manifest", name: str) -> str:
-    """The manifest fields a tensor's shape is made from, with their values (for error messages)."""
-    if name == LOGITS:
-        return f"vocab_size {m.vocab_size}"
-    if name == INPUTS_EMBEDS:
-        return f"hidden_size {m.hidden_size}"
-    if name.startswith(("past", "present")):
-        return f"num_kv_heads {m.num_kv_heads}, head_dim {m.head_dim}"
-    return "fixed by the contract"
-
-
-def _io_problems(m: "Manifest") -> list[str]:
-    """The declared inputs/outputs against the ones the sizes imply (what the exporter writes): a manifest
-    whose num_layers, num_kv_heads, head_dim or vocab_size was edited no longer agrees with its tensors."""
-    cache = m.cache_dtype
-    if cache not in CACHE_DTYPES:
-        return [f"cache tensors ({past_key(0)}).dtype: expected one of {CACHE_DTYPES}, got {cache!r}"]
-    if m.kind == "optimum":
-        want_in, want_out = optimum_io(m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size)
-    else:
-        want_in, want_out = decoder_io(m.num_layers, m.num_kv_heads, m.head_dim, m.vocab_size, m.hidden_size,
-                                       m.input_mode, cache)
-    problems = []
-    for what, want, got in (("inputs", want_in, m.inputs), ("outputs", want_out, m.outputs)):
-        if [t.name for t in got] != [t.name for t in want]:
-            problems.append(f"{what}: expected the {len(want)} tensors num_layers {m.num_layers} and input_mode "
-                            f"{m.input_mode!r} give ({', '.join(t.name for t in want[:4])}, ...), got "
-                            f"{len(got)} ({', '.join(t.name for t in got[:4])}, ...)")
-            continue
-        for w, g in zip(want, got):
-            if (w.dtype, w.shape) != (g.dtype, g.shape):
-                problems.append(f"{what} {g.name}: expected {w.dtype} {w.shape} ({_sizes_of(m, g.name)}), "
-                                f"got {g.dtype} {g.shape}")
-                break  # one mismatch per list says enough (every layer repeats it)
-    return problems
-
-
 @dataclass
 class Manifest:
     """What `engine.json` holds. Written by export, read and checked by every backend."""
@@ -323,18 +286,18 @@ class Manifest:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        """Check every field, then that the declared tensors agree with the sizes (ONE EngineError listing
-        what is wrong; Manifest.read prefixes the file's path)."""
+        """Check every field's type and range: ONE EngineError listing what is wrong (Manifest.read
+        prefixes the file's path). The sizes are checked against the graph at load (check_graph_io)."""
         self.inputs = [_tensor_spec(t, "inputs", i) for i, t in enumerate(_as_list(self.inputs, "inputs"))]
         self.outputs = [_tensor_spec(t, "outputs", i) for i, t in enumerate(_as_list(self.outputs, "outputs"))]
         problems = _field_problems(self)
-        if problems:  # later checks divide by and compare with these fields: stop at the first broken ones
+        if problems:
             raise EngineError("; ".join(problems))
         if self.argmax_ids is not None:
             self.argmax_ids = list(self.argmax_ids)
-        problems = _io_problems(self)
-        if problems:
-            raise EngineError("; ".join(problems))
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise EngineError(f"inputs {past_key(0)} (the KV cache) dtype: expected one of {CACHE_DTYPES}, "
+                              f"got {self.cache_dtype!r}")
 
     # -- persistence ---------------------------------------------------------------------------
     def to_json(self) -> str:
@@ -389,7 +352,9 @@ class Manifest:
                 problems.append(f"tokenizer file {self.tokenizer_file} is missing from {engine_dir}")
             elif hashes and self.tokenizer_sha256 and file_sha256(tok) != self.tokenizer_sha256:
                 problems.append(f"{self.tokenizer_file}: sha256 differs from the manifest's tokenizer_sha256")
-        if self.embedding_file and not (engine_dir / self.embedding_file).is_file():
+        if self.input_mode == "embeds" and not self.embedding_file:
+            problems.append("input_mode 'embeds' needs embedding_file (the token embedding table), got null")
+        elif self.embedding_file and not (engine_dir / self.embedding_file).is_file():
             problems.append(f"embedding file {self.embedding_file} is missing from {engine_dir}")
         return problems
 
