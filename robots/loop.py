@@ -4,13 +4,19 @@ Each tick runs four named, timed sections: observe, infer (hand the latest obser
 worker when the queue runs low; never waits for it), act (send the action due now, or hold / safe-stop),
 wait (sleep to the next period).
 
-Faults: a malformed observation (missing key, wrong shape, non-finite state), a stale one (its "timestamp"
+Faults: a malformed observation (missing key, wrong shape, a state not finite as the engine's float32 sees
+it: NaN, inf, or 1e39, finite in float64 but inf in float32), a stale one (its "timestamp"
 has not advanced for `stale_obs_s`), a policy that raises or returns a bad chunk (NaN/inf, wrong shape),
 and a hung engine (an inference past `watchdog_s`). Each is recorded with its loop time. While a fault is
 active the loop sends no fresh action: it holds the last position target and, if the fault (or a dry
 queue) lasts past `hold_s`, latches a safe stop that only `reset()` clears. Observation faults clear when a
 good observation comes back; policy and engine faults stay until `reset()`. The loop keeps its period
-throughout. `edgespec.robots.profile` turns the report into percentiles, a Chrome trace and a timeline PNG.
+throughout. A robot.safe_stop() that raises is recorded as a fault too; the loop keeps ticking, stopped.
+
+`stop()` (from a signal handler or another thread) ends run() at the next tick: the loop latches its safe
+stop, calls robot.safe_stop() once and returns the report (`stop_requested` says why). An exception escaping
+run() also safe-stops the robot on the way out. `edgespec.robots.profile` turns the report into percentiles,
+a Chrome trace and a timeline PNG.
 
     loop = ControlLoop(robot, policy, LoopConfig(hz=20))
     report = loop.run(seconds=10)
@@ -117,6 +123,8 @@ class LoopReport:
     inference_outcome: list = field(default_factory=list)  # "ok" | "raised" | "bad chunk" | "late" | "unfinished"
     safe_stop_reason: str = ""
     safe_stop_s: float | None = None  # first stopped tick of this run
+    safe_stop_failures: int = 0  # robot.safe_stop() calls that raised (each episode is also in `faults`)
+    stop_requested: str = ""  # why stop() ended the run early ("" when it ran its full duration)
     queue_dropped_stale: int = 0  # chunk actions whose time had passed when they landed or came due
     end_s: float | None = None  # when run() returned
 
@@ -144,14 +152,47 @@ class ControlLoop:
         self._act_dim = (int(sum(np.prod(v) for v in acts.values()))
                          if acts and all(isinstance(v, tuple) for v in acts.values()) else None)
         self._inflight: tuple[LoopReport, float] | None = None  # (run's report, start) of the call in flight
+        self._stop = threading.Event()  # stop() was called: run() ends at the next tick, until reset()
+        self._stop_reason = ""
+        self._stop_error = ""  # the last safe_stop() failure message, so a failing driver is logged once
         self.queue = ChunkQueue(self.cfg.dt, self.cfg.merge)
         self.report = LoopReport(hz=self.cfg.hz)
 
     def reset(self) -> None:
-        """Clear a latched safe stop and a policy / engine fault: an explicit operator decision."""
+        """Clear a latched safe stop, a policy / engine fault and a stop() request: an explicit operator
+        decision."""
         with self._lock:
             self.safety.reset()
             self._fault = ""
+            self._stop.clear()
+            self._stop_reason = ""
+
+    def stop(self, reason: str = "stop requested") -> None:
+        """Ask run() to end at its next tick (within one period) with the robot safe-stopped once.
+        Safe from a signal handler or another thread: it only sets an Event (a stop before run() starts makes
+        run() return after 0 ticks, still safe-stopping the robot)."""
+        self._stop_reason = self._stop_reason or reason
+        self._stop.set()
+
+    @property
+    def stopped(self) -> bool:
+        """True while the safe stop is latched: the loop sends no action until reset()."""
+        return self.safety.stopped
+
+    def _safe_stop(self, rep: LoopReport, now: float) -> None:
+        """robot.safe_stop(); an exception from it is recorded (once per distinct message, counted every
+        time), never raised: the loop must survive its robot's failing stop and keep sending nothing."""
+        try:
+            self.robot.safe_stop()
+        except Exception as e:  # noqa: BLE001
+            rep.safe_stop_failures += 1
+            msg = f"robot.safe_stop() raised {type(e).__name__}: {e}"
+            if msg != self._stop_error:
+                with self._lock:
+                    self._record_fault(rep, now, msg)
+                self._stop_error = msg
+        else:
+            self._stop_error = ""
 
     def _record_fault(self, rep: LoopReport, now: float, msg: str) -> None:  # caller holds self._lock
         rep.faults.append(f"t={now:.3f}s {msg}")
@@ -261,6 +302,7 @@ class ControlLoop:
         self.safety.empty_since = None
         self._job, self._busy_since, self._hung = None, None, False
         self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
+        self._stop_error = ""
         clock = time.perf_counter
         pinned = self._pin(rep)  # before the worker starts, which pins itself alike
         first = self._observe(0.0)
@@ -282,7 +324,7 @@ class ControlLoop:
         gc_watch = self._gc_watch(rep, clock, t_origin)
         gc.callbacks.append(gc_watch)
         try:
-            while next_tick < seconds:
+            while next_tick < seconds and not self._stop.is_set():
                 s0 = clock()
                 t_tick = s0 - t_origin
                 obs = self._observe(t_tick)
@@ -308,6 +350,17 @@ class ControlLoop:
                     start[name].append(a - t_origin)
                     dur[name].append((b - a) * 1e3)
                 rep.ticks += 1
+            if self._stop.is_set():  # stop(): latch first, so nothing is sent after, then stop the robot once
+                now = clock() - t_origin
+                rep.stop_requested = self._stop_reason
+                self.safety.latch(self.safety.reason or self._stop_reason)
+                self._safe_stop(rep, now)
+                if rep.safe_stop_s is None:
+                    rep.safe_stop_s = now
+        except BaseException:  # the loop itself died (a robot method it does not guard, KeyboardInterrupt)
+            self.safety.latch(self.safety.reason or "control loop raised")
+            self._safe_stop(rep, clock() - t_origin)
+            raise
         finally:
             sys.setswitchinterval(switch)
             gc.callbacks.remove(gc_watch)
@@ -342,8 +395,14 @@ class ControlLoop:
                 if shape is not None and np.shape(obs[k]) != shape:
                     raise ValueError(f"{k!r} has shape {np.shape(obs[k])}, expected {shape}")
             state = np.asarray(obs["state"], dtype=np.float64)
-            if state.ndim != 1 or not np.isfinite(state).all():
-                raise ValueError(f"malformed state {obs['state']!r}")
+            if state.ndim != 1:
+                raise ValueError(f"malformed state: expected a 1-D array, got shape {state.shape}")
+            with np.errstate(over="ignore", invalid="ignore"):  # checked as the engine sees it: 1e39 -> inf
+                bad = np.flatnonzero(~np.isfinite(state.astype(np.float32)))
+            if bad.size:
+                raise ValueError(f"malformed state {obs['state']!r}: expected values finite in float32 (the "
+                                 f"engine's input dtype, |x| <= {np.finfo(np.float32).max:.4g}), got "
+                                 f"{state[bad].tolist()} at {bad.tolist()}")
             if (stamp := obs.get("timestamp")) is not None:  # robot clock (s), optional
                 stamp = float(stamp)
                 if stamp != self._stamp:
@@ -404,7 +463,7 @@ class ControlLoop:
         else:
             if mode == "hold":  # the robot refused even the hold target: stop now
                 self.safety.latch(f"robot refused the hold target: {self._fault}")
-            self.robot.safe_stop()
+            self._safe_stop(rep, now)
             rep.stopped_ticks += 1
             rep.tick_action.append("stopped")
             if rep.safe_stop_s is None:
