@@ -222,12 +222,19 @@ def test_text_prompt_stream_and_stop_strings(tiny_engines):
 
 
 def test_eos_stops_generation(tiny_engines, plain):
-    out = plain.generate(prompts()[5], max_new_tokens=128)
+    """EOS (95) ends a sequence: it is the last token and never an earlier one, also when a speculative
+    round accepts drafts past it (a perfect draft, γ = 8: the round is cut at the EOS)."""
+    spec = edgespec.load(tiny_engines["target"], draft=tiny_engines["same"], gamma=8)
     for p in prompts(40, seed=9):
         out = plain.generate(p, max_new_tokens=100)
-        if out.finish_reason == "eos":
-            assert out.token_ids[-1] == 95 and 95 not in out.token_ids[:-1]
-            return
+        if out.finish_reason != "eos":
+            assert 95 not in out.token_ids  # an EOS would have ended it
+            continue
+        assert out.token_ids[-1] == 95 and 95 not in out.token_ids[:-1] and len(out.token_ids) < 100
+        fast = spec.generate(p, max_new_tokens=100)
+        assert (fast.token_ids, fast.finish_reason) == (out.token_ids, "eos")
+        assert fast.stats.accepted > 0  # drafts were kept, so the EOS came from inside a round
+        return
     pytest.fail("no prompt reached the EOS token (95): the test needs another seed")
 
 
@@ -297,6 +304,9 @@ def test_ngram_draft_proposes_the_latest_continuation():
 @pytest.mark.parametrize("kw,match", [
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=True), "temperature must be a finite number >= 0, got True"),
+    (dict(temperature=1e-310), "temperature must be 0 \\(greedy\\) or >= 0.0001, got 1e-310"),
+    (dict(temperature=5e-5, acceptance="coupled"), "temperature must be 0 \\(greedy\\) or >= 0.0001"),
     (dict(top_k=-2, temperature=1), "top_k must be an integer >= 0"),
     (dict(top_p=0.0, temperature=1), "top_p must be in \\(0, 1\\]"),
     (dict(top_p=1.5, temperature=1), "top_p"),
@@ -310,6 +320,30 @@ def test_ngram_draft_proposes_the_latest_continuation():
 def test_invalid_parameters_name_the_parameter(plain, kw, match):
     with pytest.raises(ValueError, match=match):
         plain.generate([1, 2, 3], **kw)
+
+
+@pytest.mark.parametrize("prompt,error,match", [
+    (b"def f(x):", TypeError, "prompt must be text \\(str\\) or a list of token ids, got bytes; decode"),
+    (bytearray(b"def"), TypeError, "got bytearray"),
+    ([b"def", b"class"], TypeError, "got bytes"),  # a batch of bytes
+    ([1, 2.7], TypeError, "token ids must be integers, got \\[2.7\\]"),
+    ([1, True], TypeError, "token ids must be integers, got \\[True\\]"),
+    (42, TypeError, "prompt must be text \\(str\\) or a list of token ids, got int"),
+    ("def \udcff(x):", ValueError, "the prompt is not valid UTF-8 text: '\\\\udcff' at character 4"),
+])
+def test_prompts_that_are_neither_text_nor_ids_are_refused(plain, prompt, error, match):
+    with pytest.raises(error, match=match):
+        plain.generate(prompt, max_new_tokens=4)
+
+
+def test_the_temperature_floor_samples_like_greedy(plain):
+    """At TEMPERATURE_MIN every logit gap is hundreds of nats: sampling picks the argmax (the floor's
+    justification), with finite probabilities, not the NaN of 1e-310."""
+    from edgespec.sampling import TEMPERATURE_MIN
+    greedy = plain.generate([1, 2, 3], max_new_tokens=12).token_ids
+    for acceptance in ("rejection", "coupled"):
+        out = plain.generate([1, 2, 3], max_new_tokens=12, temperature=TEMPERATURE_MIN, seed=0, acceptance=acceptance)
+        assert out.token_ids == greedy
 
 
 def test_empty_and_too_long_prompts_are_refused_before_compute(plain):
