@@ -29,7 +29,8 @@ def cmd_export(args) -> int:
     from edgespec.export.onnx_export import export_engine
 
     m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
-                      input_mode=args.inputs, force=args.force, progress=not args.quiet)
+                      input_mode=args.inputs, force=args.force, progress=not args.quiet,
+                      allow_lossy=args.allow_lossy)
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
@@ -238,7 +239,8 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
             from edgespec.export.onnx_export import export_engine
             why = "made by an older edgespec" if old else "first run only"
             print(f"exporting {models / ckpt} -> {eng} ({dtype}, {why})", file=sys.stderr)
-            export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old)
+            export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old,
+                          role="draft" if name == "demo-draft" else "target")  # the precision gate binds targets
         out.append(eng)
     return out[0], out[1]
 
@@ -335,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder (config.json + safetensors)")
     p.add_argument("--out", type=Path, required=True, help="engine folder to write")
     p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="export a fp16/int8 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
+                        "records the override); for a draft this costs speed only, for a target it changes output")
     p.add_argument("--max-context", type=int, default=None, help="KV capacity (default min(model limit, 2048))")
     p.add_argument("--inputs", choices=["ids", "embeds"], default="ids",
                    help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")

@@ -1,6 +1,7 @@
 """Checkpoint folder -> engine folder (model.onnx + engine.json + tokenizer), through the validation gates.
 
-    edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int8] [--max-context N]
+    edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int8] [--allow-lossy]
+        [--max-context N]
 
 What `export_engine` writes, in order, into a hidden staging folder beside OUT (renamed to OUT only when
 every gate passed, so a failed or interrupted export never leaves a folder that loads):
@@ -8,7 +9,8 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
   2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present)
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference (1e-4), verify vs single steps (1e-4)
-  5) the precision variant (fp16 or int8) replacing model.onnx, with its agreement report vs fp32
+  5) the precision variant (fp16 or int8) replacing model.onnx, with its agreement report vs fp32 and the
+     precision gate: a target below 0.99 top-1 agreement is refused unless --allow-lossy (recorded)
   6) engine.json (the manifest, with hashes and the gate reports)
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import edgespec
 from edgespec import contract as C
 
 from .checkpoint import CheckpointError, ModelSpec, hash_files, load_checkpoint, weight_files
-from .validate import agreement, parity_gate, require, verify_gate
+from .validate import ROLES, agreement, parity_gate, precision_gate, require, verify_gate
 
 DEFAULT_MAX_CONTEXT = 2048
 CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float32"}  # KV cache I/O dtype per precision
@@ -127,7 +129,11 @@ def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq:
 
 def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", max_context: int | None = None,
                   input_mode: str = "ids", force: bool = False, progress: bool = True,
-                  agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None) -> C.Manifest:
+                  agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None,
+                  role: str = "target", allow_lossy: bool = False) -> C.Manifest:
+    """Export `ckpt_dir` to `out_dir` through the gates (module docstring). `role` is "target" or "draft":
+    a fp16 / int8 target must keep top-1 agreement >= 0.99 with fp32 (validate.precision_gate) unless
+    `allow_lossy`; a draft's agreement is recorded but never refused (the target verifies its tokens)."""
     from tqdm import tqdm
 
     from edgespec.engine import OrtEngine
@@ -138,6 +144,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if dtype not in C.PRECISIONS:
         raise ValueError(f"--dtype must be one of {C.PRECISIONS}, got {dtype!r}")
+    if role not in ROLES:  # before any work, like --dtype
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir} already exists; pass --force to replace it")
     t0 = time.time()
@@ -207,6 +215,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             agree = agreement(base, variant, rows, embed, embed)
             agree["text"] = source
             validation["agreement_vs_fp32"] = agree
+            validation["precision_gate"] = precision_gate(agree, dtype, role, allow_lossy)  # raises for a lossy target
             del base, variant
             fp32_path.unlink()
             manifest.model_file, manifest.precision = "model.onnx", dtype

@@ -154,8 +154,9 @@ def precision_gate(agree: dict, precision: str, role: str, allow_lossy: bool = F
     enforced = role == "target"
     if enforced and not passed and not allow_lossy:
         raise GateError(f"validation gate 'precision' failed: the {precision} target agrees with fp32 on the "
-                        f"top-1 token for {top1:.4f} of {tokens} held-out tokens ({agree.get('text', 'token rows')}); "
-                        f"expected >= {threshold} (the gate for fp16 and int8 targets). Export at a higher precision, or pass --allow-lossy "
-                        f"(allow_lossy=True) to export it anyway (engine.json records the override)")
+                        f"top-1 token for {top1:.4f} of {tokens} held-out tokens ({agree.get('text', '?')}); "
+                        f"expected >= {threshold} (the gate for fp16 and int8 targets). Export at a higher "
+                        f"precision, or pass --allow-lossy (allow_lossy=True) to export it anyway (engine.json "
+                        f"records the override)")
     return {"threshold": threshold, "top1": top1, "tokens": tokens, "role": role, "enforced": enforced,
             "passed": passed, "overridden": enforced and not passed and allow_lossy}
