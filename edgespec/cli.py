@@ -266,18 +266,30 @@ def _older_contract(engine_dir: Path) -> bool:
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
     eng, src = Path(engines) / name, Path(models) / name
-    stale = (src / "draft_head.npz").is_file() and (eng / "policy.json").is_file() and \
-        json.loads((eng / "policy.json").read_text()).get("draft_head_sha256") != _sha(src / "draft_head.npz")
-    stale = stale or _older_contract(eng / "target")
+    stale = None  # why the exported folder no longer matches the model folder or this edgespec
+    if (eng / "policy.json").is_file() and (src / "policy.json").is_file():
+        try:
+            got, want = json.loads((eng / "policy.json").read_text()), json.loads((src / "policy.json").read_text())
+        except json.JSONDecodeError:
+            got, want = None, None
+        if not isinstance(got, dict):
+            stale = "its policy.json is not a JSON object"
+        elif "content_sha256" not in got:
+            stale = "exported before policy.json carried a content hash"
+        elif isinstance(want, dict) and any(got.get(k) != v for k, v in want.items()):
+            stale = "the model's policy.json changed (e.g. its state/action semantics)"
+        elif (src / "draft_head.npz").is_file() and got.get("draft_head_sha256") != _sha(src / "draft_head.npz"):
+            stale = "its draft head changed"
+    if _older_contract(eng / "target"):
+        stale = "exported for an older engine contract"
     if not (eng / "policy.json").is_file() or stale:
         if not (src / "policy.json").is_file():
             raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
                                     f"root, or pass --engines/--models")
         _need_export_extra()
         from edgespec.export.vla import export_policy
-        print(f"exporting {src} -> {eng} ({'stale: its draft head or engine contract changed' if stale else 'first run only'})",
-              file=sys.stderr)
-        export_policy(src, eng, progress=False, force=stale)
+        print(f"exporting {src} -> {eng} ({'stale: ' + stale if stale else 'first run only'})", file=sys.stderr)
+        export_policy(src, eng, progress=False, force=bool(stale))
     return eng
 
 

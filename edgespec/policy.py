@@ -4,11 +4,18 @@ tokens with optional speculative decoding.
     policy = edgespec.load_policy("engines/vla-reacher", draft="head")           # exact (greedy) by default
     actions = policy.act(image, state, "reach the red target")                  # (H, D) float64
     policy.last_info  # encode_ms, decode_ms, rounds, accepted, drafted, tokens_per_round, max_dev_bins, ...
+    policy.state_names, policy.action_kind, policy.action_names, policy.action_units  # from policy.json
+
+A Policy is safe to call from several threads (calls run one at a time). Inputs are checked as the encoder
+sees them (float32 state: a value that overflows to inf is refused, by name), the encoder's prefix must be
+finite, and NaN/inf logits raise FloatingPointError without leaving anything behind for the next call.
 
 A policy folder (export/vla.py) holds encoder.onnx (image, state, instruction -> prefix embeddings), a
 target decoder and optionally a draft decoder (inputs_embeds engines that read the prefix, then action
 ids) and a draft head (draft_head.npz: a numpy MLP over the prefix and the ids so far, edgespec/draft_head.py),
-policy.json and action_stats.json. Decoding is constrained to the action ids.
+policy.json and action_stats.json. Decoding is constrained to the action ids. policy.json is checked
+at load (PolicyManifest: one PolicyFileError naming the file and the field) and, with check_hashes, so are
+its content and action_stats.json against the content hash export wrote (check_policy_content).
 
 Drafts: draft="head" (the fastest here: ~0.02 ms a proposal, and its first round is fused into the
 target's prefill), draft=True (the draft decoder engine, ~0.12 ms a proposal) or a draft engine folder.
@@ -24,9 +31,11 @@ Acceptance:
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +55,12 @@ MODES = ("greedy", "relaxed")
 # (bench/results/vla.json "settings"). The head is cheap, so it drafts long runs and stops when unsure.
 DRAFT_DEFAULTS = {"head": (15, 0.7), "decoder": (8, 0.5), None: (8, 0.0)}
 HEAD_FILE = "draft_head.npz"
+STATS_FILE = "action_stats.json"
+POLICY_FORMAT = "edgespec-vla"  # policy.json "format" starts with this ("edgespec-vla/1")
+ACTION_KINDS = ("cartesian_position", "joint_position")  # what an action row commands
+CONTENT_HASH = "content_sha256"  # policy.json's own hash field (export/vla.py writes it)
+SEMANTICS = ("embodiment", "state_names", "state_units", "action_kind", "action_names", "action_units")
+REEXPORT = "re-export it with `edgespec export-policy MODEL --out DIR --force`"
 
 
 def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarray:
@@ -62,6 +77,153 @@ def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarr
     ids = np.zeros(length, np.int64)
     ids[:len(got)] = [words.index(w) for w in got]
     return ids
+
+
+class PolicyFileError(C.EngineError):
+    """A policy folder whose policy.json is malformed, whose policy.json or action_stats.json was edited after
+    export, or that was exported by an older edgespec."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a size
+
+
+def _strings(v, n: int, distinct: bool = False) -> bool:
+    """v is a list of n strings (non-empty and all different when distinct)."""
+    ok = isinstance(v, list) and len(v) == n and all(isinstance(x, str) for x in v)
+    return ok and (not distinct or (all(v) and len(set(v)) == n))
+
+
+def _sha256_or_none(v) -> bool:
+    return v is None or (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v))
+
+
+@dataclass
+class PolicyManifest:
+    """What policy.json declares: the chunk shape, the action tokens, the instruction vocabulary, and what the
+    state and the actions mean (robots/ map state_names and action_names to a robot's joints and messages).
+    Fields besides these (task, config, encoder_gate, precision) are kept in Policy.meta, unchecked."""
+    format: str  # "edgespec-vla/<version>"
+    horizon: int  # H action steps per chunk
+    dims: int  # D action dimensions per step
+    n_bins: int
+    vocab_end: int  # action ids: vocab_end - n_bins .. vocab_end - 1
+    image_size: int
+    state_dim: int
+    instr_len: int
+    words: list  # the instruction vocabulary, words[0] = "<pad>"
+    prefix_len: int
+    embodiment: str  # the robot the policy was trained for, e.g. "three-target-reacher"
+    state_names: list  # (state_dim,) what each state entry is, e.g. "joint0.position"
+    state_units: list  # (state_dim,) e.g. "rad"
+    action_kind: str  # one of ACTION_KINDS
+    action_names: list  # (dims,) what each action dimension commands, e.g. "fingertip.x"
+    action_units: list  # (dims,) e.g. "m"
+    binary_dims: list = field(default_factory=list)  # action dimensions that are open/close (never relaxed)
+    encoder_file: str = "encoder.onnx"
+    encoder_sha256: str | None = None
+    draft_head_sha256: str | None = None
+    action_stats_sha256: str | None = None  # action_stats.json's file hash (covered by content_sha256)
+    content_sha256: str | None = None  # policy_content_sha256 of this file
+
+    def __post_init__(self):
+        problems = self._size_problems() or self._problems()
+        if problems:
+            raise PolicyFileError("; ".join(problems))
+
+    def _want(self, problems: list, name: str, ok: bool, expected: str) -> None:
+        if not ok:
+            problems.append(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+    def _size_problems(self) -> list[str]:
+        problems: list[str] = []
+        want = self._want
+        want(problems, "format", isinstance(self.format, str) and self.format.startswith(POLICY_FORMAT),
+             f"a string starting with {POLICY_FORMAT!r}")
+        for name in ("horizon", "dims", "n_bins", "vocab_end", "image_size", "state_dim", "instr_len", "prefix_len"):
+            want(problems, name, _is_int(getattr(self, name)) and getattr(self, name) > 0, "an integer > 0")
+        return problems
+
+    def _problems(self) -> list[str]:
+        """The fields that are checked against the sizes (which are numbers by now)."""
+        problems: list[str] = []
+        want = self._want
+        want(problems, "vocab_end", self.vocab_end >= self.n_bins, f"an integer >= n_bins {self.n_bins}")
+        want(problems, "words", isinstance(self.words, list) and len(self.words) >= 2 and self.words[0] == "<pad>"
+             and _strings(self.words, len(self.words), distinct=True), 'distinct strings, the first "<pad>"')
+        want(problems, "embodiment", isinstance(self.embodiment, str) and bool(self.embodiment), "a non-empty string")
+        want(problems, "state_names", _strings(self.state_names, self.state_dim, distinct=True),
+             f"{self.state_dim} (state_dim) distinct non-empty strings")
+        want(problems, "state_units", _strings(self.state_units, self.state_dim), f"{self.state_dim} (state_dim) strings")
+        want(problems, "action_kind", self.action_kind in ACTION_KINDS, f"one of {ACTION_KINDS}")
+        want(problems, "action_names", _strings(self.action_names, self.dims, distinct=True),
+             f"{self.dims} (dims) distinct non-empty strings")
+        want(problems, "action_units", _strings(self.action_units, self.dims), f"{self.dims} (dims) strings")
+        want(problems, "binary_dims", isinstance(self.binary_dims, list) and len(set(self.binary_dims)) == len(
+            self.binary_dims) and all(_is_int(j) and 0 <= j < self.dims for j in self.binary_dims),
+             f"distinct action dimensions in [0, {self.dims})")
+        want(problems, "encoder_file", isinstance(self.encoder_file, str) and bool(self.encoder_file)
+             and not Path(self.encoder_file).is_absolute() and ".." not in Path(self.encoder_file).parts,
+             "a file name inside the policy folder")
+        for name in ("encoder_sha256", "draft_head_sha256", "action_stats_sha256", "content_sha256"):
+            want(problems, name, _sha256_or_none(getattr(self, name)), "null or 64 lowercase hex digits")
+        return problems
+
+    @classmethod
+    def from_dict(cls, meta: dict, path: Path) -> "PolicyManifest":
+        """Checked fields of policy.json (meta, read from path): one PolicyFileError naming the file and
+        every missing or malformed field."""
+        fields_ = cls.__dataclass_fields__
+        required = [n for n, f in fields_.items() if f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in meta]
+        if missing:
+            old = "" if set(missing).isdisjoint(SEMANTICS) else \
+                f" (an export older than policy.json's state/action semantics: {REEXPORT})"
+            raise PolicyFileError(f"{path}: missing fields {missing}{old}")
+        try:
+            return cls(**{n: meta[n] for n in fields_ if n in meta})
+        except PolicyFileError as e:
+            raise PolicyFileError(f"{path}: {e}") from None
+
+
+def policy_content_sha256(meta: dict) -> str:
+    """sha256 of policy.json's content without its own content_sha256 field, as canonical JSON (sorted keys,
+    so indentation and key order do not matter). action_stats.json is covered through the file hash the
+    content holds (action_stats_sha256)."""
+    body = {k: v for k, v in meta.items() if k != CONTENT_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def read_policy_json(path: Path) -> dict:
+    """policy.json as a dict, or one PolicyFileError saying why it is not one."""
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PolicyFileError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise PolicyFileError(f"{path}: expected a JSON object of policy fields, got {type(meta).__name__}")
+    return meta
+
+
+def require_content_hash(path: Path, meta: dict) -> None:
+    if meta.get(CONTENT_HASH) is None or meta.get("action_stats_sha256") is None:
+        raise PolicyFileError(f"{path} has no {CONTENT_HASH} (exported by an older edgespec); {REEXPORT}")
+
+
+def check_policy_content(policy_dir: Path, meta: dict) -> None:
+    """policy.json and action_stats.json are what export wrote: a swapped instruction word or an edited
+    action range would silently change what the robot does."""
+    path = policy_dir / C.POLICY_FILE
+    require_content_hash(path, meta)
+    if policy_content_sha256(meta) != meta[CONTENT_HASH]:
+        raise PolicyFileError(f"{path} was edited after export (its content does not match its {CONTENT_HASH}); "
+                              f"{REEXPORT}")
+    stats = policy_dir / STATS_FILE
+    if not stats.is_file():
+        raise FileNotFoundError(f"{stats} is missing; {REEXPORT}")
+    if C.file_sha256(stats) != meta["action_stats_sha256"]:
+        raise PolicyFileError(f"{stats} was edited after export (it does not match action_stats_sha256 in "
+                              f"{path}); {REEXPORT}")
 
 
 @dataclass
@@ -99,18 +261,25 @@ class Policy:
         if not path.is_file():
             raise FileNotFoundError(f"{self.dir} is not a policy folder: no {C.POLICY_FILE} "
                                     f"(export one with `edgespec export-policy`)")
-        self.meta = meta = json.loads(path.read_text())
-        self.horizon, self.dims = int(meta["horizon"]), int(meta["dims"])
-        self.image_size, self.state_dim = int(meta["image_size"]), int(meta["state_dim"])
-        self.words, self.instr_len = list(meta["words"]), int(meta["instr_len"])
-        self.prefix_len = int(meta["prefix_len"])
-        stats = ActionStats.load(self.dir / "action_stats.json")
+        self.meta = meta = read_policy_json(path)
+        if check_hashes:
+            require_content_hash(path, meta)  # an older export: say "re-export" before naming missing fields
+        self.manifest = m = PolicyManifest.from_dict(meta, path)
+        if check_hashes:
+            check_policy_content(self.dir, meta)
+        self.horizon, self.dims, self.image_size, self.state_dim = m.horizon, m.dims, m.image_size, m.state_dim
+        self.words, self.instr_len, self.prefix_len = list(m.words), m.instr_len, m.prefix_len
+        # what the state and the actions mean (robots/ read these)
+        self.embodiment, self.action_kind = m.embodiment, m.action_kind
+        self.state_names, self.state_units = list(m.state_names), list(m.state_units)
+        self.action_names, self.action_units = list(m.action_names), list(m.action_units)
+        stats = ActionStats.load(self.dir / STATS_FILE)
         if stats.dims != self.dims:
-            raise ValueError(f"{self.dir}/action_stats.json has {stats.dims} dimensions but the policy emits "
+            raise ValueError(f"{self.dir}/{STATS_FILE} has {stats.dims} dimensions but the policy emits "
                              f"{self.dims} per step")
-        self.tok = ActionTokenizer(int(meta["vocab_end"]), int(meta["n_bins"]), stats)
-        enc_path = self.dir / meta.get("encoder_file", "encoder.onnx")
-        if check_hashes and meta.get("encoder_sha256") and C.file_sha256(enc_path) != meta["encoder_sha256"]:
+        self.tok = ActionTokenizer(m.vocab_end, m.n_bins, stats)
+        enc_path = self.dir / m.encoder_file
+        if check_hashes and m.encoder_sha256 and C.file_sha256(enc_path) != m.encoder_sha256:
             raise C.EngineError(f"{enc_path} does not match the sha256 in {path}")
         self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
@@ -122,7 +291,7 @@ class Policy:
             if not hpath.is_file():
                 raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (train one with "
                                         f"`python -m edgespec.export.train_draft_head`)")
-            if check_hashes and meta.get("draft_head_sha256") and C.file_sha256(hpath) != meta["draft_head_sha256"]:
+            if check_hashes and m.draft_head_sha256 and C.file_sha256(hpath) != m.draft_head_sha256:
                 raise C.EngineError(f"{hpath} does not match the sha256 in {path}")
             self.head = DraftHead.load(hpath)
             if self.tok.first_id != 0 or self.head.n_ids != self.tok.vocab_end:
@@ -150,10 +319,12 @@ class Policy:
             raise ValueError(f"prefix {self.prefix_len} + {n} action tokens exceed the decoder's context "
                              f"{self.target.m.max_context}")
         # per chunk position: how many bins a relaxed draft may be off (0 on binary / unmasked dims)
-        binary = set(meta.get("binary_dims", [])) | set(np.nonzero(~stats.mask)[0].tolist())
+        binary = set(m.binary_dims) | set(np.nonzero(~stats.mask)[0].tolist())
         r = self.cfg.radius if self.cfg.mode == "relaxed" else 0
         self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n)], np.int64)  # (H*D,)
         self.last_info: dict = {}
+        # one call at a time: the decoders' caches, the draft head's context and last_info are shared state
+        self._lock = threading.RLock()
 
     def _check_argmax(self, m: C.Manifest, where: Path) -> None:
         want = (self.tok.first_id, self.tok.vocab_end)
@@ -174,22 +345,35 @@ class Policy:
         return self.act(obs["image"], obs["state"], obs["instruction"])
 
     def check_inputs(self, image, state) -> tuple[np.ndarray, np.ndarray]:
+        """-> image (1, S, S, 3) uint8, state (1, N) float32: checked as the encoder will see them (a state
+        finite in float64 can still overflow to inf in float32)."""
         image, state = np.asarray(image), np.asarray(state)
         want = (self.image_size, self.image_size, 3)
         if image.shape != want or image.dtype != np.uint8:
             raise ValueError(f"image must be {want} uint8 RGB, got {image.shape} {image.dtype}")
-        if state.shape != (self.state_dim,):
-            raise ValueError(f"state must have shape ({self.state_dim},) (joint positions then velocities), "
-                             f"got {state.shape}")
-        if not np.isfinite(state).all():
-            raise ValueError(f"state contains NaN or inf: {state.tolist()}")
-        return image[None], state.astype(np.float32)[None]
+        if state.shape != (self.state_dim,) or state.dtype.kind not in "biuf":
+            raise ValueError(f"state must have shape ({self.state_dim},), numbers ({', '.join(self.state_names)}); "
+                             f"got {state.shape} {state.dtype}")
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is reported below, by name
+            st = state.astype(np.float32)
+        bad = np.nonzero(~np.isfinite(st))[0]
+        if len(bad):
+            got = ", ".join(f"{self.state_names[j]} = {float(state[j])!r}" for j in bad)
+            raise ValueError(f"state must be finite float32 values (|x| < {np.finfo(np.float32).max:.3g}); "
+                             f"got NaN, inf or out of range: {got}")
+        return image[None], st[None]
 
     def encode(self, image, state, instruction: str) -> np.ndarray:
-        """-> prefix embeddings (1, P, E)."""
+        """-> prefix embeddings (1, P, E), all finite."""
         img, st = self.check_inputs(image, state)
         feeds = {C.ENC_IMAGE: img, C.ENC_STATE: st, C.ENC_INSTRUCTION: self.instruction_ids(instruction)}
-        return self.encoder.run([C.ENC_PREFIX], feeds)[0]
+        with self._lock:  # one run at a time, like the decoders
+            prefix = self.encoder.run([C.ENC_PREFIX], feeds)[0]
+        if not np.isfinite(prefix).all():
+            bad = int((~np.isfinite(prefix)).sum())
+            raise FloatingPointError(f"the encoder produced {bad} NaN/inf prefix values for this observation; "
+                                     f"refusing to decode actions from them")
+        return prefix
 
     # -- decoding ----------------------------------------------------------------------------------
     def _pick(self, logits: np.ndarray, positions=None):  # logits (B, V) -> action ids (B,), constrained
@@ -218,21 +402,29 @@ class Policy:
 
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
-        t0 = time.perf_counter()
-        prefix = self.encode(image, state, instruction)  # (1, P, E)
-        t1 = time.perf_counter()
-        ids, info = self.decode_ids(prefix)
-        t2 = time.perf_counter()
-        actions = self.tok.decode_chunk(np.asarray(ids), self.horizon, self.dims)
-        info.update(encode_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3, act_ms=(time.perf_counter() - t0) * 1e3)
-        self.last_info = info
-        return actions
+        with self._lock:  # threads wait here: a call is never interleaved with another
+            t0 = time.perf_counter()
+            prefix = self.encode(image, state, instruction)  # (1, P, E)
+            t1 = time.perf_counter()
+            ids, info = self.decode_ids(prefix)
+            t2 = time.perf_counter()
+            actions = self.tok.decode_chunk(np.asarray(ids), self.horizon, self.dims)
+            info.update(encode_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3,
+                        act_ms=(time.perf_counter() - t0) * 1e3)
+            self.last_info = info
+            return actions
 
     def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None,
                    reference: bool = False) -> tuple[list[int], dict]:
         """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics.
         Speculative decoding runs a lean single-sequence loop; reference=True runs the same decoding through
-        the generic `speculative_round` + `DraftModel` (slow, obvious; tests compare the two)."""
+        the generic `speculative_round` + `DraftModel` (slow, obvious; tests compare the two).
+        NaN/inf logits from the target raise FloatingPointError (check_ids); the rows such a call wrote are
+        zeroed by the decoder, and every call starts from empty caches, so a failed call changes no later one."""
+        with self._lock:  # the caches are shared: one decode at a time
+            return self._decode_ids(prefix, use_draft, reference)
+
+    def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool) -> tuple[list[int], dict]:
         n, p = self.horizon * self.dims, prefix.shape[1]
         target = self.target
         target.cache.rewind_to(0)
@@ -390,8 +582,8 @@ class Policy:
         return ids[:n], info
 
     def worst_case_deviation(self) -> np.ndarray:
-        """(D,) the most a relaxed token can differ from the target's choice, in action units (policy.json's
-        action_units; the reacher: metres)."""
+        """(D,) the most a relaxed token can differ from the target's choice, per action dimension in that
+        dimension's unit (self.action_names[j] in self.action_units[j]; the reacher: fingertip.x / .y in m)."""
         s = self.tok.stats
         r = self._radius[:self.dims].astype(np.float64)
         return r * (s.q99 - s.q01) / (self.tok.n_bins - 1) * np.where(s.mask, 1.0, 0.0)

@@ -140,22 +140,20 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
 
     from .contract_model import ContractDecoder
     from .reference import ReferenceDecoder
+    from .staging import check_out_dir, prepare, publish
 
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     if dtype not in C.PRECISIONS:
         raise ValueError(f"--dtype must be one of {C.PRECISIONS}, got {dtype!r}")
     if role not in ROLES:  # before any work, like --dtype
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} already exists; pass --force to replace it")
+    check_out_dir(out_dir, [ckpt_dir], force)  # before any work: --force replaces only an edgespec folder
     t0 = time.time()
     spec, weights = load_checkpoint(ckpt_dir)
     max_context = resolve_max_context(spec, max_context)
     manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids)
     bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
-    stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    stage = prepare(out_dir, [ckpt_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
     try:
         # 1) the fp32 graph
         bar.set_description("export: tracing to ONNX")
@@ -227,9 +225,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         manifest.extra = {"validation": validation, "export_seconds": round(time.time() - t0, 2),
                           "source_checkpoint": ckpt_dir.name}
         manifest.write(stage)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(stage, out_dir)
+        publish(stage, out_dir)
         bar.set_description("export: done")
         bar.update(1)
     except BaseException:

@@ -5,15 +5,17 @@
 Writes, into a staging folder renamed into place only when every gate passed:
   encoder.onnx          image, state, instruction -> prefix_embeds (contract.py names), fp32
   target/, draft/       inputs_embeds decoder engines (export_engine: parity and verify gates, manifest)
-  policy.json           the model folder's policy.json + encoder hash + the encoder gate report
   action_stats.json     q01 / q99 / mask of the action dimensions
   draft_head.npz        the numpy draft head, when the model folder has one (train_draft_head.py)
+  policy.json           the model folder's policy.json (checked: PolicyManifest) + the encoder, draft head
+                        and action_stats.json hashes + the encoder gate report, then content_sha256 over
+                        all of it (the runtime refuses a policy.json or action_stats.json edited afterwards)
 Encoder gate: ORT vs the torch encoder on random images/states/instructions, max |diff| <= 1e-4.
+OUT and --force: export/staging.py (only a folder edgespec wrote is replaced).
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -21,8 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
+from edgespec.policy import CONTENT_HASH, STATS_FILE, PolicyManifest, policy_content_sha256, read_policy_json
 
 from .onnx_export import export_engine
+from .staging import check_out_dir, prepare, publish
 
 ENCODER_FILE = "encoder.onnx"
 HEAD_FILE = "draft_head.npz"
@@ -91,36 +95,34 @@ def export_encoder(model_dir: Path, path: Path) -> dict:
 def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,
                   progress: bool = True) -> dict:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    needed = [C.POLICY_FILE, "action_stats.json", "encoder.safetensors", "target/config.json"]
+    needed = [C.POLICY_FILE, STATS_FILE, "encoder.safetensors", "target/config.json"]
     missing = [n for n in needed if not (model_dir / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{model_dir} is not a VLA policy folder: missing {missing}")
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} already exists; pass --force to replace it")
-    stage = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
+    meta = read_policy_json(model_dir / C.POLICY_FILE)
+    PolicyManifest.from_dict(meta, model_dir / C.POLICY_FILE)  # refuse a malformed one before any work
+    check_out_dir(out_dir, [model_dir], force)
+    stage = prepare(out_dir, [model_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
     try:
         gate = export_encoder(model_dir, stage / ENCODER_FILE)
-        meta = json.loads((model_dir / C.POLICY_FILE).read_text())
         actions = (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"]))  # next_ids picks among these
         for name in ("target", "draft"):
             if (model_dir / name / "config.json").is_file():
                 export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress,
                               argmax_ids=actions)
-        shutil.copy2(model_dir / "action_stats.json", stage / "action_stats.json")
-        policy = json.loads((model_dir / C.POLICY_FILE).read_text())
+        shutil.copy2(model_dir / STATS_FILE, stage / STATS_FILE)
+        policy = {k: v for k, v in meta.items() if k != CONTENT_HASH}
         policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),
-                       "encoder_gate": gate, "precision": dtype})
+                       "encoder_gate": gate, "precision": dtype,
+                       "action_stats_sha256": C.file_sha256(stage / STATS_FILE)})
         if (model_dir / HEAD_FILE).is_file():  # the numpy draft head (train_draft_head.py): copied as is
             from edgespec.draft_head import DraftHeadWeights
             DraftHeadWeights.load(model_dir / HEAD_FILE)  # refuses weights that do not fit together
             shutil.copy2(model_dir / HEAD_FILE, stage / HEAD_FILE)
             policy["draft_head_sha256"] = C.file_sha256(stage / HEAD_FILE)
+        policy[CONTENT_HASH] = policy_content_sha256(policy)  # last: covers every field above
         (stage / C.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        stage.rename(out_dir)
+        publish(stage, out_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return policy

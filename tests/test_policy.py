@@ -7,12 +7,44 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import assert_fast_path_matches_reference, policy_obs
+from conftest import assert_fast_path_matches_reference, make_tiny_policy, policy_obs
 from edgespec.policy import PolicyConfig, load_policy
 from edgespec.speculative import accept_relaxed
 
 
 obs = policy_obs
+
+
+def declare_action_semantics(model_dir, dims: int) -> None:
+    """make_tiny_policy writes the reacher's semantics (2 action names) whatever dims is: name D of them."""
+    meta = json.loads((model_dir / "policy.json").read_text())
+    meta.update(action_kind="joint_position", action_names=[f"joint{j}.position" for j in range(dims)],
+                action_units=["rad"] * dims)
+    (model_dir / "policy.json").write_text(json.dumps(meta))
+
+
+def rehash(folder) -> None:
+    """Record the content hash of an edited policy.json / action_stats.json, as a re-export would."""
+    from edgespec.contract import file_sha256
+    from edgespec.policy import CONTENT_HASH, policy_content_sha256
+    meta = json.loads((folder / "policy.json").read_text())
+    meta["action_stats_sha256"] = file_sha256(folder / "action_stats.json")
+    meta[CONTENT_HASH] = policy_content_sha256(meta)
+    (folder / "policy.json").write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope="module")
+def tiny_policies(tmp_path_factory):
+    """Exported policy folders (conftest's tiny_policies, with D = 3 action names): 'plain' (random target
+    + random draft) and 'self' (the target as its own draft, so every greedy draft is accepted)."""
+    from edgespec.export.vla import export_policy
+    root = tmp_path_factory.mktemp("policies")
+    declare_action_semantics(root / "model", make_tiny_policy(root / "model").dims)
+    export_policy(root / "model", root / "plain", progress=False)
+    shutil.rmtree(root / "model" / "draft")
+    shutil.copytree(root / "model" / "target", root / "model" / "draft")
+    export_policy(root / "model", root / "self", progress=False)
+    return {"plain": root / "plain", "self": root / "self", "model": root / "model"}
 
 
 # -- the acceptance rule ---------------------------------------------------------------------------------
@@ -100,6 +132,7 @@ def test_binary_dimensions_are_never_relaxed(tiny_policies, tmp_path):
     meta = json.loads((d / "policy.json").read_text())
     meta["binary_dims"] = [2]
     (d / "policy.json").write_text(json.dumps(meta))
+    rehash(d)
     pol = load_policy(d, draft=True, mode="relaxed", radius=50)
     r = pol._radius[:pol.horizon * pol.dims].reshape(pol.horizon, pol.dims)
     assert (r[:, 2] == 0).all() and (r[:, :2] == 50).all()
@@ -125,6 +158,7 @@ def test_statistics_that_do_not_match_the_policy_are_refused(tiny_policies, tmp_
     d = tmp_path / "stats"
     shutil.copytree(tiny_policies["plain"], d)
     (d / "action_stats.json").write_text(json.dumps({"q01": [0, 0], "q99": [1, 1]}))
+    rehash(d)
     with pytest.raises(ValueError, match="has 2 dimensions but the policy emits 3"):
         load_policy(d)
 
