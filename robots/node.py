@@ -538,30 +538,38 @@ class PolicyNode:
 
 # ---------------------------------------------------------------- command line
 
-def _wait_for_signal(node: PolicyNode, seconds: float | None) -> str | None:
-    """Run the node until `seconds` pass (-> None) or SIGINT / SIGTERM arrives (-> its name). The handlers only
-    set an event: the stop itself runs here, in the main thread, once."""
-    got: list[str] = []
-    stop = threading.Event()
+class _StopSignals:
+    """While active, SIGINT / SIGTERM only record their name and set an event (in the main thread; elsewhere
+    Python delivers no signals to us and Ctrl-C stays a KeyboardInterrupt). The stop itself is the caller's
+    to do, once; signals arriving during it are recorded and ignored."""
 
-    def on_signal(signum, frame):
-        got.append(signal.Signals(signum).name)
-        stop.set()
-    main_thread = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-    try:
-        node.start()
-        what = node.stats.embodiment or "joints of the first joint state"
-        print(f"edgespec robot node: serving on domain {node.domain_id} ({what}); SIGINT / SIGTERM: safe stop",
-              file=sys.stderr, flush=True)
-        try:
-            stop.wait(seconds)
-        except KeyboardInterrupt:  # not the main thread: no handler of ours
-            got.append("SIGINT")
-        return got[0] if got else None
-    finally:
-        for s, h in old.items():  # a second signal during the safe stop still lands in on_signal: ignored
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.got: list[str] = []
+        self.event = threading.Event()
+        self._old: dict = {}
+
+    def _on_signal(self, signum, frame):
+        self.got.append(signal.Signals(signum).name)
+        self.event.set()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
             signal.signal(s, h)
+
+    def wait(self, seconds: float | None) -> str | None:
+        """Until `seconds` pass (-> None) or a signal arrives (-> its name, e.g. "SIGTERM")."""
+        try:
+            self.event.wait(seconds)
+        except KeyboardInterrupt:  # handlers not installed (not the main thread)
+            self.got.append("SIGINT")
+        return self.got[0] if self.got else None
 
 
 def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment: Embodiment | None = None) -> int:
@@ -587,8 +595,12 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
     except ValueError as e:
         p.error(str(e))
     rc = 0
-    with node:
-        sig = _wait_for_signal(node, args.seconds)
+    with _StopSignals() as signals, node:
+        node.start()
+        what = node.stats.embodiment or "joints of the first joint state"
+        print(f"edgespec robot node: serving on domain {node.domain_id} ({what}); SIGINT / SIGTERM: safe stop",
+              file=sys.stderr, flush=True)
+        sig = signals.wait(args.seconds)
         if sig is None:
             node.stop()
         else:
@@ -599,8 +611,8 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
                 print(f"edgespec robot node: SAFE STOP FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 node.stats.last_fault = f"safe stop failed: {type(e).__name__}: {e}"
         status = node.status()
-    status["exit"] = {"signal": sig, "safe_stop": sig is not None, "rc": rc}
-    print(json.dumps(status, indent=1, default=str), flush=True)
+        status["exit"] = {"signal": sig, "signals": list(signals.got), "safe_stop": sig is not None, "rc": rc}
+        print(json.dumps(status, indent=1, default=str), flush=True)
     return rc
 
 

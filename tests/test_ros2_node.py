@@ -253,15 +253,26 @@ class Peer:
                   [("joint_states", rm.JointState), ("image", rm.Image), ("instruction", rm.String)]}
         self.r = {name: DataReader(self.dp, Topic(self.dp, rm.ros_topic(name), typ), q) for name, typ in
                   [("action_chunk", rm.JointTrajectory), ("diagnostics", rm.DiagnosticArray)]}
-        self.chunks, self.diags = [], []
+        self.chunks, self.stops, self.diags = [], [], []  # stops: trajectories without points
 
     def publish(self, position=POSITION, velocity=VELOCITY, encoding="bgr8"):
         self.w["instruction"].write(rm.String(INSTRUCTION))  # volatile: repeat it so a late reader gets it
         self.w["image"].write(rm.numpy_to_image(make_image(), encoding))
         self.w["joint_states"].write(rm.joint_state_msg(NAMES, position, velocity))
 
+    def reset(self, why: str):
+        """Clear the node's latched stop through its reset topic (the writer is made on first use)."""
+        if "reset" not in self.w:
+            self.w["reset"] = DataWriter(self.dp, Topic(self.dp, "rt/edgespec_policy_node/reset", rm.String),
+                                         rm.ros_qos())
+            end = time.monotonic() + 10
+            while not self.w["reset"].get_matched_subscriptions() and time.monotonic() < end:
+                time.sleep(0.02)  # volatile: a message written before the node's reader matched is lost
+        self.w["reset"].write(rm.String(why))
+
     def poll(self):
-        self.chunks += self.r["action_chunk"].take(N=100)
+        for msg in self.r["action_chunk"].take(N=100):
+            (self.chunks if msg.points else self.stops).append(msg)
         self.diags += [rm.diagnostics_values(d) | {"_level": d.status[0].level, "_message": d.status[0].message}
                        for d in self.r["diagnostics"].take(N=100)]
 
@@ -406,14 +417,18 @@ def test_publisher_gone_holds_then_latches_stop_until_reset(make_node, domain):
     start = time.monotonic()
     assert not peer.wait_for(lambda: node.status()["safety"] == "ok", timeout=0.6)
     assert node.status()["chunks_published"] == published and time.monotonic() - start >= 0.6
-    node.reset()
+    # the latch told the controller to stop and hold: one trajectory without points, for the node's joints
+    assert [rm.trajectory_to_numpy(m)[0] for m in peer.stops] == [NAMES] and node.status()["stops_published"] == 1
+    peer.reset("operator: robot checked")
     n = len(peer.chunks)
     assert peer.wait_for(lambda: len(peer.chunks) >= n + 2 and node.status()["safety"] == "ok"), node.status()
+    assert node.status()["resets"] == 1
+    assert any("reset: on rt/edgespec_policy_node/reset: 'operator: robot checked'" in d["_message"] for d in peer.diags)
 
 
 def test_policy_raising_or_returning_nan_publishes_nothing_and_keeps_running(make_node, domain):
     policy = FakePolicy()
-    node = make_node(policy)
+    node = make_node(policy, max_policy_failures=10**6, hold_s=60.0)  # never latches here: degraded, then recovers
     peer = Peer(domain)
     assert peer.wait_for(lambda: len(peer.chunks) >= 1), node.status()
     for mode, text in (("raise", "policy raised RuntimeError: engine exploded"), ("nan", "NaN or inf in its chunk")):
@@ -431,6 +446,69 @@ def test_policy_raising_or_returning_nan_publishes_nothing_and_keeps_running(mak
     assert st["chunks_published"] == st["inferences"] - st["policy_faults"] - st["chunks_dropped"]
     assert len(peer.chunks) == st["chunks_published"]
     assert all(np.isfinite(rm.trajectory_to_numpy(m)[1]).all() for m in peer.chunks)
+
+
+@pytest.mark.parametrize("max_failures, hold_s, reason", [(3, 60.0, "policy failing: 3 in a row"),
+                                                         (10**6, 0.3, "policy failing: ")])
+def test_policy_failures_are_never_reported_ok_and_latch_a_stop_until_reset(make_node, domain, max_failures,
+                                                                             hold_s, reason):
+    policy = FakePolicy()
+    node = make_node(policy, max_policy_failures=max_failures, hold_s=hold_s, stale_s=5.0)
+    peer = Peer(domain)
+    assert peer.wait_for(lambda: len(peer.chunks) >= 1), node.status()
+    policy.mode = "raise"
+    assert peer.wait_for(lambda: any(d["safety"].startswith("stopped") for d in peer.diags)), node.status()
+    first = next(i for i, d in enumerate(peer.diags) if "engine exploded" in d["_message"])
+    after = peer.diags[first:]
+    assert all(d["safety"] != "ok" and d["_level"] == rm.ERROR for d in after), after  # never "ok" while failing
+    degraded = [d for d in after if d["safety"].startswith("degraded")]
+    if max_failures > 1 and hold_s > 1:
+        assert degraded and "policy failing (1 in a row): policy raised RuntimeError" in degraded[0]["safety"]
+    stopped = next(d for d in after if d["safety"].startswith("stopped"))
+    assert reason in stopped["safety"] and "engine exploded" in stopped["safety"], stopped
+    assert peer.wait_for(lambda: len(peer.stops) == 1, publish=False), node.status()  # the controller holds
+    # latched: a policy that works again does not restart it
+    policy.mode = "ok"
+    n = len(peer.chunks)
+    assert not peer.wait_for(lambda: len(peer.chunks) > n, timeout=0.6)
+    assert node.status()["safety"].startswith("stopped: policy failing")
+    peer.reset("policy fixed")
+    assert peer.wait_for(lambda: len(peer.chunks) >= n + 2 and node.status()["safety"] == "ok"), node.status()
+    assert node.status()["policy_failures_in_a_row"] == 0
+
+
+def _corrupt(msg):
+    """`msg` serialized as well-formed CDR whose frame_id is not UTF-8: cyclonedds carries it, and the
+    node's Python decoding of it fails (UnicodeDecodeError)."""
+    msg.header.frame_id = "@@"
+    raw = msg.serialize().replace(b"@@", b"\xff\xfe")
+    msg.serialize = lambda **kw: raw  # DataWriter.write sends what serialize() returns
+    return msg
+
+
+def test_an_undecodable_sample_costs_no_valid_sample(domain):
+    node = PolicyNode(FakePolicy(), NodeConfig(domain_id=domain, joint_names=NAMES))  # not started: the test reads
+    try:
+        dp = DomainParticipant(domain)
+        w = DataWriter(dp, Topic(dp, "rt/joint_states", rm.JointState), rm.ros_qos())
+        end = time.monotonic() + 10
+        while not w.get_matched_subscriptions() and time.monotonic() < end:
+            time.sleep(0.02)
+        sent = [[k, -k] for k in (1.0, 2.0, 3.0, 4.0)]
+        for k, pos in enumerate(sent):  # valid, valid, undecodable, valid, valid: one batch on the reader
+            if k == 2:
+                w.write(_corrupt(rm.joint_state_msg(NAMES, [9.0, 9.0], VELOCITY)))
+            w.write(rm.joint_state_msg(NAMES, pos, VELOCITY))
+        end = time.monotonic() + 10
+        while node.stats.joint_states + node.stats.rejected_messages < 5 and time.monotonic() < end:
+            node._read_inputs(time.monotonic())
+            time.sleep(0.02)
+        st = node.status()
+        assert st["joint_states"] == 4 and st["rejected_messages"] == 1, st
+        assert "rejected joint_states: could not deserialize (UnicodeDecodeError" in st["last_fault"]
+        assert node._state.tolist() == sent[-1] + VELOCITY  # the newest valid sample is the observation
+    finally:
+        node.close()
 
 
 def test_main_runs_the_node_for_seconds(domain, capsys):
