@@ -360,10 +360,9 @@ class Manifest:
 
     def check_graph_io(self, inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]]) -> list[str]:
         """Compare the graph's (name, dtype, shape) lists with the manifest's; return what differs.
-        The sizes come first, each named by its engine.json field; then every tensor's name, dtype and shape."""
+        The sizes come first, each named by its engine.json field; then the tensors' names, dtypes and
+        shapes (one line per list: a wrong size or dtype repeats in every layer's tensors)."""
         problems = self._graph_size_problems(inputs, outputs)
-        if problems:
-            return problems  # a wrong size differs in every layer's tensors: say it once, by field
         for kind, want, got in (("input", self.inputs, inputs), ("output", self.outputs, outputs)):
             want_names, got_names = [t.name for t in want], [g[0] for g in got]
             if want_names != got_names:
@@ -371,16 +370,16 @@ class Manifest:
                 extra = [n for n in got_names if n not in want_names]
                 problems.append(f"{kind} names differ: missing {missing}, unexpected {extra}")
                 continue
-            for spec, (name, dtype, shape) in zip(want, got):
-                diff = spec.matches(name, dtype, shape)
-                if diff:
-                    problems.append(f"{kind} {diff}")
+            diffs = [d for spec, (name, dtype, shape) in zip(want, got) if (d := spec.matches(name, dtype, shape))]
+            if diffs:
+                more = f" (and {len(diffs) - 1} more {kind}s)" if len(diffs) > 1 else ""
+                problems.append(f"{kind} {diffs[0]}{more}")
         return problems
 
     def _graph_size_problems(self, inputs: list[tuple[str, str, list]], outputs: list[tuple[str, str, list]]
                              ) -> list[str]:
-        """num_layers, num_kv_heads, head_dim, vocab_size, hidden_size and the cache dtype, read back from
-        the graph's tensors (a dim the graph leaves symbolic is not compared)."""
+        """num_layers, num_kv_heads, head_dim, vocab_size and hidden_size, read back from the graph's
+        tensors (a dim the graph leaves symbolic is not compared)."""
         ins, outs = {n: (d, s) for n, d, s in inputs}, {n: (d, s) for n, d, s in outputs}
         pk = optimum_past_key if self.kind == "optimum" else past_key
         problems = []
@@ -389,11 +388,8 @@ class Manifest:
         if (layers, presents) != (self.num_layers, self.num_layers):
             problems.append(f"num_layers: engine.json has {self.num_layers} but the graph has {layers} "
                             f"{pk(0).rsplit('.', 2)[0]}.i and {presents} present.i cache layers")
-        if layers:
-            dtype, shape = ins[pk(0)]
-            if dtype != self.cache_dtype:
-                problems.append(f"cache dtype: engine.json declares {self.cache_dtype} ({self.precision}) but the "
-                                f"graph's {pk(0)} is {dtype}")
+        if layers:  # (a cache dtype that differs is reported per tensor by the checks after these)
+            shape = ins[pk(0)][1]
             for field_name, dim in (("num_kv_heads", 1), ("head_dim", 3)):
                 got = shape[dim] if len(shape) == 4 else None
                 if isinstance(got, int) and got != getattr(self, field_name):

@@ -109,8 +109,7 @@ def test_manifest_that_is_not_an_object_is_refused(engine, tmp_path):
     (dict(num_kv_heads=4, **declared_io(kv_heads=4)), "num_kv_heads: engine.json has 4 but the graph's"),
     (dict(head_dim=4, num_heads=4, **declared_io(head_dim=4)), "head_dim: engine.json has 4 but the graph's"),
     (dict(vocab_size=128, **declared_io(vocab=128)), "vocab_size: engine.json has 128 but the graph's"),
-    (declared_io(cache="float16"), "cache dtype: engine.json declares float16 \\(fp32\\) but the graph's "
-                                   "past.0.key is float32"),
+    (declared_io(cache="float16"), "input past.0.key: dtype float32 != manifest float16"),
 ])
 def test_sizes_that_disagree_with_the_graph_are_refused_at_load(engine, tmp_path, fields, match):
     d = edited(engine, tmp_path, **fields)
