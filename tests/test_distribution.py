@@ -61,6 +61,23 @@ def test_accept_reject_step_reproduces_p(point_mass):
     assert chi2_pvalue(counts, shifted(p)) < ALPHA
 
 
+@pytest.mark.parametrize("kw,want", [
+    # logits [2, 1, 0, -1] / T 0.5 = [4, 2, 0, -2] -> softmax
+    (dict(temperature=0.5), np.exp([4.0, 2, 0, -2]) / np.exp([4.0, 2, 0, -2]).sum()),
+    # top-k 3 drops only -2 (the third largest, 0, is kept)
+    (dict(temperature=0.5, top_k=3), np.array([np.exp(4), np.exp(2), 1, 0]) / (np.exp(4) + np.exp(2) + 1)),
+    # softmax over [4, 2, 0] = [0.8668, 0.1173, 0.0159]: top-p 0.9 keeps the first two
+    # (mass before the second is 0.8668 < 0.9, before the third 0.9841 >= 0.9)
+    (dict(temperature=0.5, top_k=3, top_p=0.9), np.array([np.exp(4), np.exp(2), 0, 0]) / (np.exp(4) + np.exp(2))),
+    # top-p 0.8: the most likely token alone already reaches 0.8
+    (dict(temperature=0.5, top_p=0.8), np.array([1.0, 0, 0, 0])),
+])
+def test_probs_applies_temperature_top_k_top_p(kw, want):
+    """The distribution tests compare speculation with `probs` itself, so `probs` is checked by hand here."""
+    got = probs(np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32), SamplingConfig(**kw))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+
+
 def test_coupled_draw_reproduces_p():
     """Coupled mode draws token `pos` of row `b` as argmax(filtered logits + noise(b, pos)): over many
     (b, pos) keys that must be a sample from probs(logits) (Gumbel-max), top-k / top-p cells included."""
