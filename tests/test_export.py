@@ -46,6 +46,31 @@ def test_precision_variants_report_agreement(tiny_checkpoints, tmp_path, dtype, 
     assert sorted(os.listdir(tmp_path / dtype)) == ["engine.json", "model.onnx"]  # the fp32 copy is gone
 
 
+def test_agreement_rows_are_held_out_from_demo_training(tmp_path, monkeypatch):
+    """The precision gate's text rows come only from files that train_demo.py's own split keeps out of
+    training (its validation files), never from the training data."""
+    from pathlib import Path
+
+    from conftest import char_tokenizer_json
+    from edgespec.export.train_demo import TrainConfig, split_corpus
+
+    char_tokenizer_json(tmp_path / "tokenizer.json")
+    read, real_read = [], Path.read_text
+
+    def recording(self, *a, **k):
+        text = real_read(self, *a, **k)
+        read.append(text)
+        return text
+    monkeypatch.setattr(Path, "read_text", recording)
+    rows, source = onnx_export.calibration_rows(tmp_path, 96, n_tokens=1024, seq=256)
+    monkeypatch.undo()
+    assert source == "python-stdlib held-out code" and sum(len(r) for r in rows) >= 1000
+    train, val = split_corpus(TrainConfig())
+    used = [t for t in read if not t.startswith("{")]  # leave out the tokenizer.json read
+    assert used and all(t in val for t in used), "agreement rows drawn from files outside the held-out split"
+    assert not any(t in train for t in used)
+
+
 def fake_agreement(top1):
     """An `agreement` stand-in reporting `top1` over 1024 tokens, so the precision gate's verdict is fixed."""
     return lambda *a, **k: {"tokens": 1024, "top1_agreement": top1, "mean_kl": 1e-3}
