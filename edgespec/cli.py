@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from edgespec.engine import ENGINE_PROVIDERS
+from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
 
 def _need_export_extra():
@@ -258,9 +258,10 @@ def _older_contract(engine_dir: Path) -> bool:
     from edgespec.contract import CONTRACT_VERSION, MANIFEST_FILE
     path = Path(engine_dir) / MANIFEST_FILE
     try:
-        return path.is_file() and json.loads(path.read_text()).get("contract_version") != CONTRACT_VERSION
-    except json.JSONDecodeError:
+        data = json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False  # let loading report the broken file
+    return isinstance(data, dict) and data.get("contract_version") != CONTRACT_VERSION
 
 
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
@@ -450,7 +451,6 @@ def main(argv=None) -> int:
 # which share no base class but Exception, so they are recognised by their module.
 EXPECTED_ERRORS = (ValueError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                    PermissionError, RuntimeError, FloatingPointError)
-ORT_ERROR_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"
 
 
 def expected_error(e: BaseException) -> bool:

@@ -78,6 +78,22 @@ def session_options(threads: int | None = None):
     return so
 
 
+ORT_ERROR_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"  # Fail, InvalidProtobuf, ...: no common base
+
+
+def _session(model: Path, options, providers: list):
+    """An InferenceSession of `model`; ONNX Runtime's load errors (a truncated or foreign file) become one
+    EngineError naming the file, like every other way an engine folder can be wrong."""
+    import onnxruntime as ort
+    try:
+        return ort.InferenceSession(str(model), sess_options=options, providers=providers)
+    except Exception as e:
+        if type(e).__module__ != ORT_ERROR_MODULE:
+            raise
+        raise EngineError(f"{model}: ONNX Runtime cannot load it ({type(e).__name__}: {e}); "
+                          f"re-export the engine folder") from e
+
+
 class OrtEngine:
     """One contract decoder in an ONNX Runtime session; checks the folder against its manifest at load."""
 
@@ -112,8 +128,7 @@ class OrtEngine:
             providers.append(("CPUExecutionProvider", {}))
         self.provider = provider
         model_file = "model.onnx" if derived else self.manifest.model_file
-        self.session = ort.InferenceSession(str(self.dir / model_file),
-                                            sess_options=session_options(threads), providers=providers)
+        self.session = _session(self.dir / model_file, session_options(threads), providers)
         if derived:
             self.manifest = compat.derive_manifest(self.dir, self.session)
         got_in = [(i.name, _ORT_TYPES.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()]

@@ -147,3 +147,10 @@ def test_inspect_unloadable_model_is_an_error_line_not_a_traceback(engine, tmp_p
     assert cli_main(["inspect", str(d)]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+def test_model_onnx_runtime_cannot_load_is_an_engine_error(engine, tmp_path):
+    d = edited(engine, tmp_path, model_sha256=None)
+    (d / "model.onnx").write_bytes(b"not an onnx model")
+    with pytest.raises(C.EngineError, match=f"{d / 'model.onnx'}: ONNX Runtime cannot load it \\(InvalidProtobuf"):
+        edgespec.load(d, provider="cpu")
