@@ -102,7 +102,8 @@ def _read_batch_file(path: Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: expected UTF-8 text, got byte {e.object[e.start]:#04x} at offset {e.start}") from None
+        raise ValueError(f"{path}: expected UTF-8 text, got byte {e.object[e.start]:#04x} "
+                         f"at offset {e.start}") from None
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue

@@ -216,8 +216,8 @@ def _field_problems(m: "Manifest") -> list[str]:
     for name in POSITIVE_FIELDS:
         want(name, _is_int(getattr(m, name)) and getattr(m, name) > 0, "an integer > 0")
     # 0 = unknown, allowed for optimum engines derived from a config.json without hidden_size
-    want("hidden_size", _is_int(m.hidden_size) and (m.hidden_size > 0 or (m.hidden_size == 0 and m.kind == "optimum")),
-         "an integer > 0")
+    unknown_ok = m.kind == "optimum" and m.hidden_size == 0
+    want("hidden_size", _is_int(m.hidden_size) and (m.hidden_size > 0 or unknown_ok), "an integer > 0")
     want("precision", m.precision in PRECISIONS, f"one of {PRECISIONS}")
     want("kind", m.kind in ENGINE_KINDS, f"one of {ENGINE_KINDS}")
     want("input_mode", m.input_mode in INPUT_MODES, f"one of {INPUT_MODES}")
@@ -225,7 +225,8 @@ def _field_problems(m: "Manifest") -> list[str]:
          "null or an integer > 0")
     for name in OPTIONAL_STR_FIELDS:
         v = getattr(m, name)
-        want(name, v is None or (isinstance(v, str) and _inside_folder(v)), "null or a file name inside the engine folder")
+        want(name, v is None or (isinstance(v, str) and _inside_folder(v)),
+             "null or a file name inside the engine folder")
     for name in SHA256_FIELDS:
         v = getattr(m, name)
         want(name, v is None or (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)),
