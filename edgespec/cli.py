@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def sampling_flags(p):
         p.add_argument("--max-new-tokens", type=int, default=128)
-        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
         p.add_argument("--top-k", type=int, default=0)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=None)
@@ -415,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line (JSON strings allowed)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=_gamma, default="auto")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
