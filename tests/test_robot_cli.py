@@ -50,3 +50,86 @@ def test_robot_node_starts_and_stops(tiny_reacher_policy, capsys):
     assert rc == 0
     status = json.loads(capsys.readouterr().out)
     assert status["ticks"] >= 3 and status["safety"].startswith("waiting")
+
+
+@pytest.mark.parametrize("flags, match", [(["--seconds", "0"], "expected a finite number of seconds > 0"),
+                                          (["--seconds", "nan"], "expected a finite number of seconds > 0"),
+                                          (["--seconds", "inf"], "expected a finite number of seconds > 0"),
+                                          (["--seconds", "-2"], "expected a finite number of seconds > 0"),
+                                          (["--threads", "0"], "expected an integer >= 1, got 0"),
+                                          (["--loop-cpus", "4096"], "--loop-cpus 4096: expected a non-empty subset")])
+def test_robot_run_refuses_bad_run_flags_up_front(flags, match, capsys):
+    # no policy is loaded: the flags are refused before anything starts (the folder does not even exist)
+    with pytest.raises(SystemExit) as e:
+        edgespec_main(["robot", "run", "--policy", "no/such/policy"] + flags)
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_a_policy_that_does_not_load_is_one_error_line(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        edgespec_main(["robot", "run", "--policy", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error: FileNotFoundError" in err, err
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
+
+    def broken(**kw):  # what ONNX Runtime raises for a truncated model.onnx (its messages span lines)
+        raise InvalidProtobuf("[ONNXRuntimeError] : 7 : INVALID_PROTOBUF : Load model failed:\nProtobuf parsing failed.")
+    monkeypatch.setattr("edgespec.robots.cli.load_policy", broken)
+    with pytest.raises(SystemExit) as e:
+        edgespec_main(["robot", "run", "--policy", str(tmp_path), "--inference", "thread"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "error: InvalidProtobuf: [ONNXRuntimeError]" in err, err
+
+
+def test_a_robot_that_fails_mid_run_is_one_error_line(tiny_reacher_policy, monkeypatch, capsys):
+    def no_gl(self):
+        raise RuntimeError("osmesa: could not create a context")
+    monkeypatch.setattr("edgespec.robots.reacher.ReacherRobot.connect", no_gl)
+    rc = edgespec_main(["robot", "run", "--policy", str(tiny_reacher_policy), "--inference", "thread"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.strip() == "error: RuntimeError: osmesa: could not create a context", err
+
+
+RUN = "import sys; from edgespec.cli import main; sys.exit(main(sys.argv[1:]))"
+# the same, with a robot whose safe_stop() raises (its driver lost the bus)
+RUN_STOP_FAILS = ("import sys; from edgespec.robots.reacher import ReacherRobot\n"
+                  "def fail(self): raise OSError('CAN bus down')\n"
+                  "ReacherRobot.safe_stop = fail\n" + RUN)
+
+
+def run_and_signal(code, policy, sig, after_s=0.5):
+    """`edgespec robot run` (30 s) in a child; `sig` once the loop has run for about after_s. -> (rc, out, err)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-c", code, "robot", "run", "--policy", str(policy), "--draft",
+                          "--inference", "thread", "--seconds", "30"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        err = []
+        for line in p.stderr:  # the loop is about to start once it says so
+            err.append(line)
+            if line.startswith("running"):
+                break
+        time.sleep(after_s)
+        p.send_signal(getattr(signal, sig))
+        out, rest = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    return p.returncode, out, "".join(err) + rest
+
+
+@pytest.mark.parametrize("sig, rc", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_signal_stops_the_robot_once_and_prints_the_summary(tiny_reacher_policy, sig, rc):
+    code, out, err = run_and_signal(RUN, tiny_reacher_policy, sig)
+    assert code == rc and "Traceback" not in err, (code, out, err)
+    assert "ticks at 20 Hz" in out and f"stopped by {sig} after " in out, out
+    assert "robot.safe_stop() calls: 1\n" in out, out  # exactly once, by the signal
+
+
+def test_a_safe_stop_that_raises_on_a_signal_exits_nonzero_without_a_traceback(tiny_reacher_policy):
+    code, out, err = run_and_signal(RUN_STOP_FAILS, tiny_reacher_policy, "SIGTERM")
+    assert code == 1 and "Traceback" not in err, (code, out, err)
+    assert "stopped by SIGTERM" in out and "robot.safe_stop() raised OSError: CAN bus down" in out, out
+    assert "error: the robot's safe stop failed 1 time(s)" in err and "CAN bus down" in err, err
