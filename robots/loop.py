@@ -400,9 +400,11 @@ class ControlLoop:
             with np.errstate(over="ignore", invalid="ignore"):  # checked as the engine sees it: 1e39 -> inf
                 bad = np.flatnonzero(~np.isfinite(state.astype(np.float32)))
             if bad.size:
-                raise ValueError(f"malformed state {obs['state']!r}: expected values finite in float32 (the "
-                                 f"engine's input dtype, |x| <= {np.finfo(np.float32).max:.4g}), got "
-                                 f"{state[bad].tolist()} at {bad.tolist()}")
+                # only the bad entries: the message stays the same while the same sensor is broken, so
+                # the episode is recorded once (the good entries change every tick)
+                raise ValueError(f"malformed state: expected values finite in float32 (the engine's input "
+                                 f"dtype, |x| <= {np.finfo(np.float32).max:.4g}), got {state[bad].tolist()} "
+                                 f"at index {bad.tolist()} of {len(state)}")
             if (stamp := obs.get("timestamp")) is not None:  # robot clock (s), optional
                 stamp = float(stamp)
                 if stamp != self._stamp:

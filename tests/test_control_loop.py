@@ -104,6 +104,8 @@ class Glitchy(MockRobot):
     # finite in float64, inf once cast to the engine's float32: as bad as NaN
     (lambda o: {**o, "state": np.array([0.0, 1e39])}, "expected values finite in float32"),
     (lambda o: {**o, "state": np.array([-1e39, 0.0])}, "expected values finite in float32"),
+    # one broken sensor beside one that keeps moving: still one fault episode
+    (lambda o: {**o, "state": np.array([np.nan, o["timestamp"]])}, "got [nan] at index [0] of 2"),
 ])
 def test_malformed_observation_holds_then_stops(bad, what):
     robot, rep = run(chunked_policy, 0.8, lambda: Glitchy(bad), hold_s=0.1)
