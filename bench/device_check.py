@@ -137,7 +137,8 @@ def prepare(vla: bool) -> dict:
         if (d / "engine.json").is_file():
             return "reused"
         t0 = time.time()
-        export_engine(MODELS / name, d, dtype="fp16", max_context=2048, progress=False)
+        export_engine(MODELS / name, d, dtype="fp16", max_context=2048, progress=False,
+                      role="draft" if name.endswith("draft") else "target")
         return f"exported in {time.time() - t0:.0f}s"
 
     def export_vla_fp16():
