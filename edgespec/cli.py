@@ -30,7 +30,7 @@ def cmd_export(args) -> int:
 
     m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
                       input_mode=args.inputs, force=args.force, progress=not args.quiet,
-                      allow_lossy=args.allow_lossy)
+                      role=args.role, allow_lossy=args.allow_lossy)
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
@@ -40,6 +40,11 @@ def cmd_export(args) -> int:
         a = v["agreement_vs_fp32"]
         print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "
               f"top-1 agreement {a['top1_agreement']:.4f}, mean KL {a['mean_kl']:.2e}")
+    if "precision_gate" in v:
+        g = v["precision_gate"]
+        verdict = ("passed" if g["passed"] else "overridden (--allow-lossy)" if g["overridden"]
+                   else "not enforced (a draft: the target verifies every token)")
+        print(f"  precision gate (top-1 >= {g['threshold']} for a target): {verdict}")
     if args.tensorrt:  # a native plan for this GPU and TensorRT version (provider="tensorrt" runs it)
         from edgespec.export.tensorrt import main as build_plan
         return build_plan([str(args.out)] + (["--fp32"] if m.precision == "fp32" else []))
@@ -351,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder (config.json + safetensors)")
     p.add_argument("--out", type=Path, required=True, help="engine folder to write")
     p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--role", choices=["target", "draft"], default="target",
+                   help="what the engine is for: the precision gate binds targets (a draft's tokens are all "
+                        "verified, so a lossy draft costs speed, not output)")
     p.add_argument("--allow-lossy", action="store_true",
                    help="export a fp16/int8 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
                         "records the override); for a draft this costs speed only, for a target it changes output")
