@@ -175,6 +175,11 @@ class ControlLoop:
         self._stop.set()
 
     @property
+    def stop_requested(self) -> bool:
+        """True from stop() until reset()."""
+        return self._stop.is_set()
+
+    @property
     def stopped(self) -> bool:
         """True while the safe stop is latched: the loop sends no action until reset()."""
         return self.safety.stopped
