@@ -70,6 +70,7 @@ class Injector:
         self.rng = np.random.default_rng(seed)
         self.dt, self.p_start = 1.0 / hz, min(1.0, 1.0 / (hz * mean_gap_s))
         self.watchdog_s, self.hold_s = watchdog_s, hold_s
+        self.margin_s = watchdog_s + hold_s + 0.5  # a policy fault needs this long to be caught and latched
         self.lock = threading.Lock()
         self.cycle: list[str] = []
         self.injected: Counter = Counter()
@@ -106,7 +107,7 @@ class Injector:
                 self.cooldown -= 1
                 return ""
             if self.armed or self.ticks_left() * self.dt < 1.0 or self.rng.random() >= self.p_start:
-                return ""  # one fault at a time, none in a run's last second
+                return ""  # one fault at a time, none in a run's last second (the loop must see it through)
             kind = self._next_kind()
             if kind in OBS_KINDS:
                 n = int(self.rng.integers(8, 16) if kind == "stale" else self.rng.integers(1, 15))
@@ -194,7 +195,7 @@ class SoakPolicy:
         self.policy, self.inj = policy, inj
 
     def __call__(self, obs: dict) -> np.ndarray:
-        need = self.inj.watchdog_s + self.inj.hold_s + 1.0
+        need = self.inj.margin_s
         if self.inj.take("policy_raises", need_s=need):
             raise ValueError("injected: state must be finite float32 values")
         if self.inj.take("hang", need_s=need):

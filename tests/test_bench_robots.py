@@ -7,6 +7,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
@@ -39,7 +41,54 @@ def test_bench_loop_writes_both_phases(tiny_reacher_policy, tmp_path):
     r = json.loads(out.read_text())
     for phase in ("idle", "load 1"):
         for pol in ("plain", "speculative"):
-            row = r["phases"][phase][pol]
-            assert row["ticks"] >= 1 and row["jitter_ms"]["p99"] >= 0  # timing itself: bench, not tests
+            row = r["phases"][phase][pol]  # timing itself is the bench's business; its bookkeeping is ours
+            assert 5 <= row["ticks"] <= 10, row["ticks"]  # one 0.5 s episode at 20 Hz: never more than 10
+            j = row["jitter_ms"]
+            assert 0 <= j["p50"] <= j["p99"] <= j["max"], j
+            assert row["starved_ticks"] == row["held_ticks"] + row["stopped_ticks"] <= row["ticks"]
     assert (tmp_path / "loop-load1-speculative.trace.json").is_file()
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_loop_pools_episodes_into_the_numbers_it_reports():
+    """pooled() on two hand-made episodes: every number checked against the arithmetic done by hand."""
+    import bench_loop
+    from edgespec.robots.loop import LoopReport
+
+    def episode(starts, actions, inference_ms):
+        rep = LoopReport(hz=20.0, ticks=len(starts), tick_action=actions, inference_ms=inference_ms)
+        rep.section_start_s = {k: list(starts) for k in rep.section_start_s}
+        rep.sections_ms = {k: [1.0] * len(starts) for k in rep.sections_ms}
+        rep.starved = sum(a != "sent" for a in actions)
+        rep.held = actions.count("held")
+        return rep
+    # periods 50, 60, 40, 50 ms and 70, 50 ms at dt = 50 ms: jitter 0, 10, 10, 0, 20, 0 ms
+    a = episode([0.0, 0.05, 0.11, 0.15, 0.20], ["held", "sent", "sent", "held", "sent"], [10.0, 30.0])
+    b = episode([0.0, 0.07, 0.12], ["held", "held", "held"], [])
+    out = bench_loop.pooled([a, b], [0.01, 0.05], [[{"decode_ms": 5.0}, {"decode_ms": 7.0}], []], 0.05)
+    # sorted jitter 0 0 0 10 10 20: median 5; p99 at rank 4.95 -> 10 + 0.95 * 10 = 19.5
+    assert out["jitter_ms"] == pytest.approx({"p50": 5.0, "p99": 19.5, "max": 20.0})
+    assert out["inference_ms"] == pytest.approx({"p50": 20.0, "p99": 29.8, "max": 30.0})
+    assert out["decode_ms"] == pytest.approx({"p50": 6.0, "p99": 6.98})
+    assert (out["episodes"], out["ticks"], out["starved_ticks"], out["held_ticks"]) == (2, 8, 5, 5)
+    # a: one start-up tick, then one held among the rest; b: never got a chunk, all start-up
+    assert (out["startup_ticks"], out["starved_after_first_chunk"], out["episodes_starved_after_first_chunk"]) == (4, 1, 1)
+    assert out["success_rate"] == 0.5  # 0.01 m is inside the 0.02 m radius, 0.05 m is not
+
+
+def test_bench_soak_fails_safe_under_every_fault_kind(tiny_reacher_policy, tmp_path):
+    """An 8 s soak with a fault every ~0.3 s: every kind injected, every one recorded, nothing sent while
+    stopped. (RSS flatness needs the full soak: bench/results/soak.json.)"""
+    import bench_soak
+    out = tmp_path / "soak.json"
+    rc = bench_soak.main(["--engines", str(engines_dir(tiny_reacher_policy, tmp_path)), "--models",
+                          str(tmp_path / "no-models"), "--seconds", "8", "--mean-gap-s", "0.1", "--run-s", "4",
+                          "--stopped-s", "0.2", "--watchdog-s", "0.3", "--hold-s", "0.2", "--rss-every-s", "0.5",
+                          "--warmup-s", "1", "--rss-slope-mb-min", "1e6", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0 and r["ok"], r
+    assert set(k for k, n in r["injected"].items() if n) == set(bench_soak.KINDS), r["injected"]
+    assert r["missed"] == {k: 0 for k in bench_soak.KINDS} and r["detected"] == r["injected"]
+    assert r["sent_while_stopped"] == 0 and r["resets"] >= 1 and sum(r["latched_stops"].values()) >= 1
+    assert 0.5 * r["expected_ticks"] <= r["ticks"] <= r["expected_ticks"] + 2 * r["runs"]
+    assert len(r["rss"]["samples"]) >= 5 and r["rss"]["max_mb"] >= r["rss"]["start_mb"] > 0
