@@ -154,14 +154,15 @@ class PolicyManifest:
         want(problems, "embodiment", isinstance(self.embodiment, str) and bool(self.embodiment), "a non-empty string")
         want(problems, "state_names", _strings(self.state_names, self.state_dim, distinct=True),
              f"{self.state_dim} (state_dim) distinct non-empty strings")
-        want(problems, "state_units", _strings(self.state_units, self.state_dim), f"{self.state_dim} (state_dim) strings")
+        want(problems, "state_units", _strings(self.state_units, self.state_dim),
+             f"{self.state_dim} (state_dim) strings")
         want(problems, "action_kind", self.action_kind in ACTION_KINDS, f"one of {ACTION_KINDS}")
         want(problems, "action_names", _strings(self.action_names, self.dims, distinct=True),
              f"{self.dims} (dims) distinct non-empty strings")
         want(problems, "action_units", _strings(self.action_units, self.dims), f"{self.dims} (dims) strings")
-        want(problems, "binary_dims", isinstance(self.binary_dims, list) and len(set(self.binary_dims)) == len(
-            self.binary_dims) and all(_is_int(j) and 0 <= j < self.dims for j in self.binary_dims),
-             f"distinct action dimensions in [0, {self.dims})")
+        b = self.binary_dims
+        want(problems, "binary_dims", isinstance(b, list) and all(_is_int(j) and 0 <= j < self.dims for j in b)
+             and len(set(b)) == len(b), f"distinct action dimensions in [0, {self.dims})")
         want(problems, "encoder_file", isinstance(self.encoder_file, str) and bool(self.encoder_file)
              and not Path(self.encoder_file).is_absolute() and ".." not in Path(self.encoder_file).parts,
              "a file name inside the policy folder")

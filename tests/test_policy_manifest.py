@@ -59,6 +59,7 @@ def _drop(key):
     (_set("action_kind", "torque"), r"action_kind: expected one of \('cartesian_position', 'joint_position'\)"),
     (_drop("embodiment"), r"missing fields \['embodiment'\] \(an export older than policy.json's state/action"),
     (_set("binary_dims", [5]), r"binary_dims: expected distinct action dimensions in \[0, 2\)"),
+    (_set("binary_dims", [[0]]), r"binary_dims: expected distinct action dimensions in \[0, 2\), got \[\[0\]\]"),
     (_set("dims", True), r"dims: expected an integer > 0, got True"),
 ])
 def test_malformed_policy_json_gets_one_clear_error(tiny_reacher_policy, tmp_path, change, match):

@@ -46,6 +46,7 @@ def test_encoder_output_that_is_not_finite_is_refused(tiny_reacher_policy):
 
 # -- NaN/inf logits: a clear error, nothing left behind --------------------------------------------------------
 @pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN through the head
 def test_nan_logits_get_a_clear_error_and_poison_no_later_call(tiny_reacher_policy, draft):
     """A prefix that makes the target's logits NaN (past the encoder's check): decoding refuses, and the
     rows that call wrote are not read by the next."""
@@ -72,6 +73,7 @@ def test_a_failed_draft_decoder_call_poisons_no_later_call(tiny_reacher_policy):
     same_as_fresh(pol, tiny_reacher_policy, True)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN through the head
 def test_nan_draft_proposals_are_harmless(tiny_reacher_policy):
     """A draft whose logits (decoder) or context (head) are NaN proposes garbage; the target verifies every
     proposal, so greedy actions are still exactly the plain ones."""
