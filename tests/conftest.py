@@ -159,10 +159,12 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     save(pair, cfg, stats, model_dir, {"note": "random init, for tests"})
     random_draft_head(cfg.prefix_len, cfg.hidden, cfg.n_bins, cfg.horizon, dims, seed=seed).save(
         model_dir / "draft_head.npz")
-    if binary_dims:
-        meta = json.loads((model_dir / "policy.json").read_text())
-        meta["binary_dims"] = list(binary_dims)
-        (model_dir / "policy.json").write_text(json.dumps(meta))
+    meta = json.loads((model_dir / "policy.json").read_text())
+    meta["binary_dims"] = list(binary_dims)
+    if dims != 2:  # save() declares the reacher's two fingertip actions: name D joint targets instead
+        meta.update(action_kind="joint_position", action_names=[f"joint{j}.position" for j in range(dims)],
+                    action_units=["rad"] * dims)
+    (model_dir / "policy.json").write_text(json.dumps(meta))
     return cfg
 
 
