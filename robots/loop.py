@@ -445,10 +445,10 @@ class ControlLoop:
             self.robot.send_action(action)
             return True
         except Exception as e:  # noqa: BLE001
-            with self._lock:
-                if not self._fault:
-                    self._fault = f"robot refused action {np.asarray(action).tolist()}: {type(e).__name__}: {e}"
-                    self._record_fault(self.report, now, self._fault)
+            msg = f"robot refused action {np.asarray(action).tolist()}: {type(e).__name__}: {e}"
+            with self._lock:  # recorded even behind another fault: a refusal latches the stop at once (_act)
+                self._record_fault(self.report, now, msg)
+                self._fault = self._fault or msg
             return False
 
     def _act(self, now: float) -> None:

@@ -464,3 +464,30 @@ def test_an_exception_escaping_the_loop_still_safe_stops_the_robot():
         with pytest.raises(KeyboardInterrupt):
             loop.run(2.0)
     assert robot.stops == 1 and loop.stopped
+
+
+def test_a_robot_refusing_the_hold_behind_a_policy_fault_is_recorded_too():
+    class RefusesHolds(MockRobot):  # fine until the policy fails; then its driver refuses the hold target
+        def __init__(self):
+            super().__init__(dims=2)
+            self.policy_failed = False
+
+        def send_action(self, action):
+            if self.policy_failed:
+                raise RuntimeError("driver fault: joint 1 over current")
+            return super().send_action(action)
+    robots = []
+
+    def make_robot():
+        robots.append(RefusesHolds())
+        return robots[-1]
+
+    def make_policy():
+        def bad(obs):
+            robots[-1].policy_failed = True
+            raise RuntimeError("engine exploded")
+        return good_then(bad)
+    robot, rep = run(make_policy, 0.6, make_robot=make_robot, hold_s=0.3)
+    assert any("engine exploded" in f for f in rep.faults) and any("driver fault" in f for f in rep.faults), rep.faults
+    acts = rep.tick_action  # (a hold before the first chunk is fine: the robot took it)
+    assert "robot refused the hold target" in rep.safe_stop_reason and "held" not in acts[acts.index("sent"):]
