@@ -303,7 +303,8 @@ def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -
 def cmd_export_policy(args) -> int:
     _need_export_extra()
     from edgespec.export.vla import export_policy
-    meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
+                         allow_lossy=args.allow_lossy)
     print(f"wrote {args.out}: encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
           f"H={meta['horizon']} x D={meta['dims']} action tokens, {meta['n_bins']} bins")
     return 0
@@ -380,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="export a fp16/int8 target decoder below 0.99 top-1 agreement with fp32 anyway (recorded)")
     p.add_argument("--force", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_export_policy)

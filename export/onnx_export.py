@@ -130,6 +130,7 @@ def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq:
 def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", max_context: int | None = None,
                   input_mode: str = "ids", force: bool = False, progress: bool = True,
                   agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None,
+                  calibration: tuple[list, str] | None = None,
                   role: str = "target", allow_lossy: bool = False) -> C.Manifest:
     """Export `ckpt_dir` to `out_dir` through the gates (module docstring). `role` is "target" or "draft":
     a fp16 / int8 target must keep top-1 agreement >= 0.99 with fp32 (validate.precision_gate) unless
@@ -202,7 +203,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             manifest.precision = dtype
             manifest.model_sha256 = C.file_sha256(stage / "model.onnx")
             manifest.write(stage)
-            rows, source = calibration_rows(ckpt_dir, spec.vocab_size, agreement_tokens)
+            # the caller's rows (a policy: prefixes + the actions decoded from them), or held-out text
+            rows, source = calibration or calibration_rows(ckpt_dir, spec.vocab_size, agreement_tokens)
             variant = OrtEngine(stage)
             manifest.model_file = "model.fp32.onnx"
             manifest.precision = "fp32"

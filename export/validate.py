@@ -126,18 +126,27 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def agreement(base_engine, variant_engine, token_rows: list[np.ndarray], embed=None, embed_variant=None) -> dict:
-    """Teacher-force each row of tokens through both engines; top-1 agreement and mean KL(base || variant)."""
+def agreement(base_engine, variant_engine, token_rows: list, embed=None, embed_variant=None) -> dict:
+    """Teacher-force each row through both engines; top-1 agreement (over the manifest's argmax range: the ids
+    the runtime picks among) and mean KL(base || variant). A row is token ids (S,), or (x, start): x token
+    ids (S,) or input embeddings (S, E), only positions >= start scored (e.g. a policy's prefix is context,
+    its actions are what is decoded)."""
+    lo, hi = base_engine.manifest.argmax_range
     agree, kls, n = 0, [], 0
     for row in token_rows:
-        ids = np.asarray(row, dtype=np.int64)[None]
-        cap = ids.shape[1]
-        a = step(base_engine, ids, _empty_past(base_engine.manifest, 1, cap), 0, embed)[0]
-        b = step(variant_engine, ids, _empty_past(variant_engine.manifest, 1, cap), 0, embed_variant)[0]
+        x, start = row if isinstance(row, tuple) else (row, 0)
+        x = np.asarray(x)
+        embedded = x.dtype.kind == "f"  # (S, E) embeddings go in as they are
+        feed = x.astype(np.float32)[None] if embedded else x.astype(np.int64)[None]
+        cap = feed.shape[1]
+        a = step(base_engine, feed, _empty_past(base_engine.manifest, 1, cap), 0, None if embedded else embed)[0]
+        b = step(variant_engine, feed, _empty_past(variant_engine.manifest, 1, cap), 0,
+                 None if embedded else embed_variant)[0]
+        a, b = a[start:], b[start:]
         la, lb = log_softmax(a), log_softmax(b)
-        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        agree += int((a[:, lo:hi].argmax(-1) == b[:, lo:hi].argmax(-1)).sum())
         kls.append((np.exp(la) * (la - lb)).sum(-1))
-        n += ids.shape[1]
+        n += a.shape[0]
     return {"tokens": n, "top1_agreement": agree / n, "mean_kl": float(np.concatenate(kls).mean())}
 
 

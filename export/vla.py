@@ -65,6 +65,31 @@ def example_inputs(policy: dict, n: int, seed: int = 0) -> list[tuple[np.ndarray
     return out
 
 
+def policy_calibration(model_dir: Path, n_obs: int = 64, seed: int = 7) -> tuple[list, str]:
+    """Rows for the target decoder's precision gate, as the policy uses it: for n_obs synthetic observations
+    (seeds apart from the encoder gate's) the encoder's prefix (P, E) and then the embeddings of the H*D
+    action ids the fp32 torch target decodes greedily from it; scored from the prefix's last position, so
+    exactly the H*D positions whose argmax becomes an action count. -> ([(x (P+H*D-1, E), P-1)], source)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    enc, policy, _ = load_encoder(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir / "target", dtype=torch.float32).eval()
+    table = target.get_input_embeddings().weight
+    lo, hi = int(policy["vocab_end"]) - int(policy["n_bins"]), int(policy["vocab_end"])
+    n = int(policy["horizon"]) * int(policy["dims"])
+    rows = []
+    with torch.no_grad():
+        for img, state, instr in example_inputs(policy, n_obs, seed=seed):
+            x = enc(torch.from_numpy(img), torch.from_numpy(state), torch.from_numpy(instr))  # (1, P, E)
+            p = x.shape[1]
+            for _ in range(n - 1):  # the last action is decoded from the row's last position
+                nxt = target(inputs_embeds=x).logits[0, -1, lo:hi].argmax() + lo
+                x = torch.cat([x, table[nxt][None, None]], 1)
+            rows.append((x[0].numpy().astype(np.float32), p - 1))
+    return rows, f"{n_obs} synthetic observations: encoder prefix + the fp32 target's greedy actions"
+
+
 def export_encoder(model_dir: Path, path: Path) -> dict:
     """Trace the encoder to ONNX and gate it against torch. Returns the gate report."""
     import onnxruntime as ort
@@ -93,7 +118,7 @@ def export_encoder(model_dir: Path, path: Path) -> dict:
 
 
 def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, allow_lossy: bool = False) -> dict:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     needed = [C.POLICY_FILE, STATS_FILE, "encoder.safetensors", "target/config.json"]
     missing = [n for n in needed if not (model_dir / n).is_file()]
@@ -106,10 +131,11 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
     try:
         gate = export_encoder(model_dir, stage / ENCODER_FILE)
         actions = (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"]))  # next_ids picks among these
+        calib = policy_calibration(model_dir) if dtype != "fp32" else None
         for name in ("target", "draft"):
             if (model_dir / name / "config.json").is_file():
                 export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress,
-                              argmax_ids=actions)
+                              argmax_ids=actions, calibration=calib, role=name, allow_lossy=allow_lossy)  # the gate binds the target
         shutil.copy2(model_dir / STATS_FILE, stage / STATS_FILE)
         policy = {k: v for k, v in meta.items() if k != CONTENT_HASH}
         policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),

@@ -206,3 +206,31 @@ def test_cli_export_and_inspect(tiny_checkpoints, tmp_path, capsys):
     (out / "model.onnx").write_bytes(b"broken")
     assert cli_main(["inspect", str(out)]) == 1
     assert "sha256 differs" in capsys.readouterr().err
+
+
+def test_agreement_scores_from_start_over_the_argmax_range(tiny_checkpoints, tmp_path):
+    """Rows given as (embeddings, start) score only positions >= start, and top-1 is taken over the engine's
+    argmax range (the ids the runtime picks among), as the policy precision gate uses them."""
+    from edgespec.engine import OrtEngine
+    from edgespec.export.validate import agreement
+
+    export_engine(tiny_checkpoints["llama"][0], tmp_path / "e", input_mode="embeds", argmax_ids=(10, 20),
+                  progress=False)
+    eng = OrtEngine(tmp_path / "e")
+    emb = np.load(tmp_path / "e" / eng.manifest.embedding_file)
+    ids = np.arange(30) % 96
+    same = agreement(eng, eng, [(emb[ids], 7)])
+    assert same["tokens"] == 23 and same["top1_agreement"] == 1.0
+
+    class Shifted:  # the same engine with logits outside [10, 20) replaced: must not change agreement
+        manifest = eng.manifest
+
+        def run(self, feeds):
+            out = dict(eng.run(feeds))
+            lg = out["logits"].copy()
+            lg[..., :10] += 100.0
+            out["logits"] = lg
+            return out
+    assert agreement(eng, Shifted(), [(emb[ids], 7)])["top1_agreement"] == 1.0
+    ids_only = agreement(eng, eng, [ids], emb, emb)  # plain id rows: every position scored
+    assert ids_only["tokens"] == 30
