@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,30 +121,43 @@ def free_domain() -> int:
     return int.from_bytes(os.urandom(2), "little") % 60 + 171  # 171..230: apart from test_ros2_node's 100..170
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    """A process running `argv` (python args) with its stderr read until the node says it is serving."""
+def start(argv: list[str], timeout: float = 60.0) -> subprocess.Popen:
+    """A process running `argv` (python args), returned once its stderr says the node is serving (killed and
+    an AssertionError after `timeout` s). Its stderr is drained by a thread into proc.err_lines."""
     proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ), cwd=ROOT)
-    seen = []
-    for line in proc.stderr:  # blocks per line; ends at EOF if the process dies
-        seen.append(line)
-        if "serving on domain" in line:
-            return proc
-    proc.wait(timeout=10)
-    raise AssertionError(f"the node never served (rc {proc.returncode}):\n{''.join(seen)}")
+    proc.err_lines, serving = [], threading.Event()
+
+    def drain():
+        for line in proc.stderr:
+            proc.err_lines.append(line)
+            if "serving on domain" in line:
+                serving.set()
+    threading.Thread(target=drain, daemon=True).start()
+    end = time.monotonic() + timeout
+    while not serving.wait(0.05) and proc.poll() is None and time.monotonic() < end:
+        pass
+    if not serving.is_set():
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the node never served (rc {proc.returncode}):\n{''.join(proc.err_lines)}")
+    return proc
 
 
 def finish(proc: subprocess.Popen, sig=None, timeout=20.0) -> tuple[int, dict, str]:
+    """Send `sig` (if any), wait for the exit -> (exit code, the JSON summary on stdout, stderr)."""
     if sig is not None:
         proc.send_signal(sig)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)  # stdout holds only the summary: it fits the pipe
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"the node did not exit within {timeout} s:\n{err}")
-    start_json = out.find("{")
-    return proc.returncode, (json.loads(out[start_json:]) if start_json >= 0 else {}), err
+        proc.wait()
+        raise AssertionError(f"the node did not exit within {timeout} s:\n{''.join(proc.err_lines)}") from None
+    out = proc.stdout.read()
+    time.sleep(0.1)  # the drain thread reads the rest of stderr
+    at = out.find("{")
+    return proc.returncode, (json.loads(out[at:]) if at >= 0 else {}), "".join(proc.err_lines)
 
 
 # ---------------------------------------------------------------- the real policy through the node
@@ -215,7 +229,7 @@ def test_real_policy_through_the_node_in_another_process_then_sigterm_safe_stop(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
 
 
 # ---------------------------------------------------------------- signals with a fake policy

@@ -388,16 +388,18 @@ def test_malformed_messages_are_rejected_counted_and_reported(make_node, domain)
     peer.w["joint_states"].write(rm.joint_state_msg(NAMES, [np.nan, 0.0]))
     peer.w["joint_states"].write(rm.joint_state_msg(NAMES, [0.1, 0.2, 0.3]))
     peer.w["joint_states"].write(rm.joint_state_msg(["j1", "other"], POSITION))  # not the joints it started with
-    assert peer.wait_for(lambda: node.status()["rejected_messages"] >= 5, publish=False), node.status()
+    peer.w["joint_states"].write(rm.joint_state_msg(NAMES, POSITION))  # no velocities: the state needs them
+    assert peer.wait_for(lambda: node.status()["rejected_messages"] >= 6, publish=False), node.status()
     faults = "\n".join(node.status()["faults"])
     for text in ("expected one of rgb8, bgr8, got 'mono8'", "expected step * height = 72 bytes, got 69",
-                 "NaN or inf in position", "2 joint names but 3 positions", "missing joints ['j2']"):
+                 "NaN or inf in position", "2 joint names but 3 positions", "missing joints ['j2']",
+                 "no velocities in the message (the policy's state needs them for ['j1', 'j2'])"):
         assert text in faults, faults
     assert peer.wait_for(lambda: any(d["_level"] == rm.WARN and "rejected" in d["_message"] for d in peer.diags),
                          publish=False), peer.diags[-3:]
     n = len(peer.chunks)
     assert peer.wait_for(lambda: len(peer.chunks) >= n + 2), node.status()  # still serving
-    assert node.status()["rejected_messages"] == 5
+    assert node.status()["rejected_messages"] == 6
 
 
 def test_publisher_gone_holds_then_latches_stop_until_reset(make_node, domain):
