@@ -401,7 +401,9 @@ def test_stop_ends_the_run_at_the_next_tick_with_one_safe_stop():
             took = time.perf_counter() - t0
         if not stalled(rep):
             break
-    assert took < 2.0 and 0.3 * HZ * 0.5 <= rep.ticks <= 0.3 * HZ + 5, (took, rep.ticks)
+    # run()'s set-up (gc.collect over the whole test process) can take most of the 0.3 s: only the upper
+    # bounds say the stop took effect at once
+    assert took < 2.0 and 1 <= rep.ticks <= 0.3 * HZ + 5, (took, rep.ticks)
     assert rep.stop_requested == "SIGTERM" and rep.safe_stop_reason == "SIGTERM" and rep.safe_stop_s is not None
     assert robot.stops == 1 and rep.sent > 0 and rep.stopped_ticks == 0
     sent = len(robot.sent)
