@@ -31,7 +31,8 @@ time: an undecodable one is rejected and counted and costs no other sample. Malf
 encoding / size / step, NaN in a joint state, a missing joint, missing velocities the state needs) are
 rejected and counted. A policy that raises, returns NaN or a wrongly shaped chunk publishes nothing: safety
 is "degraded: policy failing (N in a row): <error>" (ERROR) until an inference succeeds; failing
-`max_policy_failures` times in a row, or for longer than `hold_s`, latches a stop. A stale observation (no
+`max_policy_failures` times in a row, or for longer than `hold_s`, latches a stop; so does an inference
+that runs past `watchdog_s` (a hung policy). A stale observation (no
 joint state or image newer than `stale_s`: the publisher is gone) stops chunk publishing: "holding" for
 `hold_s`, then a latched stop. A latched stop ("stopped: <reason>", ERROR) publishes a stop trajectory and
 holds until `reset()` (or a message on the reset topic). `safe_stop()` (SIGINT / SIGTERM under `edgespec
@@ -101,6 +102,7 @@ class NodeConfig:
     stale_s: float = 0.5  # joint state / image older than this: the observation is stale
     hold_s: float = 0.5  # stale (or the policy failing) for this long: latch the stop
     max_policy_failures: int = 5  # this many failed inferences in a row latch the stop
+    watchdog_s: float = 2.0  # an inference running longer than this is a hung policy: latch the stop
     diag_hz: float = 2.0  # periodic diagnostics (at most one per tick); faults and safety changes: at once
     joint_names: tuple = ()  # generic embodiment's joints in policy order; (): those of the first joint state
     default_instruction: str | None = None  # used until an instruction arrives; None: wait for one
@@ -123,6 +125,8 @@ class NodeConfig:
             raise ValueError(f"max_policy_failures must be an integer >= 1, got {self.max_policy_failures!r}")
         if not self.diag_hz > 0:
             raise ValueError(f"diag_hz must be > 0 (capped by hz), got {self.diag_hz}")
+        if not (self.watchdog_s > 0 and math.isfinite(self.watchdog_s)):
+            raise ValueError(f"watchdog_s must be > 0 seconds, got {self.watchdog_s}")
         self.joint_names = tuple(self.joint_names)
         if len(set(self.joint_names)) != len(self.joint_names):
             raise ValueError(f"joint_names must be distinct, got {self.joint_names}")
@@ -202,6 +206,7 @@ class PolicyNode:
         self._job: _Job | None = None
         self._result = None
         self._busy = False
+        self._busy_since = 0.0  # monotonic time the running inference was handed over
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -407,7 +412,13 @@ class PolicyNode:
             self._instruction = msg.data
 
     def _update_safety(self, now: float) -> str:
+        with self._cv:
+            hung = now - self._busy_since if self._busy else 0.0
         with self._safety_lock:
+            if not self.safety.stopped and hung > self.cfg.watchdog_s:  # the worker never came back
+                why = f"policy hung: an inference has run {hung:.3f} s (watchdog {self.cfg.watchdog_s} s)"
+                self.safety.latch(why)
+                self._fault(why, policy=True)
             if not self.safety.stopped and not self._policy_ok and self._fail_run and (
                     self._fail_run >= self.cfg.max_policy_failures or now - self._fail_since > self.cfg.hold_s):
                 self.safety.latch(f"policy failing: {self._fail_run} in a row for {now - self._fail_since:.3f} s "
@@ -449,7 +460,7 @@ class PolicyNode:
         with self._cv:
             if self._busy:
                 return
-            self._job, self._busy = job, True
+            self._job, self._busy, self._busy_since = job, True, time.monotonic()
             self._cv.notify()
         self._used_seq = self._state_seq
 
@@ -583,6 +594,8 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
     p.add_argument("--seconds", type=float, default=None, help="run this long, then exit (default: until a signal)")
     p.add_argument("--loopback", action="store_true", help="DDS on 127.0.0.1 only, unicast (see loopback_config)")
     p.add_argument("--max-policy-failures", type=int, default=5, help="failed inferences in a row that latch a stop")
+    p.add_argument("--watchdog-s", type=float, default=2.0,
+                   help="an inference running longer than this is a hung policy: latch a stop (default 2)")
     args = p.parse_args(argv)
     if policy is None:
         p.error("no policy given: call main(argv, policy)")
@@ -590,7 +603,8 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
         use_loopback()
     try:
         cfg = NodeConfig(hz=args.hz, domain_id=args.domain, image_topic=args.image_topic,
-                         max_policy_failures=args.max_policy_failures)
+                         max_policy_failures=args.max_policy_failures,
+                         watchdog_s=args.watchdog_s)
         node = PolicyNode(policy, cfg, embodiment)
     except ValueError as e:
         p.error(str(e))

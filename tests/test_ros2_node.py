@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -521,3 +522,38 @@ def test_main_runs_the_node_for_seconds(domain, capsys):
         main(["--seconds", "0.1"])  # no policy
     with pytest.raises(SystemExit):
         main(["--domain", "999"], FakePolicy())
+
+
+class HangingPolicy(FakePolicy):
+    """FakePolicy whose calls block (a hung engine) while `hang` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, obs):
+        if self.hang.is_set():
+            self.release.wait(30)
+        return super().__call__(obs)
+
+
+def test_a_hung_policy_latches_a_stop_and_publishes_nothing_more(make_node, domain):
+    policy = HangingPolicy()
+    node = make_node(policy, watchdog_s=0.3, stale_s=5.0)
+    peer = Peer(domain)
+    try:
+        assert peer.wait_for(lambda: len(peer.chunks) >= 1), node.status()
+        policy.hang.set()
+        assert peer.wait_for(lambda: node.status()["safety"].startswith("stopped: policy hung")), node.status()
+        assert peer.wait_for(lambda: len(peer.stops) == 1, publish=False), node.status()
+        assert any(d["safety"].startswith("stopped: policy hung") and d["_level"] == rm.ERROR for d in peer.diags)
+        n = len(peer.chunks)
+        peer.reset("still hung")  # the worker has not come back: the watchdog latches again
+        assert not peer.wait_for(lambda: len(peer.chunks) > n, timeout=0.6)
+        assert node.status()["safety"].startswith("stopped: policy hung")
+    finally:
+        policy.hang.clear()
+        policy.release.set()
+    peer.reset("policy back")
+    assert peer.wait_for(lambda: len(peer.chunks) > n and node.status()["safety"] == "ok"), node.status()
