@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
 
 
 def cmd_node(argv) -> int:
-    from .cli import make_policy, policy_flags
+    from .cli import make_policy, one_line, policy_flags
 
     p = argparse.ArgumentParser(prog="edgespec robot node", add_help=False)
     policy_flags(p)
@@ -639,8 +639,8 @@ def cmd_node(argv) -> int:
     args, rest = p.parse_known_args(argv)
     try:
         policy, pol = make_policy(args, args.instruction)
-    except (ValueError, FileNotFoundError) as e:
-        p.error(str(e))
+    except Exception as e:  # noqa: BLE001  (bad folder, ORT error, an instruction the policy refuses)
+        p.exit(2, f"{p.prog}: error: {one_line(e)}\n")  # one line: no usage, the flags were fine
     try:
         try:
             embodiment = embodiment_for(pol)  # what the policy folder declares (None: generic joints)

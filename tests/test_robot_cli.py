@@ -65,9 +65,10 @@ def test_robot_run_refuses_bad_run_flags_up_front(flags, match, capsys):
     assert e.value.code == 2 and match in capsys.readouterr().err
 
 
-def test_a_policy_that_does_not_load_is_one_error_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("command", ["run", "node"])
+def test_a_policy_that_does_not_load_is_one_error_line(tmp_path, monkeypatch, capsys, command):
     with pytest.raises(SystemExit) as e:
-        edgespec_main(["robot", "run", "--policy", str(tmp_path / "missing")])
+        edgespec_main(["robot", command, "--policy", str(tmp_path / "missing")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "error: FileNotFoundError" in err, err
     from onnxruntime.capi.onnxruntime_pybind11_state import InvalidProtobuf
@@ -76,7 +77,7 @@ def test_a_policy_that_does_not_load_is_one_error_line(tmp_path, monkeypatch, ca
         raise InvalidProtobuf("[ONNXRuntimeError] : 7 : INVALID_PROTOBUF : Load model failed:\nProtobuf parsing failed.")
     monkeypatch.setattr("edgespec.robots.cli.load_policy", broken)
     with pytest.raises(SystemExit) as e:
-        edgespec_main(["robot", "run", "--policy", str(tmp_path), "--inference", "thread"])
+        edgespec_main(["robot", command, "--policy", str(tmp_path), "--inference", "thread"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "error: InvalidProtobuf: [ONNXRuntimeError]" in err, err
 
