@@ -243,14 +243,19 @@ def joint_state_to_numpy(msg: JointState, expected: Sequence[str] = (), require_
         raise ValueError(f"joint_states: {n} joint names but {len(msg.velocity)} velocities (expected 0 or {n})")
     pos = np.asarray(msg.position, dtype=np.float64)
     vel = np.asarray(msg.velocity, dtype=np.float64) if len(msg.velocity) else np.zeros(n)
-    if not (np.isfinite(pos).all() and np.isfinite(vel).all()):
-        raise ValueError("joint_states: NaN or inf in position or velocity")
     if expected:
         missing = [j for j in expected if j not in names]
         if missing:
             raise ValueError(f"joint_states: missing joints {missing} (expected {list(expected)}, got {names})")
         idx = [names.index(j) for j in expected]
         names, pos, vel = list(expected), pos[idx], vel[idx]
+    # checked as the policy's engines see them (float32): 1e39 is finite in float64 and inf there; joints the
+    # policy does not read may hold anything
+    with np.errstate(over="ignore"):
+        bad = [f"{what} of {j} = {v!r}" for what, arr in (("position", pos), ("velocity", vel))
+               for j, v in zip(names, arr.tolist()) if not np.isfinite(np.float32(v))]
+    if bad:
+        raise ValueError(f"joint_states: not finite as float32: {', '.join(bad)}")
     if require_velocity and not len(msg.velocity):
         raise ValueError(f"joint_states: no velocities in the message (the policy's state needs them for {names})")
     return names, pos, vel

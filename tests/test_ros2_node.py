@@ -172,13 +172,13 @@ def test_helpers_naming_domain_and_conversions():
     assert names == ["a", "b"] and pos.tolist() == [1.0, 2.0] and vel.tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="2 joint names but 3 positions"):
         rm.joint_state_to_numpy(rm.joint_state_msg(["a", "b"], [1.0, 2.0, 3.0]))
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="not finite as float32: position of a = nan"):
         rm.joint_state_to_numpy(rm.joint_state_msg(["a"], [np.nan]))
 
     traj = rm.chunk_to_trajectory(np.ones((3, 2)), NAMES, 0.1)
     names, chunk, t = rm.trajectory_to_numpy(traj)
     assert names == NAMES and chunk.shape == (3, 2) and np.allclose(t, [0.1, 0.2, 0.3])
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match="not finite as float32: position of a = nan"):
         rm.chunk_to_trajectory(np.full((2, 2), np.nan), NAMES, 0.1)
     diag = rm.diagnostics_msg({"latency_ms": 12.3456789, "faults": 2}, name="n", level=rm.WARN)
     assert diag.status[0].level == rm.WARN and rm.diagnostics_values(diag) == {"latency_ms": "12.3457", "faults": "2"}
@@ -387,20 +387,22 @@ def test_malformed_messages_are_rejected_counted_and_reported(make_node, domain)
     peer.w["image"].write(wrong_encoding)
     peer.w["image"].write(short)
     peer.w["joint_states"].write(rm.joint_state_msg(NAMES, [np.nan, 0.0]))
+    peer.w["joint_states"].write(rm.joint_state_msg(NAMES, [0.1, 0.2], [0.0, 1e39]))  # inf as float32
     peer.w["joint_states"].write(rm.joint_state_msg(NAMES, [0.1, 0.2, 0.3]))
     peer.w["joint_states"].write(rm.joint_state_msg(["j1", "other"], POSITION))  # not the joints it started with
     peer.w["joint_states"].write(rm.joint_state_msg(NAMES, POSITION))  # no velocities: the state needs them
-    assert peer.wait_for(lambda: node.status()["rejected_messages"] >= 6, publish=False), node.status()
+    assert peer.wait_for(lambda: node.status()["rejected_messages"] >= 7, publish=False), node.status()
     faults = "\n".join(node.status()["faults"])
     for text in ("expected one of rgb8, bgr8, got 'mono8'", "expected step * height = 72 bytes, got 69",
-                 "NaN or inf in position", "2 joint names but 3 positions", "missing joints ['j2']",
+                 "not finite as float32: position of j1 = nan", "not finite as float32: velocity of j2 = 1e+39",
+                 "2 joint names but 3 positions", "missing joints ['j2']",
                  "no velocities in the message (the policy's state needs them for ['j1', 'j2'])"):
         assert text in faults, faults
     assert peer.wait_for(lambda: any(d["_level"] == rm.WARN and "rejected" in d["_message"] for d in peer.diags),
                          publish=False), peer.diags[-3:]
     n = len(peer.chunks)
     assert peer.wait_for(lambda: len(peer.chunks) >= n + 2), node.status()  # still serving
-    assert node.status()["rejected_messages"] == 6
+    assert node.status()["rejected_messages"] == 7
 
 
 def test_publisher_gone_holds_then_latches_stop_until_reset(make_node, domain):
