@@ -174,11 +174,15 @@ def test_helpers_naming_domain_and_conversions():
         rm.joint_state_to_numpy(rm.joint_state_msg(["a", "b"], [1.0, 2.0, 3.0]))
     with pytest.raises(ValueError, match="not finite as float32: position of a = nan"):
         rm.joint_state_to_numpy(rm.joint_state_msg(["a"], [np.nan]))
+    with pytest.raises(ValueError, match="not finite as float32: velocity of b = 1e"):  # inf in the engine
+        rm.joint_state_to_numpy(rm.joint_state_msg(["a", "b"], [0.0, 0.0], [0.0, 1e39]))
+    names, pos, _ = rm.joint_state_to_numpy(rm.joint_state_msg(["a", "gripper"], [1.0, np.nan]), expected=["a"])
+    assert names == ["a"] and pos.tolist() == [1.0]  # a joint the policy does not read may hold anything
 
     traj = rm.chunk_to_trajectory(np.ones((3, 2)), NAMES, 0.1)
     names, chunk, t = rm.trajectory_to_numpy(traj)
     assert names == NAMES and chunk.shape == (3, 2) and np.allclose(t, [0.1, 0.2, 0.3])
-    with pytest.raises(ValueError, match="not finite as float32: position of a = nan"):
+    with pytest.raises(ValueError, match="NaN"):
         rm.chunk_to_trajectory(np.full((2, 2), np.nan), NAMES, 0.1)
     diag = rm.diagnostics_msg({"latency_ms": 12.3456789, "faults": 2}, name="n", level=rm.WARN)
     assert diag.status[0].level == rm.WARN and rm.diagnostics_values(diag) == {"latency_ms": "12.3457", "faults": "2"}
