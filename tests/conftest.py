@@ -192,3 +192,13 @@ def tiny_reacher_policy(tmp_path_factory):
     make_tiny_policy(root / "model", seed=3, dims=2)
     export_policy(root / "model", root / "engine", progress=False)
     return root / "engine"
+
+
+@pytest.fixture(scope="session")
+def bundled_policy_dir():
+    """engines/vla-reacher, exported from models/vla-reacher if it is missing or stale (about a minute)."""
+    from pathlib import Path
+
+    from edgespec.cli import ensure_policy_engines
+    root = Path(__file__).resolve().parents[1]
+    return ensure_policy_engines(root / "models", root / "engines")

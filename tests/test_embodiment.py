@@ -93,11 +93,9 @@ def test_unknown_embodiments_and_unproducible_names_are_clear_errors(args, match
         make_embodiment(*args)
 
 
-def test_the_bundled_policy_declares_the_reacher():
-    for folder in ("models/vla-reacher", "engines/vla-reacher"):
-        path = ROOT / folder / "policy.json"
-        if not path.is_file():
-            pytest.skip(f"{path} missing")
+def test_the_bundled_policy_declares_the_reacher(bundled_policy_dir):
+    for folder in (ROOT / "models" / "vla-reacher", bundled_policy_dir):
+        path = folder / "policy.json"
         emb = embodiment_for(Declared(json.loads(path.read_text())))
         assert isinstance(emb, ReacherEmbodiment) and emb.state_names == tuple(REACHER_STATE)
         assert emb.command_joints == ("joint0", "joint1") and emb.action_kind == "cartesian_position"

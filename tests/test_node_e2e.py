@@ -26,7 +26,6 @@ from cyclonedds.core import Policy as QosPolicy, Qos
 from cyclonedds.util import duration
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = ROOT / "engines" / "vla-reacher"
 INSTRUCTION = "reach the red target"
 CLI = "import sys; from edgespec.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -162,8 +161,7 @@ def finish(proc: subprocess.Popen, sig=None, timeout=20.0) -> tuple[int, dict, s
 
 # ---------------------------------------------------------------- the real policy through the node
 
-@pytest.mark.skipif(not (ENGINE / "policy.json").is_file(), reason="engines/vla-reacher not exported")
-def test_real_policy_through_the_node_in_another_process_then_sigterm_safe_stop():
+def test_real_policy_through_the_node_in_another_process_then_sigterm_safe_stop(bundled_policy_dir):
     from edgespec.policy import load_policy
     from edgespec.robots.reacher import ThreeTargetReacher, fk, ik
 
@@ -179,7 +177,7 @@ def test_real_policy_through_the_node_in_another_process_then_sigterm_safe_stop(
     # simulator's fingertip (MuJoCo's body position is from the start of the last physics substep: ~1e-5 m off)
     state = np.concatenate([q, qd, fk(q)])
     np.testing.assert_allclose(state, obs["state"], atol=1e-4)
-    policy = load_policy(ENGINE)
+    policy = load_policy(bundled_policy_dir)
     actions = policy.act(image, state, INSTRUCTION)  # (H, 2) fingertip targets, metres
     expected, prev = [], q
     for xy in actions:  # IK chained through the chunk
@@ -188,7 +186,7 @@ def test_real_policy_through_the_node_in_another_process_then_sigterm_safe_stop(
     expected = np.array(expected)
 
     domain = free_domain()
-    proc = start(["-c", CLI, "robot", "node", "--policy", str(ENGINE), "--inference", "thread", "--loopback",
+    proc = start(["-c", CLI, "robot", "node", "--policy", str(bundled_policy_dir), "--inference", "thread", "--loopback",
                   "--domain", str(domain), "--hz", "20"])
     try:
         dp = DomainParticipant(domain)
