@@ -122,17 +122,6 @@ class ActionTokenizer:
         x = self.centers[np.clip(self.vocab_end - ids - 1, 0, self.n_bins - 2)]
         return self.stats.unnormalize(x) if self.stats is not None else x
 
-    def bin_of(self, ids) -> np.ndarray:
-        """Bin index 0..n_bins-2 of action ids (for 'within r bins' comparisons)."""
-        return np.clip(self.vocab_end - np.asarray(ids, dtype=np.int64) - 1, 0, self.n_bins - 2)
-
-    def encode_chunk(self, actions) -> np.ndarray:
-        """(H, D) actions -> (H*D,) ids, time-major."""
-        a = np.asarray(actions)
-        if a.ndim != 2:
-            raise ValueError(f"a chunk is (H steps, D dims), got shape {a.shape}")
-        return self.encode(a).reshape(-1)
-
     def decode_chunk(self, ids, horizon: int, dims: int) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.shape != (horizon * dims,):

@@ -405,10 +405,6 @@ class Manifest:
         return problems
 
     @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def argmax_range(self) -> tuple[int, int]:
         """[lo, hi) of the ids next_ids picks among."""
         return tuple(self.argmax_ids) if self.argmax_ids else (0, self.vocab_size)

@@ -202,7 +202,6 @@ class DraftHead:
 class HeadDraft(Drafter):
     """The head as a Drafter for `speculative_round` (one sequence; contexts hold `offset` placeholder ids
     for the prefix, then the chunk's ids). Stops after a proposal with probability < stop_below."""
-    name = "head"
 
     def __init__(self, head: DraftHead, offset: int, stop_below: float = 0.0):
         self.head, self.offset, self.stop_below = head, offset, stop_below

@@ -29,7 +29,7 @@ class Proposal:
 
 
 class Drafter(ABC):
-    name = "draft"
+    """Proposes up to gamma tokens per sequence for the target to verify (speculative_round)."""
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
@@ -67,7 +67,6 @@ class DraftModel(Drafter):
     confidence (default: the draft's softmax probability of its argmax) is below it; that proposal is still
     verified (it costs the target little), the draft is not run on it. γ is then the most per round.
     """
-    name = "model"
 
     def __init__(self, decoder: Decoder, stop_below: float = 0.0,
                  confidence: Callable[[np.ndarray], np.ndarray] | None = None):
@@ -137,7 +136,6 @@ class DraftModel(Drafter):
 class NgramDraft(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest n first)
     and propose what followed it. Costs microseconds, needs no model; pays on repetitive text and code."""
-    name = "ngram"
 
     def __init__(self, batch: int, max_ngram: int = 4, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

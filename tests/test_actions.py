@@ -67,11 +67,11 @@ def test_normalisation_and_mask_pass_through():
 def test_native_id_space_and_chunks():
     tok = ActionTokenizer.native(256)
     chunk = np.array([[-1.0, 0.0], [0.5, 1.0], [0.25, -0.25]])  # H=3 steps x D=2 dims
-    ids = tok.encode_chunk(chunk)
+    ids = tok.encode(chunk).reshape(-1)  # time-major, as the policy decodes them
     assert ids.shape == (6,) and ids.min() >= 0 and ids.max() <= 255
     assert ids[2] == tok.encode([0.5])[0] and ids[3] == tok.encode([1.0])[0]  # time-major
     assert tok.decode_chunk(ids, 3, 2).shape == (3, 2)
-    assert tok.bin_of(tok.encode([1.0]))[0] == 254 and tok.bin_of(tok.encode([-1.0]))[0] == 0
+    assert tok.encode([1.0])[0] == 0 and tok.encode([-1.0])[0] == 255  # the top of the range is the lowest id
 
 
 def test_configurable_bins_and_offset():
