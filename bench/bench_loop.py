@@ -38,7 +38,7 @@ from edgespec.cli import ensure_policy_engines  # noqa: E402
 from edgespec.robots.cli import cpu_set  # noqa: E402
 from edgespec.robots.inference import InferenceProcess, single_threaded_env  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
-from edgespec.robots.profile import chrome_trace, loop_profile, plot_timeline  # noqa: E402
+from edgespec.robots.profile import chrome_trace, plot_timeline  # noqa: E402
 from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa: E402
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -22,32 +20,13 @@ from .costmodel import AcceptanceEstimator, CostModel, median_time
 from .decoder import Decoder
 from .drafts import DraftModel, Drafter, NgramDraft, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
+from .profiling import Timer
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import speculative_round
 from .tokenizer import TextTokenizer, check_pair
 
 GAMMA_MAX = 8  # longest draft `auto` considers
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
-
-
-class Timer:
-    """Named wall-clock sections (draft / verify / sampling / prefill); the rest of the wall is 'other'.
-    With `events` (a list), every section is also recorded as (name, start, end) for a trace."""
-
-    def __init__(self, events: list | None = None):
-        self.t = defaultdict(float)
-        self.events = events
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            t1 = time.perf_counter()
-            self.t[name] += t1 - t0
-            if self.events is not None:
-                self.events.append((name, t0, t1))
 
 
 @dataclass

@@ -46,7 +46,7 @@ from .decoder import Decoder
 from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel, max_prob
 from .engine import open_engine, session_options
-from .generate import Timer
+from .profiling import Timer
 from .sampling import SamplingConfig, check_ids
 from .speculative import accept_relaxed, speculative_round
 
@@ -526,7 +526,7 @@ class Policy:
         so a chunk costs one target call fewer than prefill-then-verify. Later rounds verify pending + drafts.
         reference=True runs the later rounds through the generic `speculative_round` + `HeadDraft`."""
         target, head = self.target, self.head
-        lo, hi, stop = self.tok.first_id, self.tok.vocab_end, self.cfg.stop_below
+        stop = self.cfg.stop_below
         info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0, "max_dev_bins": 0}
         head.start(prefix)
         calls0 = head.calls

@@ -10,9 +10,32 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+class Timer:
+    """Named wall-clock sections (draft / verify / sampling / prefill); the rest of the wall is 'other'.
+    With `events` (a list), every section is also recorded as (name, start, end) for a trace."""
+
+    def __init__(self, events: list | None = None):
+        self.t = defaultdict(float)
+        self.events = events
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            t1 = time.perf_counter()
+            self.t[name] += t1 - t0
+            if self.events is not None:
+                self.events.append((name, t0, t1))
+
 
 _RAM = re.compile(r"RAM (\d+)/(\d+)MB")
 _EMC = re.compile(r"EMC_FREQ (\d+)%(?:@(\d+))?")

@@ -54,7 +54,7 @@ def reacher_xml() -> str:
         if geom.get("name") == "fingertip":
             geom.set("rgba", "0.1 0.1 0.1 1")
     for i, (name, rgba) in enumerate(COLORS.items()):
-        body = ET.SubElement(world, "body", name=f"target_{name}", pos=f"0 0 .01")
+        body = ET.SubElement(world, "body", name=f"target_{name}", pos="0 0 .01")
         for axis, a in (("x", "1 0 0"), ("y", "0 1 0")):
             ET.SubElement(body, "joint", name=f"target_{name}_{axis}", type="slide", axis=a, armature="0",
                           damping="0", limited="true", range="-.27 .27", stiffness="0")

@@ -142,7 +142,6 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     """A random-init VLA policy model folder in train_vla.py's format (tiny shapes), no training."""
     import json
 
-    import numpy as np
     import torch
 
     from edgespec.actions import ActionStats

@@ -3,7 +3,6 @@ the torch reference token for token, and a draft that speeds the target up witho
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers

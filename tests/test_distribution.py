@@ -8,7 +8,6 @@ joint distribution of the target (computed by enumerating every continuation ins
 with temperature, top-k and top-p; each test also checks that a 2% shift of probability mass would have
 been detected.
 """
-import itertools
 
 import numpy as np
 import pytest

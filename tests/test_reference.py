@@ -1,7 +1,6 @@
 """The eager reference decoder matches transformers' own forward (fp32, 1e-4) on every supported family."""
 import json
 
-import numpy as np
 import pytest
 import torch
 

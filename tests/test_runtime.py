@@ -139,7 +139,7 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
     target(feed, np.arange(8)[None] < np.array([[4], [8]]))
     target.cache.commit([len(c) - 1 for c in ctx])
     cfg, active = SamplingConfig(), np.ones(2, bool)
-    timer = edgespec.generate.Timer()
+    timer = edgespec.profiling.Timer()
     pick = lambda logits, pos: (logits.argmax(-1), None)  # noqa: E731
     patterns, counts = set(), set()
     for r in range(12):

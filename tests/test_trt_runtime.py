@@ -18,7 +18,7 @@ import pytest
 import edgespec.cuda as ecuda
 from edgespec import contract as C
 from edgespec.contract import EngineError
-from edgespec.export.tensorrt import ProfileSpec, default_profiles, profile_shapes
+from edgespec.export.tensorrt import default_profiles, profile_shapes
 from edgespec.memory import HostMemory
 from edgespec.trt import PlanProfile, check_plan_io, select_profile, trt_dtype_name
 from trt_fakes import FakeCudart, make_fake_tensorrt, write_fake_plan
