@@ -272,25 +272,27 @@ def _older_contract(engine_dir: Path) -> bool:
 
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
+    from edgespec.contract import CONTENT_HASH, HEAD_FILE, POLICY_FILE
+
     eng, src = Path(engines) / name, Path(models) / name
     stale = None  # why the exported folder no longer matches the model folder or this edgespec
-    if (eng / "policy.json").is_file() and (src / "policy.json").is_file():
+    if (eng / POLICY_FILE).is_file() and (src / POLICY_FILE).is_file():
         try:
-            got, want = json.loads((eng / "policy.json").read_text()), json.loads((src / "policy.json").read_text())
+            got, want = json.loads((eng / POLICY_FILE).read_text()), json.loads((src / POLICY_FILE).read_text())
         except json.JSONDecodeError:
             got, want = None, None
         if not isinstance(got, dict):
             stale = "its policy.json is not a JSON object"
-        elif "content_sha256" not in got:
+        elif CONTENT_HASH not in got:
             stale = "exported before policy.json carried a content hash"
         elif isinstance(want, dict) and any(got.get(k) != v for k, v in want.items()):
             stale = "the model's policy.json changed (e.g. its state/action semantics)"
-        elif (src / "draft_head.npz").is_file() and got.get("draft_head_sha256") != _sha(src / "draft_head.npz"):
+        elif (src / HEAD_FILE).is_file() and got.get("draft_head_sha256") != _sha(src / HEAD_FILE):
             stale = "its draft head changed"
     if _older_contract(eng / "target"):
         stale = "exported for an older engine contract"
-    if not (eng / "policy.json").is_file() or stale:
-        if not (src / "policy.json").is_file():
+    if not (eng / POLICY_FILE).is_file() or stale:
+        if not (src / POLICY_FILE).is_file():
             raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
                                     f"root, or pass --engines/--models")
         _need_export_extra()

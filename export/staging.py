@@ -21,7 +21,6 @@ from edgespec import contract as C
 
 STAGE_MARK = ".partial-"  # staging folders are named f".{OUT name}{STAGE_MARK}{pid}"
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout this edgespec runs from
-POLICY_FORMAT = "edgespec-vla"  # policy.json "format" starts with this
 
 
 class UnsafeOutputError(ValueError):
@@ -47,7 +46,7 @@ def is_edgespec_folder(path: Path) -> bool:
     if "contract_version" in engine and "model_file" in engine:
         return True
     fmt = _read_json(path / C.POLICY_FILE).get("format")
-    return isinstance(fmt, str) and fmt.startswith(POLICY_FORMAT)
+    return isinstance(fmt, str) and fmt.startswith(C.POLICY_FORMAT)
 
 
 def _protected(sources: list[Path]) -> dict[Path, str]:
@@ -78,7 +77,7 @@ def check_out_dir(out_dir: Path, sources: list[Path], force: bool) -> None:
     if not out.is_dir() or not is_edgespec_folder(out):
         raise UnsafeOutputError(f"refusing to replace {out_dir} with --force: it is not an engine or policy folder "
                                 f"edgespec exported (expected {C.MANIFEST_FILE} with contract_version or "
-                                f"{C.POLICY_FILE} with format {POLICY_FORMAT}/...); remove it yourself or pick "
+                                f"{C.POLICY_FILE} with format {C.POLICY_FORMAT}/...); remove it yourself or pick "
                                 f"another --out")
 
 

@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.policy import CONTENT_HASH, STATS_FILE, PolicyManifest, policy_content_sha256, read_policy_json
+from edgespec.contract import (CONTENT_HASH, ENCODER_FILE, HEAD_FILE, STATS_FILE, PolicyManifest,
+                               policy_content_sha256, read_policy_json)
 
 from .onnx_export import export_engine
 from .staging import check_out_dir, prepare, publish
 
-ENCODER_FILE = "encoder.onnx"
-HEAD_FILE = "draft_head.npz"
 ENCODER_TOL = 1e-4
 
 

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from edgespec.export.train_vla import REACHER_SEMANTICS
-from edgespec.policy import CONTENT_HASH, Policy, PolicyFileError, load_policy
+from edgespec.contract import CONTENT_HASH, PolicyFileError
+from edgespec.policy import Policy, load_policy
 
 
 def copy_policy(src, dst):
