@@ -126,6 +126,9 @@ class LoopReport:
     safe_stop_failures: int = 0  # robot.safe_stop() calls that raised (each episode is also in `faults`)
     stop_requested: str = ""  # why stop() ended the run early ("" when it ran its full duration)
     queue_dropped_stale: int = 0  # chunk actions whose time had passed when they landed or came due
+    sent_actions: list = field(default_factory=list)  # per send (fresh or held): what send_action says it got
+    clipped: int = 0  # sent ticks where that differs from the commanded action (the robot's safety limits)
+    max_clip: float = 0.0  # the largest |commanded - sent| over the run, in action units
     end_s: float | None = None  # when run() returned
 
     @property
@@ -440,16 +443,25 @@ class ControlLoop:
                 self._wake.set()
 
     def _send(self, action: np.ndarray, now: float) -> bool:
-        """send_action, with a robot that raises recorded as a fault (the loop must not die with it)."""
+        """send_action, with a robot that raises recorded as a fault (the loop must not die with it); what
+        the robot reports it got (after its own clipping) goes into the report."""
         try:
-            self.robot.send_action(action)
-            return True
+            got = self.robot.send_action(action)
         except Exception as e:  # noqa: BLE001
             msg = f"robot refused action {np.asarray(action).tolist()}: {type(e).__name__}: {e}"
             with self._lock:  # recorded even behind another fault: a refusal latches the stop at once (_act)
                 self._record_fault(self.report, now, msg)
                 self._fault = self._fault or msg
             return False
+        rep = self.report
+        got = np.asarray(action if got is None else got, dtype=np.float64)  # None: a robot that reports nothing
+        rep.sent_actions.append(got.tolist())
+        want = np.asarray(action, dtype=np.float64)
+        clip = float(np.max(np.abs(got - want), initial=0.0)) if got.shape == want.shape else float("inf")
+        if clip > 0:
+            rep.clipped += 1
+            rep.max_clip = max(rep.max_clip, clip)
+        return True
 
     def _act(self, now: float) -> None:
         rep = self.report

@@ -493,3 +493,19 @@ def test_a_robot_refusing_the_hold_behind_a_policy_fault_is_recorded_too():
     assert any("engine exploded" in f for f in rep.faults) and any("driver fault" in f for f in rep.faults), rep.faults
     acts = rep.tick_action  # (a hold before the first chunk is fine: the robot took it)
     assert "robot refused the hold target" in rep.safe_stop_reason and "held" not in acts[acts.index("sent"):]
+
+
+def test_what_the_robot_actually_sent_is_recorded():
+    """send_action returns the action after the robot's own limits: the report keeps it, and counts the
+    sends it changed (MockRobot clips to +-1; the policy asks for 2)."""
+    from edgespec.robots.profile import loop_profile
+
+    def too_far(obs):
+        return np.full((8, 2), 2.0)
+    with MockRobot(dims=2, limit=1.0) as robot:
+        rep = ControlLoop(robot, too_far, LoopConfig(hz=HZ)).run(0.3)
+    sent_fresh = rep.tick_action.count("sent")
+    assert sent_fresh > 0 and rep.clipped >= sent_fresh and rep.max_clip == 1.0
+    assert len(rep.sent_actions) == len(robot.sent) and rep.sent_actions[-1] == [1.0, 1.0]
+    prof = loop_profile(rep)
+    assert prof["clipped_by_robot"] == rep.clipped and prof["max_clip"] == 1.0
