@@ -178,6 +178,17 @@ OPTIONAL_STR_FIELDS = ("tokenizer_file", "embedding_file")
 SHA256_FIELDS = ("tokenizer_sha256", "source_sha256", "model_sha256")
 
 
+def read_json_object(path: Path, what: str, error: type[Exception]) -> dict:
+    """A manifest file as a dict, or one `error` saying why it is not a JSON object (what: "manifest", ...)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: expected a JSON object of {what} fields, got {type(data).__name__}")
+    return data
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a size
 
@@ -317,12 +328,7 @@ class Manifest:
         path = Path(engine_dir) / MANIFEST_FILE
         if not path.is_file():
             raise EngineError(f"{engine_dir}: no {MANIFEST_FILE}; expected an engine folder made by `edgespec export`")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EngineError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise EngineError(f"{path}: expected a JSON object of manifest fields, got {type(data).__name__}")
+        data = read_json_object(path, "manifest", EngineError)
         if data.get("contract_version") != CONTRACT_VERSION:
             raise EngineError(f"{path}: contract_version {data.get('contract_version')} is not the supported "
                               f"{CONTRACT_VERSION}; re-export the engine with this edgespec")
@@ -545,13 +551,7 @@ def policy_content_sha256(meta: dict) -> str:
 
 def read_policy_json(path: Path) -> dict:
     """policy.json as a dict, or one PolicyFileError saying why it is not one."""
-    try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PolicyFileError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise PolicyFileError(f"{path}: expected a JSON object of policy fields, got {type(meta).__name__}")
-    return meta
+    return read_json_object(path, "policy", PolicyFileError)
 
 
 def require_content_hash(path: Path, meta: dict) -> None:
