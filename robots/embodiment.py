@@ -32,9 +32,10 @@ from typing import Sequence
 
 import numpy as np
 
+from edgespec.contract import ACTION_KINDS  # what policy.json may declare
+
 from .reacher import fk, ik
 
-ACTION_KINDS = ("joint_position", "cartesian_position")
 POSITION, VELOCITY = "position", "velocity"
 
 
