@@ -14,7 +14,7 @@ does not exist yet (head_features):
 Velocities are clipped to -R..R as features. The five embedding rows come from one stacked table in one
 gather, so a proposal is a gather, two small matrix-vector products and an argmax (~20 µs).
 Trained by export/train_draft_head.py on the target's own greedy chunks (distillation).
-`HeadDraft` wraps it as a `Drafter` for the generic speculative round (the slow, obvious path).
+`HeadDraft` wraps it as a `Drafter`.
 """
 from __future__ import annotations
 
@@ -200,25 +200,30 @@ class DraftHead:
 
 
 class HeadDraft(Drafter):
-    """The head as a Drafter for `speculative_round` (one sequence; contexts hold `offset` placeholder ids
-    for the prefix, then the chunk's ids). Stops after a proposal with probability < stop_below."""
+    """The head as a Drafter for one sequence: contexts hold `offset` placeholder ids for the prefix, then
+    the chunk's ids. It drafts from the prefix alone (start(prefix) once per chunk), so a chunk's first round
+    can be the target's prefill (speculative.fast_round with prefix). Stops after a proposal with
+    probability < stop_below."""
 
     def __init__(self, head: DraftHead, offset: int, stop_below: float = 0.0):
         self.head, self.offset, self.stop_below = head, offset, stop_below
 
+    def start(self, prefix: np.ndarray) -> None:
+        self.head.start(prefix)
+
+    def draft(self, ctx, gamma, out) -> int:
+        work = ctx[self.offset:]  # the chunk's ids so far (a copy: proposals are appended)
+        for j in range(gamma):
+            tok, p = self.head.next(work)
+            out[j] = tok
+            if p < self.stop_below:
+                return j + 1
+            work.append(tok)
+        return gamma
+
     def propose(self, contexts, gamma, pick, active) -> Proposal:
         if len(contexts) != 1:
             raise ValueError(f"HeadDraft drafts one sequence, got {len(contexts)}")
-        ids = list(contexts[0][self.offset:])
         tokens = np.zeros((1, gamma), np.int64)
-        count = gamma
-        for j in range(gamma):
-            lg = self.head.logits(ids)[None]  # (1, n)
-            tok = int(pick(lg, np.array([self.offset + len(ids)]))[0][0])
-            tokens[0, j] = tok
-            ids.append(tok)
-            z = lg[0] - lg[0].max()
-            if self.stop_below and 1.0 / np.exp(z).sum() < self.stop_below:
-                count = j + 1
-                break
-        return Proposal(tokens, np.array([count]), None)
+        c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
+        return Proposal(tokens, np.array([c]), None)

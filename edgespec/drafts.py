@@ -1,10 +1,12 @@
 """Drafts: anything that proposes up to γ next tokens per sequence.
 
     propose(contexts, gamma, pick, active) -> Proposal   # contexts[b]: prompt + emitted tokens (last = pending)
-    commit(accepted)                                    # accepted (B,): draft tokens the target kept this round
+    draft(ctx, gamma, out) -> c                         # one greedy sequence: proposals in out[:c] (fast_round)
+    commit(accepted)                                    # accepted (B,) or int: draft tokens the target kept
 
-Kinds: `DraftModel` (a small engine with its own KV cache) and `NgramDraft` (prompt lookup, no model).
-Trees and feature-based drafts fit the same two verbs.
+Kinds: `DraftModel` (a small engine with its own KV cache), `NgramDraft` (prompt lookup, no model) and
+`draft_head.HeadDraft` (a numpy MLP over a VLA prefix). `propose` serves every batch and sampling mode;
+`draft` is the lean path for one greedy sequence (by default it goes through `propose`).
 """
 from __future__ import annotations
 
@@ -34,6 +36,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
 
+    def draft(self, ctx: list[int], gamma: int, out: np.ndarray) -> int:
+        """One greedy sequence: write up to gamma proposals for positions len(ctx).. into out[:gamma] and
+        return how many."""
+        prop = self.propose([ctx], gamma, greedy_pick, np.ones(1, bool))
+        c = int(prop.counts[0])
+        out[:c] = prop.tokens[0, :c]
+        return c
+
     def commit(self, accepted: np.ndarray) -> None:
         """The target kept accepted[b] of sequence b's proposals (before its correction/bonus token)."""
 
@@ -62,24 +72,29 @@ class DraftModel(Drafter):
 
     Its cache covers the context up to the pending token after a catch-up call (1 token, or 2 when the
     last round accepted everything), then it feeds d_1..d_{n-1}; rows of rejected drafts are rolled back.
+    A greedy draft is the argmax among the engine's argmax ids (Manifest.argmax_range: a policy engine's
+    action ids, a text engine's whole vocabulary).
 
     Dynamic draft length: with `stop_below` > 0 a sequence stops drafting after the first proposal whose
-    confidence (default: the draft's softmax probability of its argmax) is below it; that proposal is still
-    verified (it costs the target little), the draft is not run on it. γ is then the most per round.
+    confidence (the softmax probability of that argmax among the argmax ids) is below it; that proposal is
+    still verified (it costs the target little), the draft is not run on it. γ is then the most per round.
     """
 
-    def __init__(self, decoder: Decoder, stop_below: float = 0.0,
-                 confidence: Callable[[np.ndarray], np.ndarray] | None = None):
+    def __init__(self, decoder: Decoder, stop_below: float = 0.0):
         if not 0.0 <= stop_below < 1.0:
             raise ValueError(f"stop_below must be in [0, 1), got {stop_below!r}")
         self.dec = decoder
         self.stop_below = stop_below
-        self.confidence = confidence or max_prob  # logits (B, V) -> (B,)
+        self.lo, self.hi = decoder.m.argmax_range
         self._ctx_len = np.zeros(decoder.batch, dtype=np.int64)
 
     def room(self, contexts, active) -> int:
         longest = max((len(c) for c, a in zip(contexts, active) if a), default=0)
         return self.dec.max_context - longest + 1
+
+    def confidence(self, logits: np.ndarray) -> np.ndarray:
+        """logits (B, V) -> (B,) the probability of each row's argmax among the argmax ids."""
+        return max_prob(logits[:, self.lo:self.hi])
 
     def propose(self, contexts, gamma, pick, active) -> Proposal:
         cache, b = self.dec.cache, self.dec.batch
@@ -104,6 +119,8 @@ class DraftModel(Drafter):
             if by_ids:
                 check_ids(last[active], "draft", int(n_ctx.max()) + j)
                 tok, q = last, None
+            elif pick is greedy_pick:
+                tok, q = last[:, self.lo:self.hi].argmax(-1) + self.lo, None
             else:
                 tok, q = pick(last, n_ctx + j)  # token at position n_ctx + j
             tokens[:, j] = tok
@@ -121,6 +138,29 @@ class DraftModel(Drafter):
                 last = (self.dec.ids if by_ids else self.dec)(tokens[:, j:j + 1])[:, 0]
                 cache.commit(1)
         return Proposal(tokens, counts, qs)
+
+    def draft(self, ctx, gamma, out) -> int:
+        """propose() for one greedy sequence without per-round arrays: catch up on what the cache lacks of
+        ctx, then one engine call per proposal (next_ids only, or the logits when stop_below needs them)."""
+        dec, lo, hi, stop = self.dec, self.lo, self.hi, self.stop_below
+        feed = np.array([ctx[int(dec.cache.lengths[0]):]], np.int64)  # (1, 1 or 2) catch-up ids
+        self._ctx_len[0] = len(ctx)
+        for j in range(gamma):
+            if stop:
+                lg = dec(feed)[0, -1, lo:hi]
+                best = int(lg.argmax())
+                out[j] = best + lo
+                unsure = 1.0 / np.exp(lg - lg[best]).sum() < stop
+            else:
+                out[j] = dec.ids(feed)[0, -1]
+                if out[j] < 0:  # NONFINITE_ID
+                    check_ids(out[j:j + 1], "draft", len(ctx) + j)
+                unsure = False
+            dec.cache.commit(feed.shape[1])
+            if unsure:
+                return j + 1  # verified, never fed to the draft
+            feed = out[None, j:j + 1]  # d_{j+1}: the next call's input
+        return gamma
 
     def commit(self, accepted) -> None:
         c = self.dec.cache
@@ -159,6 +199,11 @@ class NgramDraft(Drafter):
             if e is not None and e < len(ctx):
                 return ctx[e:e + gamma]
         return []
+
+    def draft(self, ctx, gamma, out) -> int:
+        got = self.lookup(0, ctx, gamma)
+        out[:len(got)] = got
+        return len(got)
 
     def propose(self, contexts, gamma, pick, active) -> Proposal:
         b = len(contexts)

@@ -22,7 +22,7 @@ from .drafts import DraftModel, Drafter, NgramDraft, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
-from .speculative import speculative_round
+from .speculative import fast_round, speculative_round
 from .tokenizer import TextTokenizer, check_pair
 
 GAMMA_MAX = 8  # longest draft `auto` considers
@@ -62,7 +62,8 @@ class Stats:
 
     @property
     def tokens_per_round(self) -> float:
-        return self.new_tokens / self.rounds if self.rounds else 0.0
+        """Emitted tokens per target call (the prefill counts: it emits the first token); plain = 1."""
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -139,6 +140,7 @@ class Generator:
         self._free: dict[tuple, list[Decoder]] = {}  # (id(engine), batch) -> decoders no generate() holds
         self._lock = threading.Lock()
         self.trace: list | None = None  # set to a list to record (name, start, end) events (edgespec profile)
+        self.lean = True  # one greedy sequence decodes through fast_round (False: the generic round, as a reference)
 
     # -- building blocks -------------------------------------------------------------------------
     def _decoder(self, engine: OrtEngine, batch: int) -> Decoder:
@@ -273,6 +275,7 @@ class Generator:
         stats.new_tokens = b
         est = AcceptanceEstimator()
         cap = self.target.manifest.max_context
+        lean = b == 1 and mode == "greedy" and self.lean
         while not all(s.finish for s in seqs):
             active = np.array([s.finish is None for s in seqs])
             g = self._choose_gamma(gamma, est, stats)
@@ -282,8 +285,12 @@ class Generator:
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             with timer("round"):
-                new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
-                                              noise, pick, timer)
+                if lean:  # one greedy sequence: the lean round
+                    new1, k1, n1 = fast_round(target, drafter if g else None, seqs[0].ctx, g, timer=timer)
+                    new, k, n = [new1], np.array([k1]), np.array([n1])
+                else:
+                    new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
+                                                  noise, pick, timer)
             if gamma == "auto" and self.cost is not None and self.refine_costs:  # what rounds really cost
                 self.cost.observe(g, timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0)
             stats.rounds += 1

@@ -43,11 +43,9 @@ from .contract import HEAD_FILE, STATS_FILE, PolicyManifest, check_policy_conten
 from .actions import ActionStats, ActionTokenizer
 from .decoder import Decoder
 from .draft_head import DraftHead, HeadDraft
-from .drafts import DraftModel, max_prob
+from .drafts import DraftModel, Drafter
 from .engine import open_engine, session_options
-from .profiling import Timer
-from .sampling import SamplingConfig, check_ids
-from .speculative import accept_relaxed, speculative_round
+from .speculative import RelaxedRule, fast_round, greedy_rule, reference_round
 
 MODES = ("greedy", "relaxed")
 # (gamma, stop_below) when not given, per draft kind: picked by bench/bench_vla.py's sweeps on this CPU
@@ -130,7 +128,7 @@ class Policy:
                                             providers=["CPUExecutionProvider"])
         self.target = self._decoder(open_engine(self.dir / "target", provider, threads, check_hashes))
         self._check_argmax(self.target.m, self.dir / "target")
-        self.draft, self.head = None, None
+        self.draft, self.head, self._head_draft = None, None, None
         if draft == "head":
             hpath = self.dir / HEAD_FILE
             if not hpath.is_file():
@@ -145,13 +143,14 @@ class Policy:
             if (self.head.dims, self.head.w.horizon) != (self.dims, self.horizon):
                 raise ValueError(f"draft head is for {self.head.w.horizon}x{self.head.dims} chunks, the policy "
                                  f"emits {self.horizon}x{self.dims}")
+            self._head_draft = HeadDraft(self.head, self.prefix_len, self.cfg.stop_below)
         elif draft is not False and draft is not None:
             ddir = self.dir / "draft" if draft is True else Path(draft)
             if not ddir.is_dir():
                 raise FileNotFoundError(f"{ddir}: no draft engine folder" + (
                     f" ({self.dir} has no draft/; load without draft=True)" if draft is True else ""))
             self.draft = DraftModel(self._decoder(open_engine(ddir, provider, threads, check_hashes)),
-                                    self.cfg.stop_below, self._confidence)
+                                    self.cfg.stop_below)
             self._check_argmax(self.draft.dec.m, ddir)
             if self.draft.dec.m.input_mode != "embeds":
                 raise ValueError(f"{ddir} takes input_ids; a policy draft must read the encoder's prefix "
@@ -221,29 +220,9 @@ class Policy:
         return prefix
 
     # -- decoding ----------------------------------------------------------------------------------
-    def _pick(self, logits: np.ndarray, positions=None):  # logits (B, V) -> action ids (B,), constrained
+    def _pick(self, logits: np.ndarray):  # logits (B, V) -> action ids (B,): the constrained argmax
         lo, hi = self.tok.first_id, self.tok.vocab_end
-        return logits[:, lo:hi].argmax(-1) + lo, None
-
-    def _confidence(self, logits: np.ndarray) -> np.ndarray:  # (B, V) -> (B,) p of the constrained argmax
-        return max_prob(logits[:, self.tok.first_id:self.tok.vocab_end])
-
-    def _accept(self, drafts: np.ndarray, t: np.ndarray, pos: int, info: dict) -> tuple[int, int]:
-        """accept_relaxed for drafts (c,) at chunk index pos, t (c+1,) the target's action ids there (exact
-        where the radius is 0); notes the largest bin distance it accepted in info["max_dev_bins"]."""
-        lo, hi, radius = self.tok.first_id, self.tok.vocab_end, self._radius
-        check_ids(t, "target", self.prefix_len + pos)
-        k, nxt = accept_relaxed(drafts, t, lo, hi, radius[pos:pos + len(drafts)])
-        if k and radius[pos:pos + k].any():
-            info["max_dev_bins"] = max(info["max_dev_bins"], int(np.abs(drafts[:k] - t[:k]).max()))
-        return k, nxt
-
-    def _step_id(self, token: int) -> int:
-        """One plain target step: the action id after `token` (committed)."""
-        t = self.target.ids(np.array([[token]]))[0]  # (1,)
-        check_ids(t, "target", int(self.target.cache.lengths[0]))
-        self.target.cache.commit(1)
-        return int(t[0])
+        return logits[:, lo:hi].argmax(-1) + lo
 
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
@@ -261,170 +240,58 @@ class Policy:
 
     def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None,
                    reference: bool = False) -> tuple[list[int], dict]:
-        """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics.
-        Speculative decoding runs a lean single-sequence loop; reference=True runs the same decoding through
-        the generic `speculative_round` + `DraftModel` (slow, obvious; tests compare the two).
-        NaN/inf logits from the target raise FloatingPointError (check_ids); the rows such a call wrote are
-        zeroed by the decoder, and every call starts from empty caches, so a failed call changes no later one."""
+        """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics. Every target call is
+        one round of `speculative.fast_round` (γ = 0 without a draft: a plain step); reference=True runs the
+        same rounds through the generic `speculative_round` (slow, obvious; tests compare the two).
+        NaN/inf logits from the target raise FloatingPointError; the rows such a call wrote are zeroed by the
+        decoder, and every call starts from empty caches, so a failed call changes no later one."""
         with self._lock:  # the caches are shared: one decode at a time
             return self._decode_ids(prefix, use_draft, reference)
+
+    def _drafter(self, prefix: np.ndarray, use_draft: bool | None) -> Drafter | None:
+        """This chunk's drafter, primed with the prefix (None: plain decoding)."""
+        if use_draft is False:
+            return None
+        if self._head_draft is not None:
+            self._head_draft.start(prefix)
+            return self._head_draft
+        if self.draft is not None:
+            dd = self.draft.dec
+            dd.cache.rewind_to(0)
+            dd.run(None, embeds=prefix)
+            dd.cache.commit(prefix.shape[1])
+        return self.draft
 
     def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool) -> tuple[list[int], dict]:
         n, p = self.horizon * self.dims, prefix.shape[1]
         target = self.target
         target.cache.rewind_to(0)
-        if self.head is not None and (use_draft is None or use_draft):
-            return self._decode_head(prefix, n, p, reference)
-        first = target.ids(None, embeds=prefix)[0, -1:]  # the prefill's last id
-        check_ids(first, "target", p)
-        target.cache.commit(p)
-        ids = [int(first[0])]
-        info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 1, "draft_calls": 0, "max_dev_bins": 0}
-        draft = self.draft if use_draft is None or use_draft else None
-        if draft is None:
-            while len(ids) < n:  # plain decoding
-                ids.append(self._step_id(ids[-1]))
-            info["target_calls"] = n
-            info["tokens_per_round"] = 1.0
-            return ids, info
-        dd = draft.dec
-        dd.cache.rewind_to(0)
-        dd.run(None, embeds=prefix)
-        dd.cache.commit(p)
-        if not reference:
-            return self._speculative_fast(ids, n, p, info)
-        draft._ctx_len[:] = p
-        ctx = [0] * p + ids  # placeholder ids stand for the prefix rows already in both caches
-        timer = Timer()
-
-        def relax(d, lg, at):  # d (k,), lg (k+1, V), at: absolute position of d[0]
-            return self._accept(d, lg, at - p, info)
-
-        calls0 = dd.calls
-        while len(ids) < n:
-            g = min(self.cfg.gamma, n - len(ids) - 1)
-            if g == 0:
-                ids.append(self._step_id(ids[-1]))
-                info["target_calls"] += 1
-                continue
-            new, k, m = speculative_round(target, draft, [ctx], np.ones(1, bool), g, "relaxed", SamplingConfig(),
-                                          None, None, self._pick, timer, relax=relax)
-            ids += new[0]
-            ctx += new[0]
-            info["rounds"] += 1
-            info["drafted"] += int(m[0])
-            info["accepted"] += int(k[0])
-            info["target_calls"] += 1
-        info["draft_calls"] = dd.calls - calls0 + 1
-        info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
-        return ids[:n], info
-
-    def _speculative_fast(self, ids: list[int], n: int, p: int, info: dict) -> tuple[list[int], dict]:
-        """The round for one sequence with no per-round objects: draft up to g ids from the draft's cache
-        (fewer when the draft is unsure: stop_below), verify them + 1 in one target call, accept
-        (accept_relaxed: exact when the radius is 0), roll the caches back. Both caches hold the prefix; the
-        target's lacks ids[-1], the draft's lacks `pending` (1 or 2 ids)."""
-        target, dd = self.target, self.draft.dec
-        lo, hi, stop = self.tok.first_id, self.tok.vocab_end, self.cfg.stop_below
-        pending = [ids[-1]]
-        feed = np.empty((1, self.cfg.gamma + 1), np.int64)
-        calls0 = dd.calls
-        while len(ids) < n:
-            g = min(self.cfg.gamma, n - len(ids) - 1)
-            if g == 0:  # one id left: a plain target step
-                ids.append(self._step_id(ids[-1]))
-                info["target_calls"] += 1
-                continue
-            lg = dd(np.array([pending], np.int64))[0, -1, lo:hi]  # catch up, then draft
-            dd.cache.commit(len(pending))
-            c = g  # proposals this round
-            for j in range(g):
-                best = lg.argmax()
-                feed[0, j + 1] = best + lo
-                if stop and 1.0 / np.exp(lg - lg[best]).sum() < stop:
-                    c = j + 1  # verified, not fed to the draft
-                    break
-                if j + 1 < g:
-                    lg = dd(feed[:, j + 1:j + 2])[0, 0, lo:hi]
-                    dd.cache.commit(1)
-            feed[0, 0] = ids[-1]
-            drafts = feed[0, 1:c + 1]
-            t = target.ids(feed[:, :c + 1])[0]  # (c+1,)
-            pos = len(ids)  # chunk index of drafts[0]
-            k, nxt = self._accept(drafts, t, pos, info)
-            target.cache.commit(1 + k)
-            dd.cache.rewind_to(dd.cache.lengths - ((c - 1) - min(k, c - 1)))  # keep the fed drafts accepted
-            pending = [int(drafts[c - 1]), nxt] if k == c else [nxt]
-            ids += drafts[:k].tolist() + [nxt]
-            info["rounds"] += 1
-            info["drafted"] += c
-            info["accepted"] += k
-            info["target_calls"] += 1
-        info["draft_calls"] = dd.calls - calls0 + 1
-        info["tokens_per_round"] = (n - 1) / max(info["rounds"], 1)
-        return ids[:n], info
-
-    def _decode_head(self, prefix: np.ndarray, n: int, p: int, reference: bool) -> tuple[list[int], dict]:
-        """Speculative decoding with the draft head. The first round is fused into the target's prefill:
-        the head drafts from the prefix alone and the target reads prefix + drafts in one call (S = P + c),
-        so a chunk costs one target call fewer than prefill-then-verify. Later rounds verify pending + drafts.
-        reference=True runs the later rounds through the generic `speculative_round` + `HeadDraft`."""
-        target, head = self.target, self.head
-        stop = self.cfg.stop_below
+        counter = self.head if self._head_draft is not None else self.draft.dec if self.draft is not None else None
+        calls0 = counter.calls if counter is not None else 0
+        drafter = self._drafter(prefix, use_draft)
+        # the head drafts from the prefix alone, so its first round is the prefill; a draft decoder needs the
+        # prefill's first id, so that first call is a plain step
+        fused = isinstance(drafter, HeadDraft)
+        rule = greedy_rule if self.cfg.mode == "greedy" else \
+            RelaxedRule(self.tok.first_id, self.tok.vocab_end, self._radius, p)
+        round_ = reference_round if reference else fast_round
         info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0, "max_dev_bins": 0}
-        head.start(prefix)
-        calls0 = head.calls
-        drafter = HeadDraft(head, p, stop) if reference else None
-        feed = np.empty((1, self.cfg.gamma + 1), np.int64)
-        ids: list[int] = []
-        timer = Timer()
-
-        while len(ids) < n:
-            g = min(self.cfg.gamma, n - len(ids) - 1)
-            if g == 0 and ids:  # one id left: a plain target step
-                ids.append(self._step_id(ids[-1]))
-                info["target_calls"] += 1
-                continue
-            if not ids or not reference:  # draft up to g ids from the head
-                c, work = g, list(ids)
-                if reference and g:
-                    prop = drafter.propose([[0] * p + ids], g, self._pick, np.ones(1, bool))
-                    c = int(prop.counts[0])
-                    feed[0, 1:c + 1] = prop.tokens[0, :c]
-                else:
-                    for j in range(g):
-                        tok, pr = head.next(work)
-                        work.append(tok)
-                        feed[0, j + 1] = tok
-                        if stop and pr < stop:
-                            c = j + 1
-                            break
-                drafts = feed[0, 1:c + 1].copy()
-                pos = len(ids)
-                if not ids:  # fused first round: prefix + drafts in the prefill
-                    x = np.concatenate([prefix, target.embedding[drafts][None]], 1) if c else prefix
-                    t = target.ids(None, embeds=x.astype(np.float32))[0, p - 1:]  # (c+1,)
-                    k, nxt = self._accept(drafts, t, pos, info)
-                    target.cache.commit(p + k)
-                else:
-                    feed[0, 0] = ids[-1]
-                    t = target.ids(feed[:, :c + 1])[0]  # (c+1,)
-                    k, nxt = self._accept(drafts, t, pos, info)
-                    target.cache.commit(1 + k)
-                ids += drafts[:k].tolist() + [nxt]
-            else:
-                new, k, c = speculative_round(target, drafter, [[0] * p + ids], np.ones(1, bool), g, "relaxed",
-                                              SamplingConfig(), None, None, self._pick, timer,
-                                              relax=lambda d, lg, at: self._accept(d, lg, at - p, info))
-                ids += new[0]
-                k, c = int(k[0]), int(c[0])
-            info["rounds"] += 1
-            info["drafted"] += c
-            info["accepted"] += k
+        ctx = [0] * p  # placeholder ids for the prefix rows, then the chunk's ids
+        while len(ctx) < p + n:
+            first = len(ctx) == p
+            g = 0 if drafter is None or (first and not fused) else min(self.cfg.gamma, p + n - len(ctx) - 1)
+            new, k, c = round_(target, drafter if g else None, ctx, g, rule, prefix if first else None)
+            ctx += new
             info["target_calls"] += 1
-        info["draft_calls"] = head.calls - calls0
-        info["tokens_per_round"] = n / max(info["rounds"], 1)
-        return ids[:n], info
+            if g:
+                info["rounds"] += 1
+                info["drafted"] += c
+                info["accepted"] += k
+        if drafter is not None:
+            info["draft_calls"] = counter.calls - calls0
+        info["max_dev_bins"] = getattr(rule, "max_dev_bins", 0)
+        info["tokens_per_round"] = n / info["target_calls"]  # emitted tokens per target call
+        return ctx[p:p + n], info
 
     def worst_case_deviation(self) -> np.ndarray:
         """(D,) the most a relaxed token can differ from the target's choice, per action dimension in that
@@ -451,7 +318,7 @@ class Policy:
                 feeds[past] = np.zeros((1, self.target.m.num_kv_heads, s, self.target.m.head_dim),
                                        self.target.m.cache_dtype)  # rows 0..s-1: written by the call
             logits = sess.run(feeds)[C.LOGITS][0, -1]
-            ids.append(int(self._pick(logits[None])[0][0]))
+            ids.append(int(self._pick(logits[None])[0]))
         return ids
 
 

@@ -10,7 +10,7 @@ from edgespec.decoder import Decoder
 from edgespec.kvcache import KVCache
 from edgespec.drafts import DraftModel, NgramDraft
 from edgespec.sampling import SamplingConfig
-from edgespec.speculative import speculative_round
+from edgespec.speculative import fast_round, reference_round, speculative_round
 
 N_PROMPTS = 50
 
@@ -59,11 +59,16 @@ def test_rejection_at_first_position_and_full_acceptance(tiny_engines, plain):
     # a draft that never agrees: every round rejects at position 0 and emits exactly the correction
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3)
 
-    class Contrary(DraftModel):
+    class Contrary(DraftModel):  # proposes (its argmax + 1) % V, on the generic and on the lean path
         def propose(self, contexts, gamma, pick, active):
             prop = super().propose(contexts, gamma, pick, active)
             prop.tokens = (prop.tokens + 1) % 96
             return prop
+
+        def draft(self, ctx, gamma, out):
+            c = super().draft(ctx, gamma, out)
+            out[:c] = (out[:c] + 1) % 96
+            return c
     gen._drafter = lambda b: Contrary(gen._decoder(gen.draft, b))
     out = gen.generate(p, max_new_tokens=30)
     assert out.token_ids == want
@@ -160,6 +165,61 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
                 np.testing.assert_allclose(got, want, atol=1e-5)
     assert len(patterns) >= (3 if stop_below == 0 else 2)  # several different accept counts were exercised
     assert counts == ({False} if stop_below == 0 else {False, True})  # rounds that stopped early, and not
+
+
+@pytest.mark.parametrize("draft", ["model", "model-stop", "ngram"])
+def test_fast_round_matches_the_generic_round_step_by_step(tiny_engines, draft):
+    """fast_round and reference_round (the generic speculative_round) on twin decoders: the same emitted
+    ids, kept and drafted counts every round, and the same cache rows in the target and the draft."""
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
+    rng = np.random.default_rng(3)
+    prompt = list(rng.integers(0, 95, 4)) * 3  # repetitive: the n-gram draft finds continuations
+    twins = []
+    for _ in range(2):
+        target = Decoder(gen.target, 1)
+        drafter = NgramDraft(1) if draft == "ngram" else \
+            DraftModel(Decoder(gen.draft, 1), stop_below=0.3 if draft == "model-stop" else 0.0)
+        first = target.ids(np.array([prompt]))[0, -1]
+        target.cache.commit(len(prompt))
+        twins.append((target, drafter, prompt + [int(first)]))
+    kept = set()
+    for r in range(10):
+        g = int(rng.integers(0, 6))
+        out = []
+        for (target, drafter, ctx), round_ in zip(twins, (fast_round, reference_round)):
+            new, k, c = round_(target, drafter if g else None, ctx, g)
+            ctx += new
+            out.append((new, k, c))
+        assert out[0] == out[1], (r, g, out)
+        kept.add(out[0][1])
+        (t0, d0, c0), (t1, d1, c1) = twins
+        assert c0 == c1 and (t0.cache.lengths == t1.cache.lengths).all()
+        for a, b in zip(t0.cache.rows(0), t1.cache.rows(0)):
+            np.testing.assert_allclose(a, b, atol=1e-6)
+        if draft != "ngram":
+            assert (d0.dec.cache.lengths == d1.dec.cache.lengths).all()
+            for a, b in zip(d0.dec.cache.rows(0), d1.dec.cache.rows(0)):
+                np.testing.assert_allclose(a, b, atol=1e-6)
+    assert len(kept) >= 2  # rounds that kept different numbers of drafts
+
+
+@pytest.mark.parametrize("draft, gamma", [("noisy", 3), ("noisy", "auto"), ("ngram", 3), ("ngram", "auto"),
+                                         (None, None)])
+def test_lean_text_decoding_equals_the_generic_round(tiny_engines, draft, gamma):
+    """Greedy decoding of one prompt runs fast_round; Generator.lean = False runs the generic round:
+    the same tokens and the same statistics."""
+    kw = {} if draft is None else dict(draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=gamma)
+    lean, generic = edgespec.load(tiny_engines["target"], **kw), edgespec.load(tiny_engines["target"], **kw)
+    generic.lean = False
+    for gen in (lean, generic):
+        gen.refine_costs = False  # auto γ from the same load-time costs: measured times must not steer it
+    generic.cost = lean.cost
+    for p in prompts(8):
+        a, b = lean.generate(p, max_new_tokens=24), generic.generate(p, max_new_tokens=24)
+        assert a.token_ids == b.token_ids
+        for key in ("new_tokens", "rounds", "drafted", "accepted", "rejections", "histogram", "accepted_by_position",
+                    "target_calls", "draft_calls", "gamma_history"):
+            assert getattr(a.stats, key) == getattr(b.stats, key), key
 
 
 def test_bound_call_equals_plain_session_run(tiny_engines):
