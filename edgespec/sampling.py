@@ -13,7 +13,7 @@ ACCEPTANCE_MODES = ("greedy", "rejection", "coupled")
 # Smallest sampling temperature (0 = greedy, and nothing in (0, TEMPERATURE_MIN) is accepted). At 1e-4 a
 # logit gap of 0.01 is already 100 nats, so exp(-gap / T) < 4e-44 underflows float32 to 0: sampling is
 # argmax except on exact ties, i.e. greedy with rounding artefacts. Further down, logits / T stops being a
-# number: fp16-range logits (65504) overflow float32 below T ~ 2e-34, and the 1e-310 overflows
+# number: fp16-range logits (65504) overflow float32 below T ~ 2e-34, and a temperature of 1e-310 overflows
 # even the float64 division here (30 / 1e-310 = inf, then inf - inf = NaN probabilities). Ask for 0.
 TEMPERATURE_MIN = 1e-4
 
