@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import check_chunk
+
 MERGE_MODES = ("latest", "weighted")
 
 
@@ -25,11 +27,7 @@ class Chunk:
     actions: np.ndarray  # (H, D) one action per period, the first for time t0
 
     def __post_init__(self):
-        self.actions = np.asarray(self.actions, dtype=np.float64)
-        if self.actions.ndim != 2 or self.actions.shape[0] == 0:
-            raise ValueError(f"a chunk is (H >= 1 steps, D dims), got shape {self.actions.shape}")
-        if not np.isfinite(self.actions).all():
-            raise ValueError("chunk contains NaN or inf actions; refusing it")
+        self.actions = check_chunk(self.actions)
 
 
 class ChunkQueue:

@@ -23,18 +23,21 @@ a Chrome trace and a timeline PNG.
 """
 from __future__ import annotations
 
-import gc
-import os
-import sys
 import threading
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
 
+from .checks import ENGINE_MAX, check_chunk, not_finite_as_engine_input
 from .chunks import Chunk, ChunkQueue, HoldThenStop
+from .realtime import (FixedRate, SectionTimer, frozen_gc, gil_switch_interval, pinned_cpus, recording_gc_pauses,
+                       sched_fifo)
 from .robot import Robot
+from .worker import Inference, InferenceWorker
 
 Policy = Callable[[dict], np.ndarray]  # observation -> (H, D) chunk of position targets
 SECTIONS = ("observe", "infer", "act", "wait")
@@ -48,31 +51,25 @@ class LoopConfig:
     merge: str = "latest"
     watchdog_s: float = 2.0  # an inference running longer than this is a hung engine
     stale_obs_s: float = 0.25  # an observation "timestamp" unchanged for longer than this is stale
-    # The inference worker is a Python thread: while its host code runs it holds the GIL, and CPython hands
-    # the GIL to a waiting thread only every sys.getswitchinterval() (default 5 ms) -- a tick that wakes then
-    # would start up to 5 ms late. run() lowers the interval to this for its duration (None: leave it).
+    # sys.setswitchinterval during run() (None: leave it): the worker's Python code holds the GIL, and a
+    # waking loop thread gets it only after the holder has run this long.
     gil_switch_s: float | None = 0.0005
     # SCHED_FIFO priority (1..99) for the loop thread during run(), as robot controllers run; needs
-    # CAP_SYS_NICE (root, or `setcap`/rtprio limits). None: normal scheduling. The report says if it took.
+    # CAP_SYS_NICE. None: normal scheduling. LoopReport.realtime says what took.
     rt_priority: int | None = None
-    # SCHED_FIFO for the inference worker thread too, one below the loop. Worth it when the policy runs in
-    # another process (robots/inference.py): the worker then only waits on a pipe and briefly handles the
-    # result, and at normal priority a loaded CPU can preempt it while it holds the GIL, which the
-    # real-time loop thread then waits for (priority inversion).
+    # SCHED_FIFO one below the loop for the inference worker thread too (with rt_priority), so a loaded CPU
+    # cannot preempt it while it holds the GIL the real-time loop thread waits for (priority inversion).
+    # Worth it when the policy runs in another process (robots/inference.py) and the worker only waits.
     rt_worker: bool = False
     # Sleep until this long before each tick, then busy-wait to it: a thread that sleeps right up to its
-    # deadline wakes late whenever the kernel or the hypervisor is slow to deliver the timer (see the
-    # loop-rt results in bench/results). Costs up to spin_s of CPU per period.
+    # deadline wakes late whenever the timer is delivered late. Costs up to spin_s of CPU per period.
     spin_s: float = 0.0
-    # CPUs for the loop thread (and its inference worker) during run(), e.g. {0}: a core of its own, as robot
-    # controllers isolate theirs (with the policy process and other work pinned elsewhere: InferenceProcess
-    # cpus=). None: wherever the OS schedules. The report says what took (LoopReport.cpus).
+    # CPUs for the loop thread and its inference worker during run(), e.g. {0}: a core of its own, with the
+    # policy process pinned elsewhere (InferenceProcess cpus=). None: any. LoopReport.cpus says what took.
     cpus: frozenset[int] | None = None
-    # Python's cyclic garbage collector stops the thread that triggers it -- and, through the GIL, the loop
-    # thread -- for as long as it walks the tracked objects: a full collection over a process holding a
-    # simulator, engines and plotting walked them for ~25 ms here. run() collects once before tick 0, then
-    # gc.freeze()s what exists (later collections walk only objects made during the run) and unfreezes at
-    # the end. The report lists every collection during the run (LoopReport.gc_pauses) either way.
+    # Collect once before tick 0 and gc.freeze() what exists, so a collection during the run (which stops
+    # the loop thread through the GIL) walks only the objects made since. LoopReport.gc_pauses lists every
+    # collection during the run either way.
     gc_freeze: bool = True
 
     def __post_init__(self):
@@ -140,21 +137,18 @@ class ControlLoop:
     def __init__(self, robot: Robot, policy: Policy, cfg: LoopConfig | None = None):
         self.robot, self.policy, self.cfg = robot, policy, cfg or LoopConfig()
         self.safety = HoldThenStop(self.cfg.hold_s)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._lock = threading.RLock()  # shared with the inference worker: guards faults, queue and hand-off
         self._fault = ""  # latched policy / engine fault: no fresh actions until reset()
         self._obs_fault = ""  # the current observation fault; clears with the next good observation
         self._stamp, self._stamp_since = None, 0.0  # last observation timestamp, loop time it last changed
-        self._job: tuple[float, dict] | None = None  # (observation time, observation) for the worker
-        self._busy_since: float | None = None
-        self._hung = False
+        self._worker: InferenceWorker | None = None  # the current run's
+        self._hung = False  # the watchdog abandoned a call this run: do not wait for the worker at the end
         feats = getattr(robot, "observation_features", {}) or {}
         self._obs_shapes = {k: tuple(v) if isinstance(v, tuple) else None for k, v in feats.items()}
         self._obs_shapes.setdefault("state", None)
         acts = getattr(robot, "action_features", {}) or {}
         self._act_dim = (int(sum(np.prod(v) for v in acts.values()))
                          if acts and all(isinstance(v, tuple) for v in acts.values()) else None)
-        self._inflight: tuple[LoopReport, float] | None = None  # (run's report, start) of the call in flight
         self._stop = threading.Event()  # stop() was called: run() ends at the next tick, until reset()
         self._stop_reason = ""
         self._stop_error = ""  # the last safe_stop() failure message, so a failing driver is logged once
@@ -206,157 +200,39 @@ class ControlLoop:
         rep.faults.append(f"t={now:.3f}s {msg}")
         rep.fault_s.append(now)
 
-    # -- inference worker --------------------------------------------------------------------------
-    def _worker(self, t_origin: float, quit: threading.Event, rep: LoopReport) -> None:
-        if self.cfg.cpus is not None:
-            try:  # with the loop thread: it only hands observations over and takes chunks in
-                os.sched_setaffinity(0, self.cfg.cpus)
-            except (AttributeError, OSError):
-                pass  # _pin reports it for the loop thread
-        if self.cfg.rt_priority is not None and self.cfg.rt_worker:
-            try:  # this thread only (Linux: 0 = the calling thread)
-                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(max(1, self.cfg.rt_priority - 1)))
-                rep.realtime_worker = f"SCHED_FIFO {max(1, self.cfg.rt_priority - 1)}"
-            except (AttributeError, OSError) as e:
-                rep.realtime_worker = f"unavailable ({type(e).__name__}: {e})"
-        while not quit.is_set():
-            if not self._wake.wait(0.05):
-                continue
-            self._wake.clear()
-            with self._lock:
-                job = self._job
-                if job is None:
-                    continue
-                start = time.perf_counter() - t_origin
-                self._inflight = (rep, start)
-            t0, obs = job
-            chunk, fault, outcome = None, "", "ok"
-            try:
-                actions = self.policy(obs)
-            except Exception as e:  # noqa: BLE001  (any policy failure is a fault the loop must survive)
-                fault, outcome = f"policy raised {type(e).__name__}: {e}", "raised"
-            else:
-                try:
-                    chunk = Chunk(t0, actions)  # (H, D); refuses NaN/inf
-                    if self._act_dim is not None and chunk.actions.shape[1] != self._act_dim:
-                        raise ValueError(f"chunk has {chunk.actions.shape[1]} action dims, robot takes {self._act_dim}")
-                except Exception as e:  # noqa: BLE001
-                    fault, outcome = f"policy returned a bad chunk: {e}", "bad chunk"
-            now = time.perf_counter() - t_origin
-            with self._lock:
-                if self._inflight is not None and self._inflight[0] is rep:
-                    self._inflight = None
-                if rep.end_s is not None:  # the run is over and logged this call as unfinished
-                    continue
-                current = self._job is job
-                rep.inference_start_s.append(start)
-                rep.inference_end_s.append(now)
-                rep.inference_outcome.append(outcome if current else "late")
-                if not current:  # abandoned by the watchdog: the result is dropped
-                    continue
-                self._job, self._busy_since = None, None
-                if fault:
-                    self._record_fault(rep, now, fault)
-                    self._fault = self._fault or fault
-                else:
-                    self.queue.push(chunk, now)
-                    rep.inference_ms.append((now - t0) * 1e3)
-
-    def _enter_realtime(self, rep: LoopReport):
-        """SCHED_FIFO for the calling (loop) thread; returns what to restore, or None."""
-        if self.cfg.rt_priority is None:
-            rep.realtime = "off"
-            return None
-        try:
-            old = (os.sched_getscheduler(0), os.sched_getparam(0))
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(self.cfg.rt_priority))
-        except (AttributeError, OSError) as e:  # not Linux, or no CAP_SYS_NICE: run normally, say so
-            rep.realtime = f"unavailable ({type(e).__name__}: {e})"
-            return None
-        rep.realtime = f"SCHED_FIFO {self.cfg.rt_priority}"
-        return old
-
-    @staticmethod
-    def _gc_watch(rep: LoopReport, clock, t_origin: float):
-        """A gc callback recording each collection's start (loop time), generation and duration."""
-        started = [0.0]
-
-        def watch(phase: str, info: dict) -> None:
-            if phase == "start":
-                started[0] = clock()
-            else:
-                rep.gc_pauses.append((started[0] - t_origin, info["generation"], (clock() - started[0]) * 1e3))
-        return watch
-
-    def _pin(self, rep: LoopReport):
-        """Pin the calling (loop) thread to cfg.cpus; returns the affinity to restore, or None."""
-        if self.cfg.cpus is None:
-            return None
-        try:
-            old = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cfg.cpus)
-        except (AttributeError, OSError) as e:  # not Linux, or CPUs this process may not use
-            rep.cpus = f"unavailable ({type(e).__name__}: {e})"
-            return None
-        rep.cpus = ",".join(map(str, sorted(self.cfg.cpus)))
-        return old
-
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, seconds: float) -> LoopReport:
         """Run for `seconds` at cfg.hz; returns this run's report. A latched stop carries over until reset()."""
-        cfg = self.cfg
-        self.report = rep = LoopReport(hz=cfg.hz)
-        self.queue = ChunkQueue(cfg.dt, cfg.merge)  # queued times belong to the previous run's clock
-        self.safety.empty_since = None
-        self._job, self._busy_since, self._hung = None, None, False
-        self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
-        self._stop_error = ""
-        clock = time.perf_counter
-        pinned = self._pin(rep)  # before the worker starts, which pins itself alike
-        first = self._observe(0.0)
-        if first is not None:  # until the first chunk lands, hold where the robot stands
-            self.safety.last_target = self.robot.hold_position(first)
-        if cfg.gc_freeze:  # before tick 0: this one collection is not in any period
-            gc.collect()
-            gc.freeze()
-        t_origin = clock()  # tick 0 starts now: the first observation's cost is not a late first period
-        switch = sys.getswitchinterval()
-        if cfg.gil_switch_s is not None:
-            sys.setswitchinterval(cfg.gil_switch_s)
-        quit = threading.Event()
-        worker = threading.Thread(target=self._worker, args=(t_origin, quit, rep), daemon=True)
-        worker.start()
-        sched = self._enter_realtime(rep)  # after the worker started: it keeps its own scheduling (rt_worker)
-        dur, start = rep.sections_ms, rep.section_start_s
-        next_tick = 0.0
-        gc_watch = self._gc_watch(rep, clock, t_origin)
-        gc.callbacks.append(gc_watch)
-        try:
-            while next_tick < seconds and not self._stop.is_set():
-                s0 = clock()
-                t_tick = s0 - t_origin
-                obs = self._observe(t_tick)
-                s1 = clock()
-                self._request(obs, t_tick)
-                s2 = clock()
-                self._act(t_tick)
-                s3 = clock()
-                next_tick += cfg.dt
-                delay = next_tick - (s3 - t_origin)
-                if delay < 0:
+        cfg, clock = self.cfg, time.perf_counter
+        rep = self._new_run()
+        with ExitStack() as setup:
+            rep.cpus = setup.enter_context(pinned_cpus(cfg.cpus))  # before the worker starts: it inherits them
+            first = self._observe(0.0)
+            if first is not None:  # until the first chunk lands, hold where the robot stands
+                self.safety.last_target = self.robot.hold_position(first)
+            setup.enter_context(frozen_gc(cfg.gc_freeze))  # its one collection is before tick 0, in no period
+            t_origin = clock()  # tick 0 starts now: the set-up above is not a late first period
+            setup.enter_context(gil_switch_interval(cfg.gil_switch_s))
+            setup.enter_context(self._inference_worker(rep, t_origin))
+            rep.realtime = setup.enter_context(sched_fifo(cfg.rt_priority))  # the worker keeps its own (rt_worker)
+            setup.enter_context(recording_gc_pauses(rep.gc_pauses, clock, t_origin))
+            setup.enter_context(self._safe_stop_on_exception(rep, t_origin))
+
+            rate = FixedRate(cfg.dt, t_origin, clock, spin_s=cfg.spin_s)
+            timer = SectionTimer(rep.section_start_s, rep.sections_ms, clock, t_origin)
+            while rate.next_s < seconds and not self._stop.is_set():
+                now = timer.tick()
+                with timer.section("observe"):
+                    obs = self._observe(now)
+                with timer.section("infer"):
+                    self._request(obs, now)
+                with timer.section("act"):
+                    self._act(now)
+                with timer.section("wait"):
+                    on_time = rate.wait()
+                if not on_time:  # the schedule restarts from here rather than bursting
                     rep.deadline_misses += 1
                     rep.deadline_miss_ticks.append(rep.ticks)
-                    next_tick = s3 - t_origin  # re-anchor rather than burst
-                else:
-                    if delay > cfg.spin_s:
-                        time.sleep(delay - cfg.spin_s)
-                    deadline = t_origin + next_tick
-                    while clock() < deadline:  # the last spin_s: busy-wait, no wake-up latency
-                        pass
-                s4 = clock()
-                for name, a, b in (("observe", s0, s1), ("infer", s1, s2), ("act", s2, s3), ("wait", s3, s4)):
-                    start[name].append(a - t_origin)
-                    dur[name].append((b - a) * 1e3)
                 rep.ticks += 1
             if self._stop.is_set():  # stop(): latch first, so nothing is sent after, then stop the robot once
                 now = clock() - t_origin
@@ -365,33 +241,77 @@ class ControlLoop:
                 self._safe_stop(rep, now)
                 if rep.safe_stop_s is None:
                     rep.safe_stop_s = now
-        except BaseException:  # the loop itself died (a robot method it does not guard, KeyboardInterrupt)
-            self.safety.latch(self.safety.reason or "control loop raised")
-            self._safe_stop(rep, clock() - t_origin)
-            raise
-        finally:
-            sys.setswitchinterval(switch)
-            gc.callbacks.remove(gc_watch)
-            if cfg.gc_freeze:
-                gc.unfreeze()
-            if sched is not None:
-                os.sched_setscheduler(0, *sched)
-            if pinned is not None:
-                os.sched_setaffinity(0, pinned)
-            quit.set()
-            self._wake.set()
-            with self._lock:
-                rep.end_s = clock() - t_origin
-                if self._inflight is not None and self._inflight[0] is rep:  # still computing: log it open
-                    rep.inference_start_s.append(self._inflight[1])
-                    rep.inference_end_s.append(rep.end_s)
-                    rep.inference_outcome.append("unfinished")
-                    self._inflight = None
-            worker.join(timeout=0.0 if self._hung else cfg.watchdog_s)  # a hung call never returns in time
         rep.safe_stop_reason = self.safety.reason
         rep.queue_dropped_stale = self.queue.dropped_stale
         return rep
 
+    def _new_run(self) -> LoopReport:
+        """A fresh report and queue (queued times belong to the previous run's clock); a latch stays."""
+        self.report = LoopReport(hz=self.cfg.hz)
+        self.queue = ChunkQueue(self.cfg.dt, self.cfg.merge)
+        self.safety.empty_since = None
+        self._hung = False
+        self._obs_fault, self._stamp, self._stamp_since = "", None, 0.0
+        self._stop_error = ""
+        return self.report
+
+    @contextmanager
+    def _safe_stop_on_exception(self, rep: LoopReport, t_origin: float):
+        """The loop itself died (a robot method it does not guard, KeyboardInterrupt): safe-stop, re-raise."""
+        try:
+            yield
+        except BaseException:
+            self.safety.latch(self.safety.reason or "control loop raised")
+            self._safe_stop(rep, time.perf_counter() - t_origin)
+            raise
+
+    # -- inference worker --------------------------------------------------------------------------
+    @contextmanager
+    def _inference_worker(self, rep: LoopReport, t_origin: float):
+        """This run's worker thread, on the loop clock. On exit it is stopped: a call still running is logged
+        "unfinished", and a hung one is not waited for."""
+        def clock():
+            return time.perf_counter() - t_origin
+        self._worker = worker = InferenceWorker(
+            self.policy, partial(self._landed, rep), partial(check_chunk, dims=self._act_dim), clock,
+            lock=self._lock, thread_setup=partial(self._worker_thread, rep), name="control-loop-infer")
+        worker.start()
+        try:
+            yield worker
+        finally:
+            with self._lock:
+                rep.end_s = clock()
+                running = worker.stop()  # no result lands after this
+                if running is not None:
+                    rep.inference_start_s.append(running[1])
+                    rep.inference_end_s.append(rep.end_s)
+                    rep.inference_outcome.append("unfinished")
+            worker.join(0.0 if self._hung else self.cfg.watchdog_s)
+
+    @contextmanager
+    def _worker_thread(self, rep: LoopReport):
+        """In the worker thread: SCHED_FIFO one below the loop with cfg.rt_worker."""
+        prio = self.cfg.rt_priority
+        with sched_fifo(max(1, prio - 1) if prio is not None and self.cfg.rt_worker else None) as took:
+            rep.realtime_worker = took
+            yield
+
+    def _landed(self, rep: LoopReport, done: Inference) -> None:
+        """A policy call ended (worker thread, holding self._lock): queue its chunk or latch its fault."""
+        rep.inference_start_s.append(done.start)
+        rep.inference_end_s.append(done.end)
+        rep.inference_outcome.append(done.outcome)
+        if done.outcome == "late":  # abandoned by the watchdog: the result is dropped
+            return
+        if done.error:
+            self._record_fault(rep, done.end, done.error)
+            self._fault = self._fault or done.error
+        else:
+            t0 = done.job  # the observation's loop time
+            self.queue.push(Chunk(t0, done.chunk), done.end)
+            rep.inference_ms.append((done.end - t0) * 1e3)
+
+    # -- the tick's sections -----------------------------------------------------------------------
     def _observe(self, now: float) -> dict | None:
         """The observation, or None (and an observation fault) when it is malformed or stale."""
         problem = ""
@@ -405,13 +325,12 @@ class ControlLoop:
             state = np.asarray(obs["state"], dtype=np.float64)
             if state.ndim != 1:
                 raise ValueError(f"malformed state: expected a 1-D array, got shape {state.shape}")
-            with np.errstate(over="ignore", invalid="ignore"):  # checked as the engine sees it: 1e39 -> inf
-                bad = np.flatnonzero(~np.isfinite(state.astype(np.float32)))
+            bad = not_finite_as_engine_input(state)
             if bad.size:
                 # only the bad entries: the message stays the same while the same sensor is broken, so
                 # the episode is recorded once (the good entries change every tick)
                 raise ValueError(f"malformed state: expected values finite in float32 (the engine's input "
-                                 f"dtype, |x| <= {np.finfo(np.float32).max:.4g}), got {state[bad].tolist()} "
+                                 f"dtype, |x| <= {ENGINE_MAX:.4g}), got {state[bad].tolist()} "
                                  f"at index {bad.tolist()} of {len(state)}")
             if (stamp := obs.get("timestamp")) is not None:  # robot clock (s), optional
                 stamp = float(stamp)
@@ -430,17 +349,19 @@ class ControlLoop:
         return None if problem else obs
 
     def _request(self, obs: dict | None, now: float) -> None:
+        """Hand the observation to the worker when the queue runs low; the watchdog abandons a hung call."""
+        worker = self._worker
         with self._lock:
-            if self._busy_since is not None and now - self._busy_since > self.cfg.watchdog_s:
+            if worker.overdue(now, self.cfg.watchdog_s) is not None:
                 msg = f"engine hung: inference running for more than {self.cfg.watchdog_s} s"
                 self._record_fault(self.report, now, msg)
                 self._fault = self._fault or msg
-                self._job, self._busy_since, self._hung = None, None, True  # abandon it; a late result is dropped
-            if obs is None or self._fault or self.safety.stopped or self._busy_since is not None:
+                worker.abandon()  # a late result is dropped
+                self._hung = True
+            if obs is None or self._fault or self.safety.stopped or worker.busy_since is not None:
                 return
             if self.queue.needs_more(self.cfg.request_threshold):
-                self._job, self._busy_since = (now, obs), now
-                self._wake.set()
+                worker.submit(now, obs, now)
 
     def _send(self, action: np.ndarray, now: float) -> bool:
         """send_action, with a robot that raises recorded as a fault (the loop must not die with it); what
