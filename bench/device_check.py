@@ -254,7 +254,7 @@ def text_speed(path: str, seqs: list[list[int]], max_new: int) -> dict:
     same = 0
     for name, gen in (("plain", plain), ("speculative", spec)):
         dec_s = eng_s = 0.0
-        new = acc = drafted = rounds = 0
+        new = acc = drafted = calls = 0
         outs = []
         for ids in seqs:
             r = gen.generate(ids, max_new_tokens=max_new)
@@ -263,12 +263,12 @@ def text_speed(path: str, seqs: list[list[int]], max_new: int) -> dict:
             dec_s += st.time_s["decode"]
             eng_s += st.engine_s
             new += st.new_tokens  # as Stats.tokens_per_second counts them
-            acc, drafted, rounds = acc + st.accepted, drafted + st.drafted, rounds + st.rounds
+            acc, drafted, calls = acc + st.accepted, drafted + st.drafted, calls + st.target_calls
         res[name] = {"tokens_per_s": new / dec_s if dec_s else None, "new_tokens": new, "decode_s": dec_s,
                      "host_fraction": 1 - eng_s / dec_s if dec_s else None}
         if name == "speculative":
-            res[name].update(acceptance=acc / drafted if drafted else None, tokens_per_round=(new / rounds)
-                             if rounds else None)
+            res[name].update(acceptance=acc / drafted if drafted else None, tokens_per_round=(new / calls)
+                             if calls else None)  # per target call
             same = sum(a == b for a, b in zip(outs, res["_plain_outs"]))
         else:
             res["_plain_outs"] = outs

@@ -12,7 +12,7 @@ does not exist yet (head_features):
     t <  D: logits over the bins            = W_abs h2 + b_abs        (n_bins,)
     t >= D: logits over steps -R..R from x_{t-D} = W_rel h2 + b_rel   (2R+1,), bins outside 0..n-1 excluded
 Velocities are clipped to -R..R as features. The five embedding rows come from one stacked table in one
-gather, so a proposal is a gather, two small matrix-vector products and an argmax (~20 µs).
+gather, so a proposal is a gather, two small matrix-vector products and an argmax.
 Trained by export/train_draft_head.py on the target's own greedy chunks (distillation).
 `HeadDraft` wraps it as a `Drafter`.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafts import Drafter, Proposal
+from .drafts import Drafter, Proposal, top
 
 TABLES = ("prev", "same", "vel", "other_vel")
 
@@ -115,7 +115,7 @@ class DraftHeadWeights:
 
 
 class DraftHead:
-    """The numpy head. `start(prefix)` once per chunk, then `next(ids)` per proposal (~20 µs)."""
+    """The numpy head. `start(prefix)` once per chunk, then `next(ids)` per proposal."""
 
     def __init__(self, weights: DraftHeadWeights):
         self.w = w = weights
@@ -161,12 +161,10 @@ class DraftHead:
         h = self._hidden(ids, t)
         self.calls += 1
         if t < self.dims:
-            z = h @ self.w.abs_w + self.w.abs_b
-            best = int(z.argmax())
-            return best, float(1.0 / np.exp(z - z[best]).sum())
+            return top(h @ self.w.abs_w + self.w.abs_b)
         z, first = self._steps(h, ids, t)
-        best = int(z.argmax())
-        return first + best, float(1.0 / np.exp(z - z[best]).sum())
+        best, p = top(z)
+        return first + best, p
 
     def _steps(self, h: np.ndarray, ids, t: int) -> tuple[np.ndarray, int]:
         """-> the step logits that land on a bin (steps -R..R from ids[t-D], clipped to 0..n-1), and the

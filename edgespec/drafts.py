@@ -67,6 +67,12 @@ def max_prob(logits: np.ndarray) -> np.ndarray:
     return 1.0 / np.exp(z).sum(-1)
 
 
+def top(logits: np.ndarray) -> tuple[int, float]:
+    """logits (V,) -> (argmax, its softmax probability): max_prob for one row, without the batch arrays."""
+    best = int(logits.argmax())
+    return best, float(1.0 / np.exp(logits - logits[best]).sum())
+
+
 class DraftModel(Drafter):
     """A small decoder engine drafting autoregressively from its own cache.
 
@@ -147,10 +153,9 @@ class DraftModel(Drafter):
         self._ctx_len[0] = len(ctx)
         for j in range(gamma):
             if stop:
-                lg = dec(feed)[0, -1, lo:hi]
-                best = int(lg.argmax())
+                best, p = top(dec(feed)[0, -1, lo:hi])
                 out[j] = best + lo
-                unsure = 1.0 / np.exp(lg - lg[best]).sum() < stop
+                unsure = p < stop
             else:
                 out[j] = dec.ids(feed)[0, -1]
                 if out[j] < 0:  # NONFINITE_ID

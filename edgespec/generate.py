@@ -426,7 +426,7 @@ class Generator:
 
 
 DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread pool would fight the
-#                   target's pool for the cores (measured: 1.6x slower rounds on 2 cores)
+#                   target's pool for the cores
 
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,

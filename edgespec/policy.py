@@ -17,10 +17,11 @@ policy.json and action_stats.json. Decoding is constrained to the action ids. po
 at load (PolicyManifest: one PolicyFileError naming the file and the field) and, with check_hashes, so are
 its content and action_stats.json against the content hash export wrote (check_policy_content).
 
-Drafts: draft="head" (the fastest here: ~0.02 ms a proposal, and its first round is fused into the
-target's prefill), draft=True (the draft decoder engine, ~0.12 ms a proposal) or a draft engine folder.
-Both stop a round early after a proposal they are unsure of (stop_below); γ and stop_below default per
-draft kind (DRAFT_DEFAULTS, from bench/bench_vla.py's sweeps).
+Decoding: every target call is one `speculative.fast_round` (a plain step is a round with γ = 0).
+Drafts: draft="head" (the numpy draft head: it drafts from the prefix alone, so a chunk's first round is
+the target's prefill), draft=True (the draft decoder engine) or a draft engine folder. Both stop a round
+early after a proposal they are unsure of (stop_below); γ and stop_below default per draft kind
+(DRAFT_DEFAULTS, picked by bench/bench_vla.py's sweeps).
 
 Acceptance:
   "greedy"   exact: the actions are identical to plain greedy decoding with the target;
