@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     pred = None
     ed = raw.get("edgespec draft", {})
     if "error" not in ed and ed.get("cost_model"):
-        from edgespec.costmodel import CostModel, expected_tokens
+        from edgespec.costmodel import expected_tokens
         cm = ed["cost_model"]
         r0 = [r for r in ed["results"] if r["repeat"] == 0]
         acc, rej, dr, rounds = (sum(r[k] for r in r0) for k in ("accepted", "rejections", "drafted", "rounds"))

@@ -22,7 +22,7 @@ PROVIDERS = {
 INSTALL_HINT = {
     "cuda": "install onnxruntime-gpu in place of onnxruntime (`pip install edgespec[gpu]` on x86; on a Jetson, "
             "NVIDIA's onnxruntime-gpu wheel for your JetPack)",
-    "tensorrt": "install onnxruntime-gpu with TensorRT (see the README's GPU section), or build a native plan "
+    "tensorrt": "install onnxruntime-gpu with TensorRT (see docs/gpu.md), or build a native plan "
                 "(`python -m edgespec.export.tensorrt DIR`, `trt` extra) and load it with provider='tensorrt'",
 }
 _ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16",
