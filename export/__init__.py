@@ -1,4 +1,7 @@
-"""edgespec.export: the offline pipeline (checkpoint -> reference model -> ONNX/TensorRT engine folder).
+"""edgespec.export: the offline pipeline (checkpoint -> reference model -> ONNX/TensorRT engine folder) and the
+training of the bundled demo models.
 
-Needs the `export` extra (torch, onnx, transformers, safetensors). The device runtime never imports it.
+Imports: the runtime (edgespec), torch, onnx, onnxruntime, transformers, safetensors, tokenizers, tqdm
+(the `export` extra); never edgespec.robots. Training data that comes from a simulator is written by edgespec.robots
+(robots/demos.py) and read here from .npz files. The runtime never imports this package.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -146,12 +146,9 @@ class ModelSpec:
         except KeyError as e:
             raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> shape, for every weight the decoder needs."""
-        h, d, q, kv = self.hidden_size, self.head_dim, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         out = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_size, h)

@@ -27,7 +27,7 @@ import numpy as np
 import edgespec
 from edgespec import contract as C
 
-from .checkpoint import CheckpointError, ModelSpec, hash_files, load_checkpoint, weight_files
+from .checkpoint import ModelSpec, hash_files, load_checkpoint, weight_files
 from .validate import ROLES, agreement, parity_gate, precision_gate, require, verify_gate
 
 DEFAULT_MAX_CONTEXT = 2048
@@ -182,8 +182,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         bar.update(1)
         engine = OrtEngine(stage)
         reference = ReferenceDecoder(spec, weights)
-        ref_fn = reference if input_mode == "ids" else (lambda ids: reference(ids))
-        parity = parity_gate(engine, ref_fn, max_context, embed=embed)
+        parity = parity_gate(engine, reference, max_context, embed=embed)
         require("parity vs reference", parity)
         bar.set_description("export: verify-pass gate")
         bar.update(1)
@@ -238,4 +237,4 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     return manifest
 
 
-__all__ = ["export_engine", "CheckpointError"]
+__all__ = ["export_engine"]

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from edgespec import contract as C
-from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, profile_shapes  # noqa: F401
+from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, profile_shapes
 
 
 def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = True, workspace_gib: float = 4.0) -> dict:

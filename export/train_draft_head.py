@@ -1,20 +1,20 @@
 """Distil a draft head for the bundled VLA policy: a tiny MLP that proposes action tokens from the encoder's
-prefix and the ids already emitted, trained on the exported target's own greedy chunks.
+prefix and the ids already emitted, trained on the exported target's own greedy chunks, which
+robots/demos.py collects (this module never runs the simulator).
 
-    python -m edgespec.export.train_draft_head --policy engines/vla-reacher --out models/vla-reacher
-        # on 2 CPU cores: ~20 min for 4000 on-policy episodes through the runtime (cached in blocks of 500,
-        # so an interrupted run resumes), then ~5 min of training
+    python -m edgespec.robots.demos on-policy --policy engines/vla-reacher --work .cache/vla --episodes 4000
+    python -m edgespec.export.train_draft_head --policy engines/vla-reacher --out models/vla-reacher \
+        --data .cache/vla/draft-head-data-KEY-*.npz      # the files the first command printed
 
-Why a head and not only the 1-layer draft decoder: on this CPU a decoder call costs about the same whatever
-its size (0.11 ms for the 1-layer draft, 0.45 ms for the 4-layer target, both mostly per-node overhead), so
-a transformer draft costs a quarter of the target per token and 16 draft calls per chunk eat the gain. The
-head costs ~0.02 ms a token in numpy (edgespec/draft_head.py) and sees exactly what the draft decoder sees.
+Why a head and not only the 1-layer draft decoder: on a CPU a decoder call costs about the same whatever its
+size (mostly per-node overhead), so a transformer draft costs a large share of a target step per token; the
+head (edgespec/draft_head.py, numpy) costs a small fraction of one and sees exactly what the draft decoder
+sees.
 
-1. Data: the exported target policy (ONNX Runtime, plain greedy decoding: the ids speculative decoding must
-   reproduce) acts in --episodes fresh episodes (seeds 700000+: not the target's training seeds, nor the
-   benches' evaluation seeds 900000+ / 950000+);
-   half execute its first action with Gaussian noise. Every step records the prefix (P, E) and the chunk's
-   H*D ids. Cached in --work; rerunning reuses it.
+1. Data (robots/demos.py on-policy): the exported target policy (ONNX Runtime, plain greedy decoding: the
+   ids speculative decoding must reproduce) acts in fresh episodes (seeds 700000+: not the target's
+   training seeds, nor the evaluation seeds 900000+); half execute its first action with Gaussian noise.
+   Every step records the prefix (P, E) and the chunk's H*D ids.
 2. Head (the runtime's formula, DraftHeadWeights): per chunk, ctx = W_ctx . flatten(prefix); per token
    position t, h = relu(ctx + pos[t] + prev[id(t-1)] + same[id(t-D)] + vel[clip(id(t-D) - id(t-2D))]
    + other_vel[...]), h2 = relu(W_2 h), then either absolute logits over the bins (first step, t < D) or
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,74 +36,32 @@ SEED = 11
 
 
 # ---------------------------------------------------------------------------------------------------
-# data: the target's own greedy chunks on its own state distribution
+# data: the target's own greedy chunks on its own state distribution (written by robots/demos.py)
 # ---------------------------------------------------------------------------------------------------
-def _collect(args) -> dict:
-    policy_dir, seeds, noise_std = args
-    os.environ.setdefault("MUJOCO_GL", "osmesa")
-    from edgespec.policy import load_policy
-    from edgespec.robots.reacher import ThreeTargetReacher
-    pol = load_policy(policy_dir)
-    env = ThreeTargetReacher()
-    prefixes, ids, episode, states = [], [], [], []
-    try:
-        for seed in seeds:
-            obs, done = env.reset(seed=int(seed)), False
-            rng = np.random.default_rng(int(seed) + 10_000)
-            noisy = seed % 2 == 0
-            while not done:
-                pre = pol.encode(obs["image"], obs["state"], obs["instruction"])  # (1, P, E)
-                chunk_ids, _ = pol.decode_ids(pre, use_draft=False)
-                prefixes.append(pre[0].astype(np.float16))
-                ids.append(chunk_ids)
-                episode.append(int(seed))
-                states.append(obs["state"].astype(np.float32))
-                a = pol.tok.decode_chunk(np.asarray(chunk_ids), pol.horizon, pol.dims)[0]
-                if noisy:
-                    a = a + rng.normal(0, noise_std, a.shape)
-                obs, _, done, _ = env.step(a)
-    finally:
-        env.close()
-    return {"prefix": np.stack(prefixes), "ids": np.asarray(ids, np.int64), "episode": np.asarray(episode),
-            "state": np.stack(states)}
+DATA_KEYS = ("prefix", "ids", "episode")
 
 
-BLOCK = 500  # episodes per cached data file
-
-
-def policy_key(policy_dir: Path) -> str:
-    """12 hex digits naming the exported encoder + target, the two things the data depends on: cached
-    blocks from another policy (a retrained target) are never reused."""
-    import hashlib
-
-    from edgespec.contract import file_sha256
-    meta = json.loads((policy_dir / "policy.json").read_text())
-    target = json.loads((policy_dir / "target" / "engine.json").read_text())
-    enc = meta.get("encoder_sha256") or file_sha256(policy_dir / meta.get("encoder_file", "encoder.onnx"))
-    tgt = file_sha256(policy_dir / "target" / target["model_file"])
-    return hashlib.sha256(f"{enc}:{tgt}".encode()).hexdigest()[:12]
-
-
-def collect(policy_dir: Path, work: Path, episodes: int, workers: int = 2, noise_std: float = 0.01) -> dict:
-    """Episodes in blocks of BLOCK (seeds 700000 + ...), each cached in `work` under the policy's key: a
-    larger --episodes reuses the blocks already there."""
-    from multiprocessing import get_context
-    if episodes % BLOCK:
-        raise ValueError(f"--episodes must be a multiple of {BLOCK}, got {episodes}")
-    blocks, t0, key = [], time.time(), policy_key(policy_dir)
-    for b in range(episodes // BLOCK):
-        path = work / f"draft-head-data-{key}-{700_000 + b * BLOCK}-{BLOCK}.npz"
-        if not path.exists():
-            seeds = np.arange(700_000 + b * BLOCK, 700_000 + (b + 1) * BLOCK)
-            with get_context("spawn").Pool(workers) as pool:
-                outs = list(pool.imap(_collect, [(str(policy_dir), p, noise_std)
-                                                 for p in np.array_split(seeds, workers * 2)]))
-            work.mkdir(parents=True, exist_ok=True)
-            np.savez(path, **{k: np.concatenate([o[k] for o in outs]) for k in outs[0]})
-        blocks.append(dict(np.load(path)))
-        print(f"[data] {b + 1}/{episodes // BLOCK} blocks of {BLOCK} episodes, "
-              f"{sum(len(x['ids']) for x in blocks)} chunks, {time.time() - t0:.0f}s", flush=True)
-    return {k: np.concatenate([x[k] for x in blocks]) for k in blocks[0]}
+def load_data(paths: list[Path], prefix_len: int, n_tokens: int, n_ids: int) -> dict:
+    """On-policy blocks (robots/demos.py) -> one dict of prefix (N, P, E) float16, ids (N, H*D), episode (N,)."""
+    if not paths:
+        raise ValueError("no --data files (write them with `python -m edgespec.robots.demos on-policy`)")
+    blocks = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such data file (write it with `python -m edgespec.robots.demos "
+                                    f"on-policy`)")
+        with np.load(path) as f:
+            missing = [k for k in DATA_KEYS if k not in f.files]
+            if missing:
+                raise ValueError(f"{path} is not on-policy draft head data (robots/demos.py): missing {missing}")
+            blocks.append({k: f[k] for k in DATA_KEYS})
+    blocks.sort(key=lambda b: int(b["episode"][0]))  # seed order, whatever order the files came in
+    data = {k: np.concatenate([b[k] for b in blocks]) for k in DATA_KEYS}
+    p, t, lo, hi = data["prefix"].shape[1], data["ids"].shape[1], data["ids"].min(), data["ids"].max()
+    if (p, t) != (prefix_len, n_tokens) or lo < 0 or hi >= n_ids:
+        raise ValueError(f"the data has {p} prefix rows and {t} ids per chunk in {lo}..{hi}; the policy has "
+                         f"{prefix_len} and {n_tokens} in 0..{n_ids - 1}: the data comes from another policy")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -162,10 +119,10 @@ def agreement(head, prefix, ids, dims: int, radius: int, n_ids: int) -> np.ndarr
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="engines/vla-reacher", help="exported policy folder (its target)")
+    ap.add_argument("--policy", default="engines/vla-reacher", help="exported policy folder the head drafts for")
+    ap.add_argument("--data", type=Path, nargs="+", required=True,
+                    help="on-policy data files of that policy (python -m edgespec.robots.demos on-policy)")
     ap.add_argument("--out", default="models/vla-reacher")
-    ap.add_argument("--work", default=".cache/vla")
-    ap.add_argument("--episodes", type=int, default=4000)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--radius", type=int, default=40, help="largest step (bins) the head can propose")
     ap.add_argument("--epochs", type=int, default=10)
@@ -180,13 +137,13 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(SEED)
-    policy_dir, out, work = Path(args.policy), Path(args.out), Path(args.work)
+    policy_dir, out = Path(args.policy), Path(args.out)
     meta = json.loads((policy_dir / "policy.json").read_text())
     dims, horizon, n_ids = int(meta["dims"]), int(meta["horizon"]), int(meta["n_bins"])
     if int(meta["vocab_end"]) != n_ids:
         raise ValueError("the draft head supports the native action id space (ids 0..n_bins-1) only")
     t_start = time.time()
-    data = collect(policy_dir, work, args.episodes)
+    data = load_data(args.data, int(meta["prefix_len"]), horizon * dims, n_ids)
     prefix, ids = data["prefix"], data["ids"]
     n, p, e = prefix.shape
     eps = np.unique(data["episode"])
@@ -225,7 +182,8 @@ def main(argv=None) -> int:
     weights = DraftHeadWeights.from_torch(head, dims=dims, horizon=horizon, radius=args.radius)
     out.mkdir(parents=True, exist_ok=True)
     weights.save(out / "draft_head.npz")
-    report = {"chunks": int(n), "train": int(len(tr)), "held_out": int(len(va)), "episodes": args.episodes,
+    report = {"chunks": int(n), "train": int(len(tr)), "held_out": int(len(va)), "episodes": int(len(eps)),
+              "data": [str(p) for p in args.data],
               "params": int(sum(x.numel() for x in head.parameters())), "history": history,
               "held_out_agreement_per_position": [round(float(a), 4) for a in acc],
               "wall_s": round(time.time() - t_start, 1),

@@ -1,17 +1,22 @@
-"""Train the bundled tiny VLA pair on the three-target MuJoCo reacher by behaviour cloning.
+"""Train the bundled tiny VLA pair on the three-target MuJoCo reacher by behaviour cloning, from the expert
+demonstrations robots/demos.py writes (this module never runs the simulator).
 
-    python -m edgespec.export.train_vla --out models/vla-reacher      # ~35 min on 2 CPU cores, resumable
+    python -m edgespec.robots.demos expert --work .cache/vla --episodes 6000 --val-episodes 100
+    python -m edgespec.export.train_vla --train .cache/vla/expert-train-6000.npz \
+        --val .cache/vla/expert-val-100.npz --out models/vla-reacher      # resumable
+    edgespec export-policy models/vla-reacher --out engines/vla-reacher
+    python -m edgespec.robots.demos eval --policy engines/vla-reacher --episodes 50   # closed-loop success
 
-1. Demonstrations: the scripted expert (straight-line fingertip waypoints, IK + PD tracked) runs --episodes
-   episodes; half of them execute the expert's action with Gaussian noise (DART-style, so the data covers
-   recoveries) while the label is always the clean expert chunk from the state actually reached.
+1. Data: the scripted expert's episodes (robots/demos.py): half of them execute the expert's action with
+   Gaussian noise (DART-style, so the data covers recoveries) while the label is always the clean expert
+   chunk from the state actually reached.
 2. Model: an encoder (CNN with coordinate channels, FiLM-conditioned on the instruction, spatial-softmax
    keypoints -> image tokens; a goal token from the estimated (x, y) of the named target, trained with an
    auxiliary regression loss; a state token; instruction word tokens) makes P prefix embeddings; a Llama
    target decoder emits the H x D action tokens after them (native id space 0..255, OpenVLA binning);
    a 1-layer draft decoder reads the same (detached) prefix and is trained with CE + KL to the target.
 3. Writes OUT/{policy.json, action_stats.json, encoder.safetensors (fp16), target/, draft/ (HF Llama
-   folders, fp16), train.json (losses, token accuracy, closed-loop success of the torch policy)}.
+   folders, fp16), train.json (losses and token accuracy on the validation episodes)}.
 
 Checkpoints go to --work every epoch; rerunning the command resumes.
 """
@@ -43,10 +48,13 @@ REACHER_SEMANTICS = {
     "action_units": ["m", "m"],
 }
 
+RETIRED_CONFIG_KEYS = ("eval_episodes",)  # in the bundled model's policy.json; evaluation is robots/demos.py's
+
+
 @dataclass
 class VLAConfig:
-    episodes: int = 6000  # 3000 with 2 epochs overfit the layouts (val CE 1.35 -> 1.74 in epoch 2)
-    val_episodes: int = 100
+    episodes: int = 6000  # the training demonstrations' episodes (recorded from the file)
+    val_episodes: int = 100  # the validation file's episodes (recorded)
     horizon: int = 8
     dims: int = 2
     n_bins: int = 256
@@ -60,13 +68,12 @@ class VLAConfig:
     draft_layers: int = 1
     draft_inter: int = 256
     heads: int = 4
-    epochs: int = 1
+    epochs: int = 1  # a second epoch over the same layouts overfits them
     batch: int = 128
     lr: float = 1.5e-3
-    noise_std: float = 0.01  # metres, on the executed fingertip target of noisy episodes
+    noise_std: float = 0.01  # metres, on the executed action of the demonstrations' noisy episodes (recorded)
     state_dim: int = 6  # joint angles, joint velocities, fingertip (x, y)
     state_scale: tuple = (math.pi, math.pi, 10.0, 10.0, 0.2, 0.2)
-    eval_episodes: int = 50
 
     def __post_init__(self):
         for k in ("episodes", "horizon", "dims", "epochs", "batch", "hidden", "target_layers", "draft_layers"):
@@ -80,6 +87,11 @@ class VLAConfig:
         self.state_scale = tuple(float(x) for x in self.state_scale)
         if len(self.state_scale) != self.state_dim or min(self.state_scale) <= 0:
             raise ValueError(f"state_scale needs {self.state_dim} positive values, got {self.state_scale}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VLAConfig":
+        """A config as policy.json's "config" holds it; keys of settings since retired are dropped."""
+        return cls(**{k: v for k, v in d.items() if k not in RETIRED_CONFIG_KEYS})
 
     @property
     def prefix_len(self) -> int:
@@ -97,48 +109,24 @@ def words_to_ids(instruction: str, length: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------------
-# demonstrations
+# demonstrations (written by robots/demos.py)
 # ---------------------------------------------------------------------------------------------------
-def _collect(args) -> dict:
-    seeds, cfg_d, noisy_every = args
-    from edgespec.robots.reacher import ThreeTargetReacher
-    cfg = VLAConfig(**cfg_d)
-    env = ThreeTargetReacher()
-    imgs, states, instr, chunks, goals = [], [], [], [], []
-    try:
-        for seed in seeds:
-            obs = env.reset(seed=int(seed))
-            rng = np.random.default_rng(int(seed) + 10_000)
-            noisy = seed % noisy_every == 0
-            done = False
-            while not done:
-                chunk = env.expert(cfg.horizon)
-                imgs.append(obs["image"]); states.append(obs["state"])
-                instr.append(words_to_ids(obs["instruction"], cfg.instr_len)); chunks.append(chunk)
-                goals.append(env.targets[env.color])
-                a = chunk[0] + (rng.normal(0, cfg.noise_std, 2) if noisy else 0.0)
-                obs, _, done, _ = env.step(a)
-    finally:
-        env.close()
-    return {"image": np.stack(imgs), "state": np.stack(states).astype(np.float32),
-            "instr": np.stack(instr), "chunk": np.stack(chunks).astype(np.float32),
-            "goal": np.stack(goals).astype(np.float32)}
+DEMO_KEYS = ("image", "state", "instruction", "chunk", "goal", "episode")
 
 
-def demonstrations(cfg: VLAConfig, work: Path, split: str, seeds: np.ndarray, workers: int = 2) -> dict:
-    path = work / f"demos-{split}-{len(seeds)}.npz"
-    if path.exists():
-        return dict(np.load(path))
-    from multiprocessing import get_context
-    parts = np.array_split(seeds, workers * 4)
-    t0 = time.time()
-    with get_context("spawn").Pool(workers) as pool:
-        outs = []
-        for i, out in enumerate(pool.imap(_collect, [(p, asdict(cfg), 2) for p in parts])):
-            outs.append(out)
-            print(f"[demos {split}] {i + 1}/{len(parts)} parts, {time.time() - t0:.0f}s", flush=True)
-    data = {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
-    np.savez(path, **data)
+def load_demos(path: Path, instr_len: int) -> dict:
+    """An expert demonstrations file -> its arrays, with the instructions as word ids instr (N, L) int64."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no demonstrations file (write it with `python -m edgespec.robots.demos "
+                                f"expert`, see this module's docstring)")
+    with np.load(path) as f:
+        data = {k: f[k] for k in f.files}
+    missing = [k for k in DEMO_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"{path} is not an expert demonstrations file (robots/demos.py): missing {missing}")
+    words, inverse = np.unique(data["instruction"], return_inverse=True)
+    data["instr"] = np.stack([words_to_ids(str(w), instr_len) for w in words])[inverse.reshape(-1)]
     return data
 
 
@@ -279,42 +267,6 @@ def evaluate(pair: Pair, data: dict, ids_all: np.ndarray) -> dict:
     return {k: round(v, 4) for k, v in tot.items()}
 
 
-def greedy_chunk(pair: Pair, obs: dict, cfg: VLAConfig, tok) -> np.ndarray:
-    """Plain greedy decoding with the torch target (no cache; slow, obvious) -> (H, D) actions."""
-    import torch
-    batch = {"image": torch.from_numpy(obs["image"][None].copy()),
-             "state": torch.from_numpy(obs["state"][None].astype(np.float32)),
-             "instr": torch.from_numpy(words_to_ids(obs["instruction"], cfg.instr_len)[None])}
-    with torch.no_grad():
-        x = pair.encoder(**batch)
-        ids = []
-        for _ in range(cfg.action_len):
-            nxt = int(pair.target(inputs_embeds=x).logits[0, -1].argmax())
-            ids.append(nxt)
-            x = torch.cat([x, pair.target.get_input_embeddings()(torch.tensor([[nxt]]))], 1)
-    return tok.decode_chunk(np.array(ids), cfg.horizon, cfg.dims)
-
-
-def closed_loop(pair: Pair, cfg: VLAConfig, tok, episodes: int, execute: int = 4, seed0: int = 900_000) -> dict:
-    from edgespec.robots.reacher import ThreeTargetReacher
-    env = ThreeTargetReacher()
-    succ, rets = [], []
-    try:
-        for ep in range(episodes):
-            obs, done, ret = env.reset(seed=seed0 + ep), False, 0.0
-            while not done:
-                chunk = greedy_chunk(pair, obs, cfg, tok)
-                for a in chunk[:execute]:
-                    obs, r, done, info = env.step(a)
-                    ret += r
-                    if done:
-                        break
-            succ.append(info["success"]); rets.append(ret)
-    finally:
-        env.close()
-    return {"success": float(np.mean(succ)), "mean_return": float(np.mean(rets)), "episodes": episodes}
-
-
 def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
     import torch
     from safetensors.torch import save_file
@@ -336,23 +288,30 @@ def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=Path, default=Path(".cache/vla/expert-train-6000.npz"),
+                    help="expert demonstrations to train on (python -m edgespec.robots.demos expert)")
+    ap.add_argument("--val", type=Path, default=Path(".cache/vla/expert-val-100.npz"),
+                    help="expert demonstrations for the per-epoch validation losses")
     ap.add_argument("--out", default="models/vla-reacher")
-    ap.add_argument("--work", default=".cache/vla")
-    ap.add_argument("--episodes", type=int, default=VLAConfig.episodes)
+    ap.add_argument("--work", default=".cache/vla", help="checkpoints (resume)")
     ap.add_argument("--epochs", type=int, default=VLAConfig.epochs)
-    ap.add_argument("--eval-episodes", type=int, default=VLAConfig.eval_episodes)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     import torch
     from edgespec.actions import ActionStats, ActionTokenizer
 
     torch.set_num_threads(args.threads)
-    cfg = VLAConfig(episodes=args.episodes, epochs=args.epochs, eval_episodes=args.eval_episodes)
+    train, val = load_demos(args.train, VLAConfig.instr_len), load_demos(args.val, VLAConfig.instr_len)
+    _, horizon, dims = train["chunk"].shape
+    cfg = VLAConfig(episodes=len(np.unique(train["episode"])), val_episodes=len(np.unique(val["episode"])),
+                    horizon=horizon, dims=dims, image_size=train["image"].shape[1],
+                    noise_std=float(train["noise_std"]), epochs=args.epochs)
+    if val["chunk"].shape[1:] != train["chunk"].shape[1:] or val["image"].shape[1:] != train["image"].shape[1:]:
+        raise ValueError(f"{args.val} has chunks {val['chunk'].shape[1:]} and images {val['image'].shape[1:]}; "
+                         f"{args.train} has {train['chunk'].shape[1:]} and {train['image'].shape[1:]}")
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    train = demonstrations(cfg, work, "train", np.arange(cfg.episodes))
-    val = demonstrations(cfg, work, "val", np.arange(500_000, 500_000 + cfg.val_episodes))
     flat = train["chunk"].reshape(-1, cfg.dims)
     stats = ActionStats(np.quantile(flat, 0.01, axis=0), np.quantile(flat, 0.99, axis=0))
     tok = ActionTokenizer.native(cfg.n_bins, stats)
@@ -374,7 +333,6 @@ def main(argv=None) -> int:
         opt.load_state_dict(state["opt"])
         epoch0, history = state["epoch"], state["history"]
         print(f"resumed after epoch {epoch0}", flush=True)
-    rng = np.random.default_rng(SEED)
     for epoch in range(epoch0, cfg.epochs):
         for m in pair.modules().values():
             m.train()
@@ -405,13 +363,9 @@ def main(argv=None) -> int:
         print("val", ev, flush=True)
         torch.save({**{k: m.state_dict() for k, m in pair.modules().items()}, "opt": opt.state_dict(),
                     "epoch": epoch + 1, "history": history}, ckpt)
-    for m in pair.modules().values():
-        m.eval()
-    loop = closed_loop(pair, cfg, tok, cfg.eval_episodes)
-    print("closed loop (torch, fp32, plain greedy)", loop, flush=True)
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in pair.modules().items()}
-    report = {"params": n_params, "history": history, "closed_loop_torch": loop,
-              "train_samples": int(len(ids_train)), "wall_s": round(time.time() - t_start, 1),
+    report = {"params": n_params, "history": history, "train_samples": int(len(ids_train)),
+              "data": {"train": str(args.train), "val": str(args.val)}, "wall_s": round(time.time() - t_start, 1),
               "command": "python -m edgespec.export.train_vla " + " ".join(argv if argv is not None
                                                                             else sys.argv[1:])}
     save(pair, cfg, stats, out, report)

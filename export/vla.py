@@ -40,7 +40,7 @@ def load_encoder(model_dir: Path):
     from .train_vla import VLAConfig, build_encoder
 
     policy = json.loads((model_dir / C.POLICY_FILE).read_text())
-    cfg = VLAConfig(**policy["config"])
+    cfg = VLAConfig.from_dict(policy["config"])
     enc = build_encoder(cfg)
     state = {k: v.to(torch.float32) for k, v in load_file(str(model_dir / "encoder.safetensors")).items()}
     missing, unexpected = enc.load_state_dict(state, strict=False)

@@ -176,8 +176,8 @@ def test_draft_length_defaults_follow_the_draft_kind(tiny_policies):
 
 
 def test_cached_head_data_is_keyed_by_the_policy_it_came_from(tiny_policies, tmp_path):
-    """A retrained target must not reuse the previous target's cached chunks (train_draft_head.collect)."""
-    from edgespec.export.train_draft_head import policy_key
+    """A retrained target must not reuse the previous target's cached chunks (robots/demos.write_on_policy)."""
+    from edgespec.robots.demos import policy_key
     a = policy_key(tiny_policies["plain"])
     c = tmp_path / "copy"
     shutil.copytree(tiny_policies["plain"], c)

@@ -1,0 +1,109 @@
+"""The import table of DESIGN.md, checked on the source: the runtime (edgespec/) imports neither the exporter
+(export/ = edgespec.export) nor the robots package (robots/ = edgespec.robots), and those two never import
+each other. Every `import` / `from ... import` statement counts, relative ones included, wherever it sits
+(module level or inside a function), with one named exception below.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"edgespec": "edgespec", "export": "edgespec.export", "robots": "edgespec.robots"}  # folder -> package
+FORBIDDEN = {  # folder -> packages it must never import
+    "edgespec": ("edgespec.export", "edgespec.robots"),
+    "export": ("edgespec.robots",),
+    "robots": ("edgespec.export",),
+}
+# The `edgespec export` / `export-policy` commands import the exporter inside the command's function, after
+# checking the export extra is installed: `import edgespec` on a device never reaches it. Nothing else may.
+LAZY_ALLOWED = {("edgespec/cli.py", "edgespec.export")}
+
+
+def module_name(path: Path, root: Path = ROOT) -> tuple[str, str]:
+    """-> (the file's module name, the package its relative imports start from)."""
+    rel = path.relative_to(root)
+    pkg = ".".join([PACKAGES[rel.parts[0]], *rel.parts[1:-1]])
+    if path.name == "__init__.py":
+        return pkg, pkg
+    return f"{pkg}.{path.stem}", pkg
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[list[str], int, bool]]:
+    """Every import statement in `path` -> [(the absolute module names it names, line, inside a function)].
+    `from a import b` names both a and a.b (b may be a submodule)."""
+    _, pkg = module_name(path, root)
+    found: list[tuple[list[str], int, bool]] = []
+
+    def visit(node: ast.AST, in_func: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_func or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.append(([a.name for a in child.names], child.lineno, in_func))
+            elif isinstance(child, ast.ImportFrom):
+                if child.level:
+                    parts = pkg.split(".")
+                    if child.level - 1 >= len(parts):
+                        raise ValueError(f"{path}:{child.lineno}: relative import beyond the top package")
+                    base = ".".join(parts[:len(parts) - (child.level - 1)] + ([child.module] if child.module else []))
+                else:
+                    base = child.module or ""
+                found.append(([base] + [f"{base}.{a.name}" for a in child.names if a.name != "*"], child.lineno,
+                              in_func))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return found
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """One line per import statement against the table."""
+    out = []
+    for folder, banned in FORBIDDEN.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for names, line, in_func in imports(path, root):
+                hit = [(m, b) for m in names for b in banned if m == b or m.startswith(b + ".")]
+                if hit and not (in_func and (rel, hit[0][1]) in LAZY_ALLOWED):
+                    out.append(f"{rel}:{line} imports {hit[0][0]} ({folder}/ may not import {hit[0][1]})")
+    return out
+
+
+def test_no_package_imports_against_the_table():
+    bad = violations()
+    assert not bad, "imports against DESIGN.md's import table:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder,source,banned", [
+    ("edgespec", "from edgespec.export import vla\n", True),
+    ("edgespec", "import edgespec.robots.reacher\n", True),
+    ("edgespec", "from . import robots\n", True),                       # edgespec/x.py: . is edgespec
+    ("edgespec", "def f():\n    from .robots import loop\n", True),     # inside a function counts too
+    ("export", "from ..robots.reacher import ThreeTargetReacher\n", True),
+    ("export", "def f():\n    from edgespec.robots.reacher import ThreeTargetReacher\n", True),
+    ("robots", "from edgespec.export.train_vla import WORDS\n", True),
+    ("robots", "from .. import export\n", True),
+    ("robots", "from ..export import vla\n", True),
+    ("export", "from ..policy import load_policy\nfrom .vla import export_policy\n", False),
+    ("robots", "from edgespec.policy import load_policy\nfrom .reacher import ThreeTargetReacher\n", False),
+    ("edgespec", "import numpy\nfrom .contract import Manifest\n", False),
+])
+def test_the_check_sees_absolute_relative_and_lazy_imports(tmp_path, folder, source, banned):
+    for f in PACKAGES:
+        (tmp_path / f).mkdir()
+    (tmp_path / folder / "x.py").write_text(source)
+    assert bool(violations(tmp_path)) == banned, violations(tmp_path)
+
+
+def test_the_cli_exception_covers_lazy_imports_only(tmp_path):
+    for f in PACKAGES:
+        (tmp_path / f).mkdir()
+    (tmp_path / "edgespec" / "cli.py").write_text(
+        "def cmd():\n    from edgespec.export.vla import export_policy\n")
+    assert violations(tmp_path) == []
+    (tmp_path / "edgespec" / "cli.py").write_text("from edgespec.export.vla import export_policy\n")
+    assert len(violations(tmp_path)) == 1
+    (tmp_path / "edgespec" / "cli.py").write_text("def cmd():\n    import edgespec.robots.cli\n")
+    assert len(violations(tmp_path)) == 1  # the exception is for the exporter only
