@@ -67,8 +67,11 @@ from cyclonedds.sub import DataReader
 from cyclonedds.topic import Topic
 
 from . import ros_msgs as rm
+from .checks import check_chunk
 from .chunks import HoldThenStop
 from .embodiment import Embodiment, JointEmbodiment, embodiment_for
+from .realtime import FixedRate
+from .worker import Inference, InferenceWorker
 
 Policy = Callable[[dict], np.ndarray]  # observation -> (H, A) chunk of the policy's actions
 
@@ -164,7 +167,6 @@ class NodeStats:
 
 @dataclass
 class _Job:
-    obs: dict
     position: np.ndarray  # (J,) joint positions of the observation, embodiment.joint_names order (IK seed)
     received: float  # monotonic time the joint state arrived
     stamp: rm.Time  # wall-clock time of the same, for the trajectory header
@@ -189,7 +191,7 @@ class PolicyNode:
         self._new_faults: list[str] = []  # since the last diagnostic
         self._new_policy_fault = False
         self._diag_due, self._next_diag = True, 0.0
-        self._safety_lock = threading.Lock()
+        self._lock = threading.RLock()  # safety, failure counts and the worker hand-off (shared with it)
         self._was_stopped = False
         # policy failures: the latch counts a run since the last good inference or reset
         self._policy_ok, self._last_policy_error = True, ""
@@ -201,14 +203,11 @@ class PolicyNode:
         self._state_seq = self._used_seq = 0
         self._image = None
         self._instruction = self.cfg.default_instruction
-        # tick -> worker handoff
-        self._cv = threading.Condition()
-        self._job: _Job | None = None
-        self._result = None
-        self._busy = False
-        self._busy_since = 0.0  # monotonic time the running inference was handed over
+        # threads: the tick thread and the inference worker (robots/worker.py), new ones per start()
+        self._worker: InferenceWorker | None = None
+        self._result: Inference | None = None  # the worker's last finished call, for the next tick
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._ticker: threading.Thread | None = None
 
         self._dp = DomainParticipant(self.domain_id)
         qin, qout = rm.ros_qos(best_effort=self.cfg.best_effort_inputs), rm.ros_qos()
@@ -225,26 +224,27 @@ class PolicyNode:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self._threads:
+        if self._ticker is not None:
             return
         if self._dp is None:
             raise RuntimeError("the node is closed")
         self._stop.clear()
-        with self._cv:  # a job queued when the node was stopped is dropped
-            self._job, self._result, self._busy = None, None, False
-        self._threads = [threading.Thread(target=self._work, name="policy-node-infer", daemon=True),
-                         threading.Thread(target=self._run, name="policy-node-tick", daemon=True)]
-        for th in self._threads:
-            th.start()
+        self._result = None  # a result that landed when the node was stopped is dropped
+        self._worker = InferenceWorker(self.policy, self._landed, self._check_chunk, time.monotonic,
+                                       lock=self._lock, name="policy-node-infer")
+        self._worker.start()
+        self._ticker = threading.Thread(target=self._run, name="policy-node-tick", daemon=True)
+        self._ticker.start()
 
     def stop(self) -> None:
         """Stop ticking (a policy call in flight is abandoned to its daemon thread)."""
         self._stop.set()
-        with self._cv:
-            self._cv.notify_all()
-        for th in self._threads:
-            th.join(timeout=2.0)
-        self._threads = []
+        if self._ticker is None:
+            return
+        self._ticker.join(timeout=2.0)
+        self._worker.stop()
+        self._worker.join(timeout=2.0)
+        self._ticker = None
 
     def safe_stop(self, reason: str = "safe stop requested") -> None:
         """Stop inference, publish a stop trajectory (no points: the controller holds position) and latch
@@ -253,7 +253,7 @@ class PolicyNode:
         self.stop()
         if self._dp is None:
             raise RuntimeError("safe stop failed: the node is closed, no stop trajectory could be published")
-        with self._safety_lock:
+        with self._lock:
             self.safety.latch(reason)
         self.stats.safety = f"stopped: {reason}"
         self._publish_stop()
@@ -289,7 +289,7 @@ class PolicyNode:
     def reset(self, why: str = "reset()") -> None:
         """Clear a latched stop; the node resumes once its inputs are fresh again. A policy that was failing
         stays "degraded" until an inference succeeds, and gets a fresh run of failures before it latches."""
-        with self._safety_lock:
+        with self._lock:
             self.safety.reset()
             self._fail_run = 0
         self.stats.resets += 1
@@ -305,37 +305,23 @@ class PolicyNode:
 
     def _run(self) -> None:
         period = 1.0 / self.cfg.hz
-        next_t = time.monotonic()
+        rate = FixedRate(period, time.monotonic(), time.monotonic, late_s=period, sleep=self._stop.wait)
         while not self._stop.is_set():
             try:
                 self._tick(time.monotonic())
             except Exception as e:  # a bug here must not take the node down
                 self._fault(f"node tick failed: {type(e).__name__}: {e}")
-            next_t += period
-            delay = next_t - time.monotonic()
-            if delay < -period:
+            if not rate.wait():  # more than a period late: restart the schedule from now
                 self.stats.overruns += 1
-                next_t, delay = time.monotonic(), 0.0
-            self._stop.wait(max(delay, 0.0))
 
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self._job is not None or self._stop.is_set())
-                if self._stop.is_set():
-                    return
-                job, self._job = self._job, None
-            t0 = time.perf_counter()
-            try:
-                out, err = self.policy(job.obs), None
-            except Exception as e:
-                out, err = None, f"policy raised {type(e).__name__}: {e}"
-            ms = (time.perf_counter() - t0) * 1e3
-            info = getattr(self.policy, "last_info", None)
-            info = {k: v for k, v in info.items() if isinstance(v, (int, float, np.number))} \
-                if isinstance(info, dict) else {}
-            with self._cv:
-                self._result, self._busy = (job, out, err, ms, info), False
+    def _check_chunk(self, actions) -> np.ndarray:
+        """The policy's (H, A) actions, checked against the embodiment's actions (in the worker thread)."""
+        names = self.embodiment.action_names
+        return check_chunk(actions, len(names), names)
+
+    def _landed(self, done: Inference) -> None:
+        """A policy call ended (worker thread, holding self._lock): the next tick collects it."""
+        self._result = done
 
     # ------------------------------------------------------------ one tick
 
@@ -412,10 +398,9 @@ class PolicyNode:
             self._instruction = msg.data
 
     def _update_safety(self, now: float) -> str:
-        with self._cv:
-            hung = now - self._busy_since if self._busy else 0.0
-        with self._safety_lock:
-            if not self.safety.stopped and hung > self.cfg.watchdog_s:  # the worker never came back
+        hung = self._worker.overdue(now, self.cfg.watchdog_s)
+        with self._lock:
+            if not self.safety.stopped and hung is not None:  # the worker never came back
                 why = f"policy hung: an inference has run {hung:.3f} s (watchdog {self.cfg.watchdog_s} s)"
                 self.safety.latch(why)
                 self._fault(why, policy=True)
@@ -455,46 +440,30 @@ class PolicyNode:
     def _submit(self) -> None:
         if self._state_seq == self._used_seq:
             return  # no fresh joint state since the last inference
-        job = _Job({"image": self._image, "state": self._state.copy(), "instruction": self._instruction},
-                   self._position.copy(), self._state_t, self._state_stamp)
-        with self._cv:
-            if self._busy:
-                return
-            self._job, self._busy, self._busy_since = job, True, time.monotonic()
-            self._cv.notify()
-        self._used_seq = self._state_seq
+        job = _Job(self._position.copy(), self._state_t, self._state_stamp)
+        obs = {"image": self._image, "state": self._state.copy(), "instruction": self._instruction}
+        if self._worker.submit(job, obs, time.monotonic()):  # False while an inference runs
+            self._used_seq = self._state_seq
 
     def _collect(self):
-        """The finished inference, checked and turned into joint targets: (job, (H, C) targets) or None (none
-        finished, or it failed: then a policy fault)."""
-        with self._cv:
-            res, self._result = self._result, None
-        if res is None:
+        """The finished inference, turned into joint targets: (job, (H, C) targets) or None (none finished, or
+        it failed: then a policy fault). The worker checked the chunk against the embodiment's actions."""
+        with self._lock:
+            done, self._result = self._result, None
+        if done is None:
             return None
-        job, out, err, ms, info = res
+        job, emb, err, targets = done.job, self.embodiment, done.error or None, None
         self.stats.inferences += 1
-        self.stats.inference_ms, self.stats.policy_info = ms, info
-        emb, targets = self.embodiment, None
+        self.stats.inference_ms, self.stats.policy_info = (done.end - done.start) * 1e3, done.info
         if err is None:
             try:
-                chunk = np.asarray(out, dtype=np.float64)
-            except (TypeError, ValueError) as e:
-                err = f"policy returned something that is not a numeric array ({e})"
-        a = len(emb.action_names)
-        if err is None and (chunk.ndim != 2 or chunk.shape[0] == 0 or chunk.shape[1] != a):
-            err = (f"policy returned a chunk of shape {chunk.shape}, expected (H >= 1, {a}) actions "
-                   f"[{', '.join(emb.action_names)}]")
-        if err is None and not np.isfinite(chunk).all():
-            err = "policy returned NaN or inf in its chunk; not published"
-        if err is None:
-            try:
-                targets = np.asarray(emb.joint_targets(chunk, job.position), dtype=np.float64)
+                targets = np.asarray(emb.joint_targets(done.chunk, job.position), dtype=np.float64)
             except Exception as e:  # noqa: BLE001 - a bad conversion must not take the node down
                 err = f"{emb.name}: actions -> joint targets failed: {type(e).__name__}: {e}"
-        if err is None and (targets.shape != (chunk.shape[0], len(emb.command_joints))
+        if err is None and (targets.shape != (done.chunk.shape[0], len(emb.command_joints))
                             or not np.isfinite(targets).all()):
             err = f"{emb.name}: joint targets of shape {targets.shape} with NaN / inf or the wrong shape"
-        with self._safety_lock:
+        with self._lock:
             if err is not None:
                 if self._fail_run == 0:
                     self._fail_since = time.monotonic()

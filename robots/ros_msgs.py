@@ -28,6 +28,8 @@ from cyclonedds.idl import annotations as annotate
 from cyclonedds.idl import types as t
 from cyclonedds.util import duration
 
+from .checks import not_finite_as_engine_input
+
 MAX_DOMAIN_ID = 232  # ROS 2's limit: higher ids push the RTPS port numbers past 65535
 IMAGE_ENCODINGS = ("rgb8", "bgr8")
 # diagnostic_msgs/DiagnosticStatus levels
@@ -249,11 +251,9 @@ def joint_state_to_numpy(msg: JointState, expected: Sequence[str] = (), require_
             raise ValueError(f"joint_states: missing joints {missing} (expected {list(expected)}, got {names})")
         idx = [names.index(j) for j in expected]
         names, pos, vel = list(expected), pos[idx], vel[idx]
-    # checked as the policy's engines see them (float32): 1e39 is finite in float64 and inf there; joints the
-    # policy does not read may hold anything
-    with np.errstate(over="ignore"):
-        bad = [f"{what} of {j} = {v!r}" for what, arr in (("position", pos), ("velocity", vel))
-               for j, v in zip(names, arr.tolist()) if not np.isfinite(np.float32(v))]
+    # checked as the policy's engines see them (float32); joints the policy does not read may hold anything
+    bad = [f"{what} of {names[i]} = {float(arr[i])!r}" for what, arr in (("position", pos), ("velocity", vel))
+           for i in not_finite_as_engine_input(arr)]
     if bad:
         raise ValueError(f"joint_states: not finite as float32: {', '.join(bad)}")
     if require_velocity and not len(msg.velocity):
