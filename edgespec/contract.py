@@ -75,28 +75,16 @@ class EngineError(ValueError):
 OPTIMUM_ATTENTION_MASK = "attention_mask"  # int64 [B, P + S]: 1 = attend, 0 = masked
 
 
-def optimum_past_key(i: int) -> str:
-    return f"past_key_values.{i}.key"
+def _per_layer(pattern: str):
+    """-> name(i): the tensor name of layer i, pattern.format(i)."""
+    def name(i: int) -> str:
+        return pattern.format(i)
+    return name
 
 
-def optimum_past_value(i: int) -> str:
-    return f"past_key_values.{i}.value"
-
-
-def past_key(i: int) -> str:
-    return f"past.{i}.key"
-
-
-def past_value(i: int) -> str:
-    return f"past.{i}.value"
-
-
-def present_key(i: int) -> str:
-    return f"present.{i}.key"
-
-
-def present_value(i: int) -> str:
-    return f"present.{i}.value"
+optimum_past_key, optimum_past_value = _per_layer("past_key_values.{}.key"), _per_layer("past_key_values.{}.value")
+past_key, past_value = _per_layer("past.{}.key"), _per_layer("past.{}.value")  # cache inputs
+present_key, present_value = _per_layer("present.{}.key"), _per_layer("present.{}.value")  # cache outputs
 
 
 @dataclass

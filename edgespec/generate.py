@@ -47,33 +47,29 @@ class Stats:
     engine_s: float = 0.0  # time inside engine runs (target + draft) while decoding
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_per_round(self) -> float:
-        return self.accepted / self.rounds if self.rounds else 0.0
+    def tokens_per_second(self) -> float:
+        """New tokens per second of decoding (after the prompt's prefill)."""
+        d = self.time_s.get("decode", 0.0)
+        return self.new_tokens / d if d else 0.0
 
     @property
     def host_fraction(self) -> float:
         """Share of decode wall time spent outside engine runs (Python, numpy, binding)."""
-        d = self.time_s.get("decode", 0.0)
-        return 1.0 - self.engine_s / d if d else 0.0
+        return 1.0 - self.engine_s / self.time_s["decode"] if self.time_s.get("decode") else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def tokens_per_round(self) -> float:
         """Emitted tokens per target call (the prefill counts: it emits the first token); plain = 1."""
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
 
-    @property
-    def tokens_per_second(self) -> float:
-        """New tokens per second of decoding (after the prompt's prefill)."""
-        d = self.time_s.get("decode", 0.0)
-        return self.new_tokens / d if d else 0.0
-
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(acceptance_rate=self.acceptance_rate, mean_accepted_per_round=self.mean_accepted_per_round,
+        d.update(acceptance_rate=self.acceptance_rate,
+                 mean_accepted_per_round=self.accepted / self.rounds if self.rounds else 0.0,
                  tokens_per_round=self.tokens_per_round, tokens_per_second=self.tokens_per_second,
                  host_fraction=self.host_fraction,
                  acceptance_by_position=[a / t if t else None for a, t in
