@@ -1,7 +1,7 @@
 """Train the bundled demo pair: a byte-level BPE tokenizer, a ~26M Llama target and a ~2.6M draft
 distilled from it, on the Python standard library's own sources (every machine with Python has them).
 
-    python -m edgespec.export.train_demo --out models            # ~75 min on 2 CPU cores, resumable
+    python -m edgespec.export.train_demo --out models            # resumable
 
 Writes standard Hugging Face folders (config.json, fp16 model.safetensors, tokenizer.json,
 tokenizer_config.json) to OUT/demo-target and OUT/demo-draft, plus OUT/demo-train.json with the

@@ -143,7 +143,10 @@ def main(argv=None) -> int:
     if int(meta["vocab_end"]) != n_ids:
         raise ValueError("the draft head supports the native action id space (ids 0..n_bins-1) only")
     t_start = time.time()
-    data = load_data(args.data, int(meta["prefix_len"]), horizon * dims, n_ids)
+    try:
+        data = load_data(args.data, int(meta["prefix_len"]), horizon * dims, n_ids)
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(str(e))
     prefix, ids = data["prefix"], data["ids"]
     n, p, e = prefix.shape
     eps = np.unique(data["episode"])

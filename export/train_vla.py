@@ -301,7 +301,10 @@ def main(argv=None) -> int:
     from edgespec.actions import ActionStats, ActionTokenizer
 
     torch.set_num_threads(args.threads)
-    train, val = load_demos(args.train, VLAConfig.instr_len), load_demos(args.val, VLAConfig.instr_len)
+    try:
+        train, val = load_demos(args.train, VLAConfig.instr_len), load_demos(args.val, VLAConfig.instr_len)
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(str(e))
     _, horizon, dims = train["chunk"].shape
     cfg = VLAConfig(episodes=len(np.unique(train["episode"])), val_episodes=len(np.unique(val["episode"])),
                     horizon=horizon, dims=dims, image_size=train["image"].shape[1],
