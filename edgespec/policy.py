@@ -133,7 +133,8 @@ class Policy:
         if draft == "head":
             hpath = self.dir / HEAD_FILE
             if not hpath.is_file():
-                raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (train one with "
+                raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (collect its data "
+                                        f"with `python -m edgespec.robots.demos on-policy`, then train it with "
                                         f"`python -m edgespec.export.train_draft_head`)")
             if check_hashes and m.draft_head_sha256 and C.file_sha256(hpath) != m.draft_head_sha256:
                 raise C.EngineError(f"{hpath} does not match the sha256 in {path}")
