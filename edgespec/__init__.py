@@ -5,6 +5,10 @@
 
     policy = edgespec.load_policy("engines/vla-reacher", draft=True)      # VLA: action chunks
     actions = policy.act(image, state, "reach the red target")           # (H, D)
+
+Imports numpy, onnxruntime and tokenizers; never torch, `edgespec.export` or `edgespec.robots` (the
+`edgespec` command loads those two inside the subcommands that need them, from their extras).
+tests/test_layering.py checks this table for all three packages.
 """
 __version__ = "0.1.0"
 
