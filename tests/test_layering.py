@@ -1,6 +1,6 @@
 """The import table of DESIGN.md, checked on the source: the runtime (edgespec/) imports neither the exporter
-(export/ = edgespec.export) nor the robots package (robots/ = edgespec.robots), and those two never import
-each other. Every `import` / `from ... import` statement counts, relative ones included, wherever it sits
+(export/ = edgespec.export) nor the robots package (robots/ = edgespec.robots), nor torch, transformers or
+optimum, and export/ and robots/ never import each other. Every `import` / `from ... import` statement counts, relative ones included, wherever it sits
 (module level or inside a function), with one named exception below.
 """
 from __future__ import annotations
@@ -13,13 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"edgespec": "edgespec", "export": "edgespec.export", "robots": "edgespec.robots"}  # folder -> package
 FORBIDDEN = {  # folder -> packages it must never import
-    "edgespec": ("edgespec.export", "edgespec.robots"),
+    "edgespec": ("edgespec.export", "edgespec.robots", "torch", "transformers", "optimum"),
     "export": ("edgespec.robots",),
     "robots": ("edgespec.export",),
 }
 # The `edgespec export` / `export-policy` commands import the exporter inside the command's function, after
-# checking the export extra is installed: `import edgespec` on a device never reaches it. Nothing else may.
-LAZY_ALLOWED = {("edgespec/cli.py", "edgespec.export")}
+# checking the export extra (torch) is installed: `import edgespec` on a device never reaches it. Nothing
+# else may.
+LAZY_ALLOWED = {("edgespec/cli.py", "edgespec.export"), ("edgespec/cli.py", "torch")}
 
 
 def module_name(path: Path, root: Path = ROOT) -> tuple[str, str]:
