@@ -11,10 +11,11 @@ the worker thread only blocks on a pipe, which releases the GIL.
     chunk = policy(obs)        # (H, D); policy.last_info is the child's policy.last_info
     policy.close()             # or use it as a context manager
 
-The child runs with single-threaded BLAS (`single_threaded_env`). `factory` must be picklable (a module-level function or a functools.partial of one): the child builds the
-policy itself, since engine sessions cannot cross processes. An exception in the policy comes back as a
-RuntimeError naming it; a child that dies turns the next call into a RuntimeError; the loop records both as
-faults. Observations cross the pipe pickled (the reacher's: a 12 KB image, ~0.1 ms).
+The child runs with single-threaded BLAS (`single_threaded_env`). `factory` must be picklable (a
+module-level function or a functools.partial of one): the child builds the policy itself, since engine
+sessions cannot cross processes. An exception in the policy comes back as a RuntimeError naming it; a child
+that dies turns the next call into a RuntimeError; the loop records both as faults. Observations cross the
+pipe pickled.
 """
 from __future__ import annotations
 

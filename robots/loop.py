@@ -2,7 +2,10 @@
 
 Each tick runs four named, timed sections: observe, infer (hand the latest observation to the inference
 worker when the queue runs low; never waits for it), act (send the action due now, or hold / safe-stop),
-wait (sleep to the next period).
+wait (sleep to the next period). For the run, run() pins the loop to its CPUs, puts it on SCHED_FIFO,
+freezes the garbage collector and shortens the GIL switch interval, as LoopConfig asks (robots/realtime.py;
+everything is restored when run() returns or raises). The inference worker is robots/worker.py's, the one
+the DDS node uses too.
 
 Faults: a malformed observation (missing key, wrong shape, a state not finite as the engine's float32 sees
 it: NaN, inf, or 1e39, finite in float64 but inf in float32), a stale one (its "timestamp"
