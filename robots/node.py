@@ -23,8 +23,9 @@ positions then velocities, actions = joint position targets.
 
 A tick thread runs at `hz`: it takes what arrived, checks it, and hands the newest complete observation to
 the inference worker (robots/worker.py, the control loop's) whenever a fresh joint state came and the
-worker is idle; it never waits for the policy. The policy sees `{"image": (H, W, 3) uint8 RGB, "state": (S,) float64, "instruction": str}`;
-numbers in `policy.last_info` (e.g. acceptance rate, accepted tokens per round) go to diagnostics.
+worker is idle; it never waits for the policy. The policy sees
+`{"image": (H, W, 3) uint8 RGB, "state": (S,) float64, "instruction": str}`; numbers in `policy.last_info`
+(e.g. acceptance rate, accepted tokens per round) go to diagnostics.
 
 Faults never crash the node, and the node never reports "ok" through one. DDS samples are decoded one at a
 time: an undecodable one is rejected and counted and costs no other sample. Malformed messages (wrong image

@@ -10,8 +10,8 @@ ROS 2 maps a topic `/name` to the DDS topic `rt/name` (`ros_topic`); its default
 keep-last 10 (`ros_qos`); its domain id comes from `ROS_DOMAIN_ID` (`ros_domain_id`).
 
 Converters: `image_to_numpy` / `numpy_to_image` (rgb8, bgr8), `joint_state_to_numpy` / `joint_state_msg`,
-`chunk_to_trajectory` / `trajectory_to_numpy`, `stop_trajectory`, `diagnostics_msg`. They raise ValueError naming what was
-expected and what came.
+`chunk_to_trajectory` / `trajectory_to_numpy`, `stop_trajectory`, `diagnostics_msg`. They raise ValueError
+naming what was expected and what came.
 """
 # No `from __future__ import annotations` here: cyclonedds evaluates the field annotations at runtime.
 
