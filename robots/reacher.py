@@ -129,7 +129,6 @@ class ThreeTargetReacher:
     fingertip's distance to the named target (Reacher-v5's distance term)."""
 
     def __init__(self, cfg: ReacherConfig | None = None):
-        from gymnasium.envs.mujoco.mujoco_env import MujocoEnv
         import tempfile
         self.cfg = cfg or ReacherConfig()
         with tempfile.NamedTemporaryFile("w", suffix=".xml", delete=False) as f:
