@@ -174,18 +174,6 @@ class DraftHead:
         lo, hi = max(0, -base), min(len(z), self.n_ids - base)
         return z[lo:hi], base + lo
 
-    def logits(self, ids) -> np.ndarray:
-        """The next id's logits over all n bins (-inf where the head cannot propose): for the generic path."""
-        t = len(ids)
-        h = self._hidden(ids, t)
-        self.calls += 1
-        if t < self.dims:
-            return h @ self.w.abs_w + self.w.abs_b
-        out = np.full(self.n_ids, -np.inf, np.float32)
-        z, first = self._steps(h, ids, t)
-        out[first:first + len(z)] = z
-        return out
-
     def reference_logits(self, prefix: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Every position's logits at once, teacher-forced on ids (T,), from head_features and explicit
         matrix products (slow, obvious; the training formula) -> abs (D, n), rel (T-D, 2R+1)."""
