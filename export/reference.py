@@ -56,6 +56,11 @@ class ReferenceDecoder(torch.nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) or inputs_embeds (B, T, E) -> logits (B, T, V)."""
+        return F.linear(self.hidden(input_ids, inputs_embeds), self.w["lm_head.weight"])
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """-> the final hidden state (B, T, E), after the last norm: the LM head's input."""
         s, w = self.spec, self.w
         x = w["model.embed_tokens.weight"][input_ids] if inputs_embeds is None else inputs_embeds.float()
         b, t, _ = x.shape
@@ -79,5 +84,4 @@ class ReferenceDecoder(torch.nn.Module):
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], s.rms_norm_eps)
             gate = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"]))
             x = x + F.linear(gate * F.linear(h, w[p + "mlp.up_proj.weight"]), w[p + "mlp.down_proj.weight"])
-        x = rms_norm(x, w["model.norm.weight"], s.rms_norm_eps)
-        return F.linear(x, w["lm_head.weight"])
+        return rms_norm(x, w["model.norm.weight"], s.rms_norm_eps)
