@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.costmodel import DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT
 from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
 
@@ -30,7 +31,7 @@ def cmd_export(args) -> int:
 
     m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
                       input_mode=args.inputs, force=args.force, progress=not args.quiet,
-                      role=args.role, allow_lossy=args.allow_lossy)
+                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor)
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
@@ -75,6 +76,9 @@ def cmd_inspect(args) -> int:
                 print(f"  {kind} … {len(specs) - 5} more (per-layer cache tensors)")
         lo, hi = m.argmax_range
         print(f"  KV cache {m.cache_dtype}, written in place; next_ids = argmax over ids {lo}..{hi - 1}")
+        print(f"  flavor {m.flavor}" + ("" if m.flavor == "ort" else " (standard ONNX ops: CPU, CUDA, TensorRT)"))
+        for op, how in m.fusion.items():  # ort: what each fusable op became, and why a fallback
+            print(f"    {op}: {how}")
         trt = m.extra.get("tensorrt")
         if trt:
             print(f"  TensorRT plan {trt.get('plan')} (TensorRT {trt.get('tensorrt_version')}, fp16 {trt.get('fp16')}, "
@@ -151,7 +155,8 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.batch_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
     _check_text_args(args)
-    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
+                        gamma_max=args.gamma_max)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
     if args.batch_file is not None:
@@ -185,7 +190,8 @@ def cmd_profile(args) -> int:
     from edgespec.profiling import profile
 
     _check_text_args(args)
-    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma)
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
+                        gamma_max=args.gamma_max)
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
@@ -319,7 +325,8 @@ def cmd_demo(args) -> int:
     target, draft = ensure_demo_engines(args.models, args.engines)
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
-    spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma)
+    spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma,
+                        gamma_max=args.gamma_max)
     kw = dict(max_new_tokens=args.max_new_tokens)
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
     plain.generate(prompts[0], max_new_tokens=8)
@@ -366,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export a fp16/int8 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
                         "records the override); for a draft this costs speed only, for a target it changes output")
     p.add_argument("--max-context", type=int, default=None, help="KV capacity (default min(model limit, 2048))")
+    p.add_argument("--flavor", choices=["auto", "ort", "portable"], default="auto",
+                   help="ort: ONNX Runtime contrib ops (GroupQueryAttention, cache in place; CPU and CUDA), with a "
+                        "per-op fallback to standard ops; portable: standard ONNX ops only (TensorRT); auto "
+                        "(default): ort where its attention is fused, else portable")
     p.add_argument("--inputs", choices=["ids", "embeds"], default="ids",
                    help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
@@ -405,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
     p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
+    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
+                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
@@ -417,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=_gamma, default="auto")
+    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
+                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.set_defaults(func=cmd_demo)
@@ -428,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line (JSON strings allowed)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=_gamma, default="auto")
+    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
+                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)

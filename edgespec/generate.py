@@ -10,23 +10,25 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from .contract import EngineError
-from .costmodel import AcceptanceEstimator, CostModel, median_time
+from .costmodel import CONTEXT_BUCKETS, DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT, AcceptanceEstimator, CostModel, monotone
 from .decoder import Decoder
-from .drafts import DraftModel, Drafter, NgramDraft, greedy_pick
+from .drafts import DraftModel, Drafter, NgramDraft, Proposal, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import fast_round, speculative_round
 from .tokenizer import TextTokenizer, check_pair
 
-GAMMA_MAX = 8  # longest draft `auto` considers
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
+MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
+MEASURE_REPS = (5, 40)  # ... but at least / at most this many passes (each timing every call once)
 
 
 @dataclass
@@ -37,14 +39,34 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # rounds that stopped at a rejected draft (α̂ = accepted / (accepted + rejections))
-    accepted_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts kept at position i
-    tried_by_position: list = field(default_factory=lambda: [0] * GAMMA_MAX)  # drafts proposed at position i
-    histogram: list = field(default_factory=lambda: [0] * (GAMMA_MAX + 1))  # rounds that kept k drafts
+    gamma_max: int = 0  # presizes the lists below (they grow if a longer draft is ever seen)
+    accepted_by_position: list = field(default_factory=list)  # drafts kept at position i
+    tried_by_position: list = field(default_factory=list)  # drafts proposed at position i
+    histogram: list = field(default_factory=list)  # rounds that kept k drafts
     gamma_history: list = field(default_factory=list)  # (new tokens so far, γ chosen)
     time_s: dict = field(default_factory=dict)  # prefill, draft, verify, sampling, other, decode, total
     target_calls: int = 0
     draft_calls: int = 0
     engine_s: float = 0.0  # time inside engine runs (target + draft) while decoding
+
+    def __post_init__(self):
+        self._grow(self.gamma_max)
+
+    def _grow(self, gamma: int) -> None:
+        for lst, n in ((self.accepted_by_position, gamma), (self.tried_by_position, gamma),
+                       (self.histogram, gamma + 1)):
+            lst.extend([0] * (n - len(lst)))
+
+    def add_round(self, kept: int, drafted: int) -> None:
+        """One sequence's round: `drafted` proposals, the first `kept` of them accepted."""
+        self._grow(drafted)
+        self.drafted += drafted
+        self.accepted += kept
+        self.histogram[kept] += 1
+        self.rejections += int(kept < drafted)
+        for j in range(drafted):
+            self.tried_by_position[j] += 1
+            self.accepted_by_position[j] += int(j < kept)
 
     @property
     def tokens_per_second(self) -> float:
@@ -121,15 +143,47 @@ def check_token_ids(prompt) -> list[int]:
 
 def check_gamma(gamma, gamma_max: int):
     if not (gamma == "auto" or (isinstance(gamma, int) and not isinstance(gamma, bool) and 0 <= gamma <= gamma_max)):
-        raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}], got {gamma!r}")
+        raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}] (gamma_max {gamma_max}: raise it "
+                         f"with gamma_max= / --gamma-max, up to {GAMMA_MAX_LIMIT}), got {gamma!r}")
     return gamma
 
 
+def check_gamma_max(gamma_max) -> int:
+    if not (isinstance(gamma_max, (int, np.integer)) and not isinstance(gamma_max, bool)
+            and 1 <= gamma_max <= GAMMA_MAX_LIMIT):
+        raise ValueError(f"gamma_max (the longest draft) must be an integer in [1, {GAMMA_MAX_LIMIT}], "
+                         f"got {gamma_max!r}")
+    return int(gamma_max)
+
+
+class _FixedDraft(Drafter):
+    """Proposes γ copies of token 0 at no cost: load-time rounds with it time the host's part of a round."""
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        return Proposal(np.zeros((len(contexts), gamma), np.int64), np.where(active, gamma, 0))
+
+    def draft(self, ctx, gamma, out) -> int:
+        out[:gamma] = 0
+        return gamma
+
+
 class Generator:
+    """Decodes text with a target engine and an optional drafter. drafter_kind: None (plain decoding),
+    "model" (`draft` engine), "ngram", or "custom" with `drafter_factory(batch) -> Drafter`."""
+
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
-                 tokenizer: TextTokenizer | None = None, gamma: int | str = "auto", gamma_max: int = GAMMA_MAX):
+                 tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
+                 gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None):
+        if (drafter_kind == "custom") != (drafter_factory is not None):
+            raise ValueError(f"drafter_kind 'custom' goes with a drafter_factory: got kind {drafter_kind!r} and "
+                             f"factory {drafter_factory!r}")
         self.target, self.draft, self.drafter_kind, self.tok = target, draft, drafter_kind, tokenizer
-        self.gamma, self.gamma_max = check_gamma(gamma, gamma_max), gamma_max
+        self.drafter_factory = drafter_factory
+        self.gamma_max = check_gamma_max(gamma_max)
+        if self.gamma_max + 2 > target.manifest.max_context:
+            raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
+                             f"{target.manifest.max_context} (a verify call needs gamma_max + 1 rows after the prompt)")
+        self.gamma = check_gamma(gamma, self.gamma_max)
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
         self.refine_costs = True  # auto γ: blend measured round costs into the load-time cost model
@@ -169,36 +223,102 @@ class Generator:
             return DraftModel(self._decoder(self.draft, batch))
         if self.drafter_kind == "ngram":
             return NgramDraft(batch)
+        if self.drafter_kind == "custom":
+            return self.drafter_factory(batch)
         return None
 
-    def measure_costs(self, reps: int = 5, context: int = 64) -> CostModel:
-        """Time target calls of S = 1..γmax+1 and one draft step on this device, at a short context."""
-        m = self.target.manifest
-        context = min(context, m.max_context - self.gamma_max - 2)
+    def measure_costs(self, budget_s: float = MEASURE_BUDGET_S, min_reps: int = MEASURE_REPS[0],
+                      max_reps: int = MEASURE_REPS[1], contexts=CONTEXT_BUCKETS, reps: int | None = None) -> CostModel:
+        """Time what a round is made of on this device, at each context bucket (capped at the engines'
+        capacity): target calls of S = 1..γmax+1 tokens, the drafter asked for 1 and for a few tokens (per
+        proposal and per round), and whole rounds with a free draft (the host's part). After one warm-up
+        pass, passes that time every call once, in a shuffled order, repeat until `budget_s` is spent (at
+        least min_reps, at most max_reps passes); each cost is the median over passes. `reps`: min_reps."""
+        min_reps = min_reps if reps is None else reps
+        if not (budget_s >= 0 and 1 <= min_reps <= max_reps):
+            raise ValueError(f"need budget_s >= 0 and 1 <= min_reps <= max_reps, got {budget_s}, {min_reps}, {max_reps}")
+        m, gmax = self.target.manifest, self.gamma_max
+        cap = min([m.max_context] + ([self.draft.manifest.max_context] if self.draft is not None else []))
+        top = cap - gmax - 2  # room for a verify call of γmax+1 tokens (and a draft run) after the context
+        if top < 1:
+            raise ValueError(f"gamma_max {gmax} leaves no context to measure at (capacity {cap})")
+        ctxs = sorted({min(int(c), top) for c in contexts})
         rng = np.random.default_rng(0)
-        tgt = self._decoder(self.target, 1)
-        tgt.run(rng.integers(0, m.vocab_size, (1, context)))
-        tgt.cache.commit(context)
-        t_verify = []
-        for s in range(1, self.gamma_max + 2):
-            ids = rng.integers(0, m.vocab_size, (1, s))
-            tgt.ids(ids)  # warm this shape
-            t_verify.append(median_time(lambda: tgt.ids(ids), reps))
-        if self.drafter_kind == "model":
-            d = self._decoder(self.draft, 1)
-            d.run(rng.integers(0, m.vocab_size, (1, context)))
-            d.cache.commit(context)
-            one = rng.integers(0, m.vocab_size, (1, 1))
-            d.ids(one)
-            t_draft = median_time(lambda: d.ids(one), reps * 2)
-        elif self.drafter_kind == "ngram":
-            ng, ctx = NgramDraft(1), [list(rng.integers(0, m.vocab_size, 512))]
-            t_draft = median_time(lambda: ng.propose(ctx, 4, None, np.ones(1, bool)), reps) / 4
-        else:
-            t_draft = 0.0
-        self._release(tgt, d if self.drafter_kind == "model" else None)
-        self.cost = CostModel(t_verify, t_draft, t_round=5e-5)
+        block = rng.integers(0, m.vocab_size, 32)  # contexts repeat it, so an n-gram draft finds continuations
+        probes = {}  # key -> a call to time; ("verify", k, s) | ("draft", k, g) | ("round",)
+        counts = {}  # ("draft", k, g) -> proposals per call
+        g2 = min(4, gmax)
+        for k, n in enumerate(ctxs):
+            tgt = self.target.decoder(1)  # fresh, never pooled: its cache grows to this bucket's length
+            tgt.run(np.resize(block, n)[None])
+            tgt.cache.commit(n)
+            for s in range(1, gmax + 2):
+                probes[("verify", k, s)] = partial(tgt.ids, rng.integers(0, m.vocab_size, (1, s)))
+            drafter = self._drafter(1) if self.drafter_kind else None
+            for g in sorted({1, g2}) if drafter else ():
+                probes[("draft", k, g)] = partial(self._draft_probe, drafter, list(np.resize(block, n)), g,
+                                                  counts.setdefault(("draft", k, g), []))
+        if self.drafter_kind:
+            log: list = []
+            probes[("round",)] = self._round_probe(np.resize(block, ctxs[0]).tolist(), g2, log)
+        times = {key: [] for key in probes}
+        keys = list(probes)
+        t0, passes = time.perf_counter(), -1  # pass -1 warms every shape and is not kept
+        while passes < min_reps or (passes < max_reps and time.perf_counter() - t0 < budget_s):
+            if passes == 0:
+                t0 = time.perf_counter()
+            for i in rng.permutation(len(keys)):
+                key = keys[i]
+                t = time.perf_counter()
+                probes[key]()
+                if passes >= 0:
+                    times[key].append(time.perf_counter() - t)
+            passes += 1
+        med = {key: float(np.median(v)) for key, v in times.items()}
+        t_verify = [monotone([med[("verify", k, s)] for s in range(1, gmax + 2)]) for k in range(len(ctxs))]
+        t_draft, fixed, t_round = [0.0] * len(ctxs), [0.0], 0.0
+        if self.drafter_kind:
+            fixed = []
+            for k in range(len(ctxs)):
+                (t1, c1), (t2, c2) = [(med[("draft", k, g)], float(np.median(counts[("draft", k, g)])))
+                                      for g in (1, g2)]
+                if c2 > c1:  # time = fixed + c·per proposal, through the two points
+                    per = max(0.0, (t2 - t1) / (c2 - c1))
+                    t_draft[k], f = per, max(0.0, t1 - c1 * per)
+                elif c1 > 0:
+                    t_draft[k], f = t1 / c1, 0.0
+                else:  # never proposed anything: all of it is per round
+                    f = t1
+                fixed.append(f)
+            host = [h for _, _, _, _, h in log[len(log) // 4:]]  # the first rounds warm up
+            t_round = float(np.median(host)) if host else 0.0
+        self.cost = CostModel(t_verify, t_draft, t_round, contexts=ctxs, t_draft_round=float(np.median(fixed)))
         return self.cost
+
+    @staticmethod
+    def _draft_probe(drafter: Drafter, ctx: list[int], gamma: int, counts: list) -> None:
+        """One draft run over ctx (its last token pending), then the drafter forgets it again, so every run
+        does a round's work at the same context: a catch-up of one token and γ proposals."""
+        out = np.empty(gamma, np.int64)
+        counts.append(drafter.draft(ctx, gamma, out))
+        if isinstance(drafter, DraftModel):  # back to ctx[:-1] in its cache
+            drafter.dec.cache.rewind_to(np.minimum(drafter.dec.cache.lengths, len(ctx) - 1))
+
+    def _round_probe(self, prompt: list[int], gamma: int, log: list):
+        """-> a call that runs one real round (the decode loop's own code, logged into `log`) with a free
+        draft, restarting the sequence when it ends."""
+        state = [None]
+
+        def one_round() -> None:
+            for _ in range(2):
+                if state[0] is None:
+                    state[0] = self._rounds(self.target.decoder(1), _FixedDraft(), [prompt],
+                                            self.target.manifest.max_context, SamplingConfig(), "greedy", gamma,
+                                            [], log=log)
+                if next(state[0], None) is not None:
+                    return
+                state[0] = None
+        return one_round
 
     # -- decoding ----------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -233,9 +353,11 @@ class Generator:
             self._release(target, drafter.dec if isinstance(drafter, DraftModel) else None)
 
     def _rounds(self, target: Decoder, drafter: Drafter | None, prompts: list[list[int]], max_new_tokens: int,
-                cfg: SamplingConfig, mode: str, gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
+                cfg: SamplingConfig, mode: str, gamma: int | str, stop: list[str],
+                log: list | None = None) -> Iterator[tuple[list[_Seq], Stats]]:
+        """The decode loop. log: a list to append (asked γ, proposed c, draft s, verify s, host s) per round."""
         b = len(prompts)
-        stats, timer = Stats(prompt_tokens=sum(map(len, prompts))), Timer(self.trace)
+        stats, timer = Stats(prompt_tokens=sum(map(len, prompts)), gamma_max=self.gamma_max), Timer(self.trace)
         rng = np.random.default_rng(cfg.seed)
         noise = GumbelNoise(cfg.seed or 0, self.target.manifest.vocab_size) if mode == "coupled" else None
         t0 = time.perf_counter()
@@ -269,15 +391,16 @@ class Generator:
         for s, tok in zip(seqs, first):
             self._append(s, [int(tok)], max_new_tokens, stop)
         stats.new_tokens = b
-        est = AcceptanceEstimator()
+        est = AcceptanceEstimator(positions=self.gamma_max)
         cap = self.target.manifest.max_context
         lean = b == 1 and mode == "greedy" and self.lean
         while not all(s.finish for s in seqs):
+            t_round0 = time.perf_counter()
             active = np.array([s.finish is None for s in seqs])
-            g = self._choose_gamma(gamma, est, stats)
             longest = max(len(s.ctx) for s in seqs if s.finish is None)
             left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
-            g = max(0, min(g, cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0))
+            room = min(cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0)
+            g = max(0, min(self._choose_gamma(gamma, est, stats, longest, room), room))
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             with timer("round"):
@@ -287,20 +410,13 @@ class Generator:
                 else:
                     new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
                                                   noise, pick, timer)
-            if gamma == "auto" and self.cost is not None and self.refine_costs:  # what rounds really cost
-                self.cost.observe(g, timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0)
+            draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
             stats.rounds += 1
             for i, s in enumerate(seqs):
                 if not active[i]:
                     continue
-                stats.drafted += int(n[i])
-                stats.accepted += int(k[i])
-                stats.histogram[int(k[i])] += 1
-                stats.rejections += int(k[i] < n[i])
-                for j in range(int(n[i])):
-                    stats.tried_by_position[j] += 1
-                    stats.accepted_by_position[j] += int(j < k[i])
-                est.update(int(k[i]), int(n[i]))
+                stats.add_round(int(k[i]), int(n[i]))
+                est.update(int(k[i]), int(n[i]), g)
                 stats.new_tokens += self._append(s, new[i], max_new_tokens, stop)
                 if s.finish is None and len(s.ctx) > cap:
                     s.finish = "capacity"
@@ -313,6 +429,12 @@ class Generator:
             stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
             stats.engine_s = target.engine_s - prefill_engine_s + (
                 drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
+            # what the round really cost, credited to what ran: c = n proposals, a verify call of c+1 tokens
+            host_s = time.perf_counter() - t_round0 - draft_s - verify_s
+            if log is not None:
+                log.append((g, int(n.max()), draft_s, verify_s, host_s))
+            if gamma == "auto" and self.cost is not None and self.refine_costs and b == 1:  # batches: not measured
+                self.cost.observe(g, int(n[0]), draft_s, verify_s, longest, host_s)
             yield seqs, stats
         stats.time_s = self._times(timer, t0, t_first)
         yield seqs, stats
@@ -326,14 +448,17 @@ class Generator:
                 "sampling": t.get("sampling", 0.0), "other": max(0.0, (now - t_first) - named),
                 "decode": now - t_first, "total": now - t0}
 
-    def _choose_gamma(self, gamma, est: AcceptanceEstimator, stats: Stats) -> int:
+    def _choose_gamma(self, gamma, est: AcceptanceEstimator, stats: Stats, context: int, limit: int) -> int:
+        """γ for the next round: the fixed one, or under `auto` the γ in 0..limit with the most expected tokens
+        per second at this context length."""
         if self.drafter_kind is None:
             return 0
         if gamma != "auto":
             return gamma
         if self.cost is None:
             self.measure_costs()
-        g = self.cost.best_gamma(est.alpha, self.gamma_max, expected=est.expected_tokens)
+        g = self.cost.best_gamma(est.alpha, min(limit, self.gamma_max), expected=est.expected_tokens,
+                                 context=context, counts=est.proposal_counts)
         if g == 0 and stats.rounds % PROBE_EVERY == PROBE_EVERY - 1:
             g = 1  # probe: keep the acceptance estimate alive while not speculating
         return g
@@ -426,8 +551,12 @@ DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread p
 
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
-         threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS) -> Generator:
-    """Load a target engine folder and an optional draft ('ngram' or an engine folder)."""
+         threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
+         gamma_max: int = DEFAULT_GAMMA_MAX) -> Generator:
+    """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
+    the longest draft `auto` may choose and a fixed gamma may ask for."""
+    gamma_max = check_gamma_max(gamma_max)
+    check_gamma(gamma, gamma_max)
     provider = provider or default_provider()
     tgt = open_engine(target, provider, threads)
     tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
@@ -440,7 +569,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
         raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
-    gen = Generator(tgt, kind, dft, tok, gamma)
+    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

@@ -5,7 +5,6 @@ import pytest
 import edgespec
 from edgespec import contract as C
 from edgespec.contract import EngineError
-from edgespec.costmodel import AcceptanceEstimator, CostModel, expected_tokens
 from edgespec.decoder import Decoder
 from edgespec.kvcache import KVCache
 from edgespec.drafts import DraftModel, NgramDraft
@@ -311,46 +310,6 @@ def test_stats_are_consistent(tiny_engines):
     assert d["acceptance_by_position"][0] is not None and 0 <= d["acceptance_rate"] <= 1
 
 
-def test_auto_gamma_follows_acceptance_and_cost(tiny_engines):
-    """With a cheap perfect draft auto climbs to long drafts; with a costly draft it stops speculating.
-    Costs are injected so the test does not depend on this machine's timings."""
-    good = edgespec.load(tiny_engines["target"], draft=tiny_engines["same"])
-    good.cost = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4], t_draft=0.05)
-    good.refine_costs = False
-    out = good.generate(prompts()[1], max_new_tokens=80)
-    assert max(g for _, g in out.stats.gamma_history) == 8 and out.stats.acceptance_rate == 1.0
-    costly = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
-    costly.cost = CostModel([1.0] * 9, t_draft=0.9)  # a draft nearly as slow as the target never pays
-    costly.refine_costs = False
-    out = costly.generate(prompts()[1], max_new_tokens=40)
-    gammas = [g for _, g in out.stats.gamma_history]
-    assert gammas.count(0) >= 0.8 * len(gammas) and set(gammas) <= {0, 1}  # 1 = the periodic probe
-
-
-def test_cost_model_learns_from_observed_rounds():
-    cm = CostModel([1.0] * 9, t_draft=0.1)
-    for _ in range(100):
-        cm.observe(4, draft_s=4 * 0.3, verify_s=2.0)
-    assert cm.t_draft == pytest.approx(0.3, rel=1e-3) and cm.t_verify[4] == pytest.approx(2.0, rel=1e-3)
-    assert cm.t_verify[3] == 1.0
-
-
-def test_measured_cost_model_is_sane(tiny_engines):
-    cm = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"]).measure_costs()
-    assert len(cm.t_verify) == 9 and all(t > 0 for t in cm.t_verify) and cm.t_draft > 0
-
-
-def test_cost_model_formula():
-    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
-    cm = CostModel([1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6], t_draft=0.05)
-    assert cm.best_gamma(0.95) >= 6 and cm.best_gamma(0.05) == 0
-    assert cm.predicted_speedup(0.8, 4) == pytest.approx(expected_tokens(0.8, 4) / (4 * 0.05 + 1.2))
-    est = AcceptanceEstimator(prior_accept=0, prior_reject=0, decay=1.0)
-    est.update(3, 4)  # 3 accepted, then one rejection
-    est.update(4, 4)  # all accepted: no failure observed
-    assert est.alpha == pytest.approx(7 / 8)
-
-
 def test_ngram_draft_proposes_the_latest_continuation():
     ng = NgramDraft(1, max_ngram=3)
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
@@ -431,20 +390,6 @@ def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch, temp
     monkeypatch.setattr(Decoder, "run", poisoned)
     with pytest.raises(FloatingPointError, match="target engine produced .*NaN/inf logits at step"):
         gen.generate([1, 2, 3], max_new_tokens=20, temperature=temperature, seed=0)
-
-
-def test_positionwise_acceptance_sees_bursty_drafts():
-    """Rounds that either reject at once or accept all 6: pooled α is 6/7, but a_1 = 0.5 and a_2..a_6 = 1,
-    so a round yields 1 + 6 * 0.5 = 4 tokens, not the 4.62 of the i.i.d. formula."""
-    est = AcceptanceEstimator(prior_accept=0, prior_reject=0, decay=1.0)
-    for _ in range(50):
-        est.update(0, 6)
-        est.update(6, 6)
-    assert est.alpha == pytest.approx(6 / 7)
-    e6 = est.expected_tokens(6)
-    assert e6 == pytest.approx(1 + 6 * 0.5, rel=0.05)  # a_1 = 0.5, then every later draft is kept
-    assert expected_tokens(est.alpha, 6) == pytest.approx(4.62, abs=0.01)
-    assert est.expected_tokens(1) == pytest.approx(1.5, rel=0.05)
 
 
 def test_demo_engines_from_an_older_contract_are_re_exported(tiny_checkpoints, tmp_path, monkeypatch):
