@@ -25,6 +25,19 @@ NaN or inf in a stale row never reaches the output), overwritten by later calls,
 Rolling back is lowering L. Every query row of `attention_bias` must leave at least one row unmasked
 (a padded query attends to itself).
 
+Flavours (engine.json `flavor`): the graph above is the `portable` flavour (standard ONNX ops only: CPU, CUDA,
+TensorRT). The `ort` flavour is the same decoder built around ONNX Runtime contrib ops (com.microsoft
+GroupQueryAttention with the cache buffer shared between past and present, SkipSimplifiedLayerNormalization);
+its small inputs say where the new rows go instead of position_ids and attention_bias:
+
+    seqlens_k              int32 [B]   L[b] + Q[b] - 1: rows of sequence b after the call, minus one
+    query_seqlens          int32 [B]   Q[b]: real (not padding) tokens among the S new ones (right padding)
+    total_sequence_length  int32 []    max over b of L[b] + Q[b]
+
+Query s of sequence b sits at position L[b] + s and sees rows 0 .. L[b] + s (and only the last
+sliding_window of them); rows past seqlens_k[b] are never read, so stale rows need no mask. Padding rows are
+not written. engine.json `fusion` records, per fusable op, what the graph holds ("fused" or why not).
+
 VLA encoder graph (`encoder.onnx` of a policy folder; its decoders are inputs_embeds engines):
 
     image            uint8   [1, S, S, 3]      RGB
@@ -52,6 +65,7 @@ INPUT_IDS = "input_ids"
 INPUTS_EMBEDS = "inputs_embeds"
 POSITION_IDS = "position_ids"
 ATTENTION_BIAS = "attention_bias"
+SEQLENS_K, QUERY_SEQLENS, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "query_seqlens", "total_sequence_length"  # ort flavour
 LOGITS = "logits"
 NEXT_IDS = "next_ids"
 
@@ -65,6 +79,8 @@ PRECISIONS = ("fp32", "fp16", "int8")
 ENGINE_KINDS = ("decoder", "optimum")  # "optimum": concat-style export, manifest derived from the graph
 INPUT_MODES = ("ids", "embeds")
 CACHE_DTYPES = ("float32", "float16")
+FLAVORS = ("portable", "ort")  # portable: standard ONNX ops; ort: ONNX Runtime contrib ops (see above)
+FUSABLE_OPS = ("attention", "rotary", "norm")  # what an ort-flavour graph may fuse (engine.json `fusion`)
 
 
 class EngineError(ValueError):
@@ -108,16 +124,23 @@ class TensorSpec:
 
 
 def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, hidden_size: int,
-               input_mode: str = "ids", cache_dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of a contract decoder, in graph order."""
+               input_mode: str = "ids", cache_dtype: str = "float32", flavor: str = "portable"
+               ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of a contract decoder of `flavor`, in graph order."""
+    if flavor not in FLAVORS:
+        raise EngineError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
     if input_mode not in INPUT_MODES:
         raise EngineError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
     if cache_dtype not in CACHE_DTYPES:
         raise EngineError(f"cache dtype must be one of {CACHE_DTYPES}, got {cache_dtype!r}")
     first = (TensorSpec(INPUT_IDS, "int64", [BATCH, SEQ]) if input_mode == "ids"
              else TensorSpec(INPUTS_EMBEDS, "float32", [BATCH, SEQ, hidden_size]))
-    inputs = [first, TensorSpec(POSITION_IDS, "int64", [BATCH, SEQ]),
-              TensorSpec(ATTENTION_BIAS, "float32", [BATCH, 1, SEQ, PAST])]
+    if flavor == "portable":
+        inputs = [first, TensorSpec(POSITION_IDS, "int64", [BATCH, SEQ]),
+                  TensorSpec(ATTENTION_BIAS, "float32", [BATCH, 1, SEQ, PAST])]
+    else:
+        inputs = [first, TensorSpec(SEQLENS_K, "int32", [BATCH]), TensorSpec(QUERY_SEQLENS, "int32", [BATCH]),
+                  TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", [])]
     outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size]), TensorSpec(NEXT_IDS, "int64", [BATCH, SEQ])]
     kv = [BATCH, num_kv_heads, PAST, head_dim]
     for i in range(num_layers):
@@ -236,6 +259,10 @@ def _field_problems(m: "Manifest") -> list[str]:
     want("edgespec_version", isinstance(m.edgespec_version, str), "a string")
     want("contract_version", _is_int(m.contract_version), "an integer")
     want("extra", isinstance(m.extra, dict), "a JSON object")
+    want("flavor", m.flavor in FLAVORS and (m.flavor == "portable" or m.kind == "decoder"),
+         f"one of {FLAVORS} ('ort' only for kind 'decoder')")
+    want("fusion", isinstance(m.fusion, dict) and set(m.fusion) <= set(FUSABLE_OPS)
+         and all(isinstance(v, str) for v in m.fusion.values()), f"a JSON object of {FUSABLE_OPS} -> strings")
     if problems:
         return problems  # the checks below need the sizes to be numbers
     if m.num_heads % m.num_kv_heads:
@@ -284,6 +311,8 @@ class Manifest:
     model_sha256: str | None = None
     embedding_file: str | None = None  # embeds engines: the token embedding table, to embed ids on the host
     argmax_ids: list[int] | None = None  # [lo, hi): the ids next_ids picks among (None: the whole vocabulary)
+    flavor: str = "portable"  # FLAVORS; folders exported before flavours existed are portable
+    fusion: dict = field(default_factory=dict)  # ort flavour: FUSABLE_OPS name -> "fused" or why it is not
     edgespec_version: str = ""
     contract_version: int = CONTRACT_VERSION
     extra: dict = field(default_factory=dict)

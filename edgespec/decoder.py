@@ -6,8 +6,9 @@ runs (host memory on the CPU provider, CUDA memory on the CUDA and TensorRT prov
   the cache in place at the committed lengths: nothing is copied after the call;
 - `logits` and `next_ids` are bound to buffers kept per S; only what the caller asks for comes back to the
   host: `ids()` copies S ids per sequence, `__call__` / `last_logits()` the S x V logits.
-A call binds only its three small inputs (also when S changes from call to call, as in speculative
-rounds); cache bindings are renewed when the cache grows. The call writes the new rows but does not
+A call binds only its small inputs (the manifest's flavour says which: position_ids and attention_bias, or
+GroupQueryAttention's seqlens_k, query_seqlens and total_sequence_length; masks.step_inputs builds both), also
+when S changes from call to call, as in speculative rounds; cache bindings are renewed when the cache grows. The call writes the new rows but does not
 commit them: the caller keeps what it accepts with `cache.commit(n)`.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from . import contract as C
 from .compat import compat_call
 from .engine import OrtEngine
 from .kvcache import KVCache
-from .masks import causal_bias
+from .masks import step_inputs
 from .memory import HostMemory, memory_for
 
 
@@ -78,7 +79,13 @@ class Decoder:
         return entry
 
     def _inputs(self, tokens, valid, embeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """-> (first input, position_ids (B, S), attention_bias (B, 1, S, P)) on the host, cache reserved."""
+        """A portable engine's -> (first input, position_ids (B, S), attention_bias (B, 1, S, P)) on the host,
+        cache reserved (the TensorRT decoder binds these)."""
+        first, small = self._prepare(tokens, valid, embeds)
+        return first, small[C.POSITION_IDS], small[C.ATTENTION_BIAS]
+
+    def _prepare(self, tokens, valid, embeds) -> tuple[np.ndarray, dict]:
+        """-> (first input, the flavour's small inputs by name: masks.step_inputs) on the host, cache reserved."""
         if embeds is not None:
             if self.m.input_mode != "embeds" or embeds.ndim != 3 or embeds.shape[2] != self.m.hidden_size:
                 raise ValueError(f"embeds must be (B, S, {self.m.hidden_size}) for an inputs_embeds engine; "
@@ -93,9 +100,7 @@ class Decoder:
             raise ValueError(f"this decoder runs batches of {self.batch}, got {b} sequences")
         cache, lengths = self.cache, self.cache.lengths
         cache.reserve(int(lengths.max()) + s)
-        pos = lengths[:, None] + np.arange(s, dtype=np.int64)[None, :]  # (B, S)
-        bias = causal_bias(lengths, s, cache.capacity, self.m.sliding_window, valid)  # (B, 1, S, P)
-        return first, pos, bias
+        return first, step_inputs(self.m, lengths, s, cache.capacity, valid)
 
     def run(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
             embeds: np.ndarray | None = None) -> None:
@@ -105,27 +110,31 @@ class Decoder:
         valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
         embeds (B, S, E) float32 replaces `tokens` on inputs_embeds engines (a VLA encoder's prefix).
         """
-        first, pos, bias = self._inputs(tokens, valid, embeds)
+        first, small = self._prepare(tokens, valid, embeds)
         entry = self._binding(first.shape[1])
         bind = entry[0]
         bind.bind_cpu_input(self.m.inputs[0].name, first)
-        bind.bind_cpu_input(C.POSITION_IDS, pos)
-        bind.bind_cpu_input(C.ATTENTION_BIAS, bias)
+        for name, value in small.items():
+            bind.bind_cpu_input(name, value)
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
         t1 = time.perf_counter()
         self.cache.wrote(first.shape[1])
         self._last, self._ids_host = entry, None
-        self._scrub_if_failed(first.shape[1])
+        self._scrub_if_failed(first.shape[1], valid)
         self.engine_s += t1 - t0
         self.calls += 1
         if self.trace is not None:
             self.trace.append((f"{self.trace_name}.run S={first.shape[1]}", t0, t1))
 
-    def _scrub_if_failed(self, s: int) -> None:
-        """A call with NaN or inf logits (next_ids = NONFINITE_ID) may have written non-finite K/V rows:
-        zero them, so no later call reads them (the caller still sees the failure in its outputs)."""
-        if self.last_ids().min() < 0:
+    def _scrub_if_failed(self, s: int, valid: np.ndarray | None = None) -> None:
+        """A call with NaN or inf logits (next_ids = NONFINITE_ID) in a real (valid) row may have written
+        non-finite K/V rows: zero them, so no later call reads them (the caller still sees the failure in its
+        outputs). Padding rows' outputs mean nothing (the ort flavour leaves them unspecified)."""
+        ids = self.last_ids()
+        if valid is not None:
+            ids = np.where(valid, ids, 0)
+        if ids.min() < 0:
             self.cache.zero_written(s)
 
     def last_logits(self) -> np.ndarray:
@@ -164,8 +173,8 @@ class Decoder:
                        embeds: np.ndarray | None = None) -> np.ndarray:
         """The same as __call__ through plain `session.run` on host copies of the cache, whose returned
         `present`s then replace the cache's contents (slow, obvious): for tests."""
-        first, pos, bias = self._inputs(tokens, valid, embeds)
-        feeds = {self.m.inputs[0].name: first, C.POSITION_IDS: pos, C.ATTENTION_BIAS: bias}
+        first, small = self._prepare(tokens, valid, embeds)
+        feeds = {self.m.inputs[0].name: first, **small}
         names = C.cache_names(self.m.num_layers)
         for j, (past, _) in enumerate(names):
             feeds[past] = self.cache.host(j).copy()

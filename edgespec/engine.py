@@ -61,10 +61,24 @@ def open_engine(engine_dir: str | Path, provider: str | None = None, threads: in
     provider = provider or default_provider()
     if provider not in ENGINE_PROVIDERS:
         raise EngineError(f"provider must be one of {ENGINE_PROVIDERS}, got {provider!r}")
+    if provider.startswith("tensorrt"):
+        _require_portable(Path(engine_dir), provider)
     if provider == "tensorrt-native" or (provider == "tensorrt" and plan_path(engine_dir) is not None):
         from .trt import TrtEngine
         return TrtEngine(engine_dir, check_hashes=check_hashes)
     return OrtEngine(engine_dir, "tensorrt" if provider == "tensorrt-ep" else provider, threads, check_hashes)
+
+
+def _require_portable(engine_dir: Path, provider: str) -> None:
+    """TensorRT parses standard ONNX ops only: an ort-flavour folder is refused with what to do instead."""
+    try:
+        m = Manifest.read(engine_dir)
+    except EngineError:
+        return  # loading reports it
+    if m.flavor != "portable":
+        raise EngineError(f"{engine_dir}: a {m.flavor!r}-flavour engine (ONNX Runtime contrib ops) cannot run on "
+                          f"provider {provider!r}; expected a 'portable' engine: re-export it with "
+                          f"`edgespec export CHECKPOINT --out DIR --flavor portable`")
 
 
 def session_options(threads: int | None = None):
@@ -118,6 +132,8 @@ class OrtEngine:
         if PROVIDERS[provider] not in ort.get_available_providers():
             raise EngineError(f"provider {provider!r} is not available in this onnxruntime build "
                               f"(available: {ort.get_available_providers()}): {INSTALL_HINT.get(provider, '')}")
+        if provider == "tensorrt" and not derived:
+            _require_portable(self.dir, provider)
         if provider == "tensorrt" and provider_options is None and not derived:
             from .profiles import default_profiles, ort_trt_options
             provider_options = ort_trt_options(self.manifest, self.dir, default_profiles(self.manifest.max_context),

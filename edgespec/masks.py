@@ -1,4 +1,5 @@
-"""Additive attention-bias builders (the contract's `attention_bias`, shape [B, 1, S, P]).
+"""What a call tells the graph about which cache rows to see: `step_inputs` by the engine's flavour, and the
+additive attention-bias builders (the portable contract's `attention_bias`, shape [B, 1, S, P]).
 
 The P key slots are the bound cache rows. Sequence b has L[b] committed rows; its S new tokens sit at
 positions (= rows) L[b] .. L[b]+S-1, written there by the call itself. Query s of row b sees the committed
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import contract as C
 from .contract import MASKED
 
 
@@ -68,3 +70,35 @@ def causal_bias_reference(lengths: np.ndarray, seq: int, rows: int, sliding_wind
         out = np.empty(ok.shape, dtype=np.float32)
     np.copyto(out, np.where(ok, np.float32(0.0), np.float32(MASKED)))
     return out
+
+
+def query_lengths(valid: np.ndarray | None, batch: int, seq: int) -> np.ndarray:
+    """(B,) int64 real tokens per sequence among the S new ones. valid (B, S) bool must be right padding (each
+    row True then False): the ort flavour's GroupQueryAttention only takes counts."""
+    if valid is None:
+        return np.full(batch, seq, dtype=np.int64)
+    valid = np.asarray(valid, dtype=bool)
+    counts = valid.sum(1).astype(np.int64)
+    if valid.shape != (batch, seq) or (valid != (np.arange(seq)[None, :] < counts[:, None])).any():
+        raise ValueError(f"valid must be ({batch}, {seq}) right padding (each row True, then False) for an ort-flavour "
+                         f"engine; got {valid.astype(int).tolist()}")
+    return counts
+
+
+def step_inputs(manifest, lengths: np.ndarray, seq: int, rows: int, valid: np.ndarray | None = None) -> dict:
+    """The small inputs of one call, by contract name: S new tokens per sequence at rows lengths[b].. of a cache
+    bound with `rows` rows (P).
+        portable: position_ids (B, S) int64, attention_bias (B, 1, S, P) float32 (causal_bias)
+        ort:      seqlens_k (B,) int32 = L + Q - 1, query_seqlens (B,) int32 = Q, total_sequence_length () int32
+    A sequence with no real token (Q = 0) on an empty cache feeds its first padding row as Q = 1 (GQA needs
+    seqlens_k >= 0); that row is never committed."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if manifest.flavor == "ort":
+        _check(lengths, seq, rows)
+        q = query_lengths(valid, len(lengths), seq)
+        q = np.where((q == 0) & (lengths == 0), 1, q)
+        total = lengths + q
+        return {C.SEQLENS_K: (total - 1).astype(np.int32), C.QUERY_SEQLENS: q.astype(np.int32),
+                C.TOTAL_SEQUENCE_LENGTH: np.array(total.max(), dtype=np.int32)}
+    pos = lengths[:, None] + np.arange(seq, dtype=np.int64)[None, :]  # (B, S)
+    return {C.POSITION_IDS: pos, C.ATTENTION_BIAS: causal_bias(lengths, seq, rows, manifest.sliding_window, valid)}

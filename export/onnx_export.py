@@ -1,11 +1,18 @@
 """Checkpoint folder -> engine folder (model.onnx + engine.json + tokenizer), through the validation gates.
 
     edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int8] [--allow-lossy]
-        [--max-context N]
+        [--max-context N] [--flavor auto|ort|portable]
+
+Flavours (engine.json `flavor`, contract.py): `portable` is traced from `ContractDecoder` (standard ONNX ops:
+CPU, CUDA, TensorRT); `ort` is emitted by ort_graph.py around ONNX Runtime contrib ops (GroupQueryAttention
+with the cache updated in place, skip + simplified layer norm), with a per-op fallback to standard ops where
+this ONNX Runtime cannot run a shape (engine.json `fusion` says which and why). `auto` (the default) is `ort`
+when its attention is fused, else `portable`. TensorRT needs `portable`.
 
 What `export_engine` writes, in order, into a hidden staging folder beside OUT (renamed to OUT only when
 every gate passed, so a failed or interrupted export never leaves a folder that loads):
-  1) model.onnx (fp32) from `ContractDecoder` (torch.onnx, opset 17, dynamic batch/seq/past)
+  1) model.onnx (fp32): portable from `ContractDecoder` (torch.onnx, opset 17, dynamic batch/seq/past), or the
+     ort flavour from ort_graph.build_ort_graph
   2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present)
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference (1e-4), verify vs single steps (1e-4)
@@ -32,6 +39,7 @@ from .validate import ROLES, agreement, parity_gate, precision_gate, require, ve
 
 DEFAULT_MAX_CONTEXT = 2048
 CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float32"}  # KV cache I/O dtype per precision
+FLAVOR_CHOICES = ("auto",) + C.FLAVORS  # auto: ort where GroupQueryAttention runs the shape, else portable
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -50,9 +58,9 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
 
 
 def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str,
-                   argmax_ids: tuple[int, int] | None = None) -> C.Manifest:
+                   argmax_ids: tuple[int, int] | None = None, flavor: str = "portable") -> C.Manifest:
     inputs, outputs = C.decoder_io(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
-                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision])
+                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision], flavor)
     eos = spec.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return C.Manifest(model_file="model.onnx", architecture=spec.model_type, num_layers=spec.num_layers,
@@ -60,7 +68,22 @@ def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode
                       hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, max_context=max_context,
                       precision=precision, input_mode=input_mode, inputs=inputs, outputs=outputs,
                       sliding_window=spec.sliding_window, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
-                      argmax_ids=list(argmax_ids) if argmax_ids else None, edgespec_version=edgespec.__version__)
+                      argmax_ids=list(argmax_ids) if argmax_ids else None, flavor=flavor,
+                      edgespec_version=edgespec.__version__)
+
+
+def choose_flavor(spec: ModelSpec, flavor: str) -> tuple[str, dict]:
+    """(flavor, engine.json `fusion`) for `flavor` in FLAVOR_CHOICES: ort's per-op plan (ort_graph.plan_fusion);
+    auto takes ort only when its attention is fused, else portable with the reason recorded."""
+    if flavor not in FLAVOR_CHOICES:
+        raise ValueError(f"--flavor must be one of {FLAVOR_CHOICES}, got {flavor!r}")
+    if flavor == "portable":
+        return flavor, {}
+    from .ort_graph import FUSED, plan_fusion
+    fusion = plan_fusion(spec)
+    if flavor == "auto" and fusion["attention"] != FUSED:
+        return "portable", {"attention": "--flavor auto chose portable: " + fusion["attention"]}
+    return "ort", fusion
 
 
 def export_onnx(model, manifest: C.Manifest, path: Path, batch: int = 1, seq: int = 3, past: int = 5) -> None:
@@ -131,10 +154,11 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
                   input_mode: str = "ids", force: bool = False, progress: bool = True,
                   agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None,
                   calibration: tuple[list, str] | None = None,
-                  role: str = "target", allow_lossy: bool = False) -> C.Manifest:
+                  role: str = "target", allow_lossy: bool = False, flavor: str = "auto") -> C.Manifest:
     """Export `ckpt_dir` to `out_dir` through the gates (module docstring). `role` is "target" or "draft":
     a fp16 / int8 target must keep top-1 agreement >= 0.99 with fp32 (validate.precision_gate) unless
-    `allow_lossy`; a draft's agreement is recorded but never refused (the target verifies its tokens)."""
+    `allow_lossy`; a draft's agreement is recorded but never refused (the target verifies its tokens).
+    `flavor`: FLAVOR_CHOICES (module docstring)."""
     from tqdm import tqdm
 
     from edgespec.engine import OrtEngine
@@ -152,14 +176,23 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     t0 = time.time()
     spec, weights = load_checkpoint(ckpt_dir)
     max_context = resolve_max_context(spec, max_context)
-    manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids)
+    flavor, fusion = choose_flavor(spec, flavor)
+    manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids, flavor)
+    manifest.fusion = fusion
     bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
     stage = prepare(out_dir, [ckpt_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
     try:
         # 1) the fp32 graph
         bar.set_description("export: tracing to ONNX")
         bar.update(1)
-        export_onnx(ContractDecoder(spec, weights, input_mode, manifest.argmax_range), manifest, stage / "model.onnx")
+        if flavor == "ort":
+            import onnx
+
+            from .ort_graph import build_ort_graph
+            onnx.save(build_ort_graph(spec, weights, manifest), str(stage / "model.onnx"))
+        else:
+            export_onnx(ContractDecoder(spec, weights, input_mode, manifest.argmax_range), manifest,
+                        stage / "model.onnx")
         # 2) tokenizer
         for name in TOKENIZER_FILES:
             if (ckpt_dir / name).is_file():
@@ -197,7 +230,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             os.replace(stage / "model.onnx", fp32_path)
             (to_fp16 if dtype == "fp16" else to_int8)(fp32_path, stage / "model.onnx", spec.num_layers)
             fp32_io = manifest.inputs, manifest.outputs
-            variant_io = build_manifest(spec, max_context, dtype, input_mode)
+            variant_io = build_manifest(spec, max_context, dtype, input_mode, flavor=flavor)
             manifest.inputs, manifest.outputs = variant_io.inputs, variant_io.outputs
             manifest.precision = dtype
             manifest.model_sha256 = C.file_sha256(stage / "model.onnx")

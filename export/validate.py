@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.masks import causal_bias
+from edgespec.masks import step_inputs
 
 PARITY_TOL = 1e-4
 PRECISION_TOP1 = 0.99  # the design's gate: a fp16 / int8 target agrees with fp32 on >= 99% of top-1 tokens
@@ -46,8 +46,8 @@ def garbage(shape, dtype, rng, finite: bool) -> np.ndarray:
     return a.astype(dtype)
 
 
-def _feeds(m: C.Manifest, first: np.ndarray, pos: np.ndarray, bias: np.ndarray, past: list[np.ndarray]) -> dict:
-    feeds = {m.inputs[0].name: first, C.POSITION_IDS: pos, C.ATTENTION_BIAS: bias}
+def _feeds(m: C.Manifest, first: np.ndarray, small: dict, past: list[np.ndarray]) -> dict:
+    feeds = {m.inputs[0].name: first, **small}
     for i in range(m.num_layers):
         feeds[C.past_key(i)], feeds[C.past_value(i)] = past[2 * i], past[2 * i + 1]
     return feeds
@@ -59,10 +59,8 @@ def step(engine, tokens: np.ndarray, buffers: list[np.ndarray], length: int, emb
     m = engine.manifest
     s = tokens.shape[1]
     cap = buffers[0].shape[2]
-    pos = (length + np.arange(s, dtype=np.int64))[None]
-    bias = causal_bias(np.array([length]), s, cap, m.sliding_window)
     first = tokens if embed is None else embed[tokens]
-    out = engine.run(_feeds(m, first, pos, bias, buffers))
+    out = engine.run(_feeds(m, first, step_inputs(m, np.array([length]), s, cap), buffers))
     for buf, (_, present) in zip(buffers, C.cache_names(m.num_layers)):
         buf[...] = out[present]
     return out[C.LOGITS]

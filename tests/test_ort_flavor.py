@@ -1,0 +1,206 @@
+"""The `ort` flavour (export/ort_graph.py: GroupQueryAttention with the cache in place, skip + simplified layer
+norm) against the portable graph and the torch reference: same greedy ids, speculative = plain, mixed-length
+batches, rollback, NaN scrubbing, the per-op fallback (a head size GroupQueryAttention's CPU kernel refuses)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import edgespec
+from edgespec import contract as C
+from edgespec.contract import EngineError
+from edgespec.decoder import Decoder
+from edgespec.engine import OrtEngine, open_engine
+from edgespec.export.onnx_export import export_engine
+from edgespec.export.reference import ReferenceDecoder
+
+from tests.conftest import _noisy_copy, char_tokenizer_json
+
+H16 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=256)  # head_dim 16: GroupQueryAttention runs it
+H8 = dict(H16, hidden_size=32, intermediate_size=48)  # head_dim 8: the CPU kernel refuses it (fallback)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**H16, tie_word_embeddings=False, eos_token_id=95),
+    "qwen2": lambda: transformers.Qwen2Config(**H16, tie_word_embeddings=True),  # q/k/v biases
+    "mistral-window": lambda: transformers.MistralConfig(**H16, sliding_window=8),
+    "llama-d8": lambda: transformers.LlamaConfig(**H8),
+}
+CLASSES = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}
+
+
+def _checkpoint(name, path, seed):
+    cfg = CONFIGS[name]()
+    torch.manual_seed(seed)
+    model = CLASSES[cfg.model_type](cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        if getattr(cfg, "tie_word_embeddings", False):
+            model.tie_weights()
+    model.save_pretrained(path, safe_serialization=True)
+    char_tokenizer_json(path / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(checkpoint or engine name, flavour) -> folder; 'noisy' is a draft for the llama target."""
+    root = tmp_path_factory.mktemp("ort_flavor")
+    out = {}
+    for i, name in enumerate(CONFIGS):
+        _checkpoint(name, root / "ck" / name, seed=20 + i)
+        out[name, "ckpt"] = root / "ck" / name
+    _noisy_copy(root / "ck" / "llama", root / "ck" / "noisy", 0.05, seed=3)
+    char_tokenizer_json(root / "ck" / "noisy" / "tokenizer.json")
+    for name in list(CONFIGS) + ["noisy"]:
+        for flavor in ("ort", "portable"):
+            out[name, flavor] = root / f"{name}-{flavor}"
+            export_engine(root / "ck" / name, out[name, flavor], max_context=96, flavor=flavor, progress=False)
+    return out
+
+
+def test_manifest_records_the_flavour_and_the_fallback(engines):
+    fused = C.Manifest.read(engines["llama", "ort"])
+    assert fused.flavor == "ort" and fused.fusion == {"attention": "fused", "rotary": "fused", "norm": "fused"}
+    assert [t.name for t in fused.inputs[:4]] == [C.INPUT_IDS, C.SEQLENS_K, C.QUERY_SEQLENS, C.TOTAL_SEQUENCE_LENGTH]
+    fallback = C.Manifest.read(engines["llama-d8", "ort"])
+    assert fallback.flavor == "ort" and fallback.fusion["norm"] == "fused"
+    assert fallback.fusion["attention"].startswith("standard ops") and "multiple of 16" in fallback.fusion["attention"]
+    assert C.Manifest.read(engines["llama", "portable"]).flavor == "portable"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("flavor", ["ort", "portable"])
+def test_greedy_ids_equal_the_torch_reference(engines, name, flavor):
+    """A prefill, then single steps and a 3-token step: the ids each call returns are the reference's argmax."""
+    ref = ReferenceDecoder.from_pretrained(engines[name, "ckpt"])
+    dec = OrtEngine(engines[name, flavor]).decoder()
+    ids = [5, 17, 3, 60, 42, 9, 11]
+    got = list(dec.ids(np.array([ids]))[0])
+    dec.cache.commit(len(ids))
+    seq = list(ids)
+    for step in range(14):
+        s = 3 if step % 4 == 3 else 1  # a verify-sized call now and then: causal inside the new tokens
+        new = [(seq[-1] * 7 + j * 13 + step) % 96 for j in range(s)]
+        got += list(dec.ids(np.array([new]))[0])
+        dec.cache.commit(s)
+        seq += new
+    want = ref(torch.tensor([seq])).numpy()[0, :len(seq)].argmax(-1)  # (T,)
+    assert got == list(want)  # a window of 8 is crossed by the mistral-window engine
+
+
+@pytest.mark.parametrize("gamma", [1, 3, "auto"])
+def test_speculative_with_an_ort_pair_equals_plain(engines, gamma):
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1], [50, 7], list(range(30, 52))]
+    plain_portable = edgespec.load(engines["llama", "portable"])
+    want = [plain_portable.generate(p, max_new_tokens=30).token_ids for p in prompts]
+    assert [edgespec.load(engines["llama", "ort"]).generate(p, max_new_tokens=30).token_ids for p in prompts] == want
+    for draft in (engines["noisy", "ort"], engines["llama", "ort"], "ngram"):
+        gen = edgespec.load(engines["llama", "ort"], draft=draft, gamma=gamma)
+        assert [gen.generate(p, max_new_tokens=30).token_ids for p in prompts] == want, draft
+        assert [o.token_ids for o in gen.generate(prompts, max_new_tokens=30)] == want, draft  # one mixed batch
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-d8"])
+def test_batch_of_mixed_lengths_equals_each_sequence_alone(engines, name):
+    eng = OrtEngine(engines[name, "ort"])
+    batch = Decoder(eng, 2)
+    rng = np.random.default_rng(0)
+    ctx = [list(rng.integers(0, 95, 4)), list(rng.integers(0, 95, 9))]
+    for s, counts in ((9, [4, 9]), (3, [1, 3]), (1, [1, 1]), (4, [2, 4]), (4, [4, 1])):
+        feed = np.zeros((2, s), np.int64)
+        valid = np.arange(s)[None] < np.array(counts)[:, None]
+        for b in range(2):
+            if s != 9:
+                ctx[b] = ctx[b] + list(rng.integers(0, 95, counts[b]))
+            feed[b, :counts[b]] = ctx[b][len(ctx[b]) - counts[b]:]
+        logits = batch(feed, valid).copy()
+        batch.cache.commit(counts)
+        for b in range(2):
+            alone = Decoder(eng, 1)
+            want = alone(np.array([ctx[b]]))[0, -counts[b]:]
+            np.testing.assert_allclose(logits[b, :counts[b]], want, atol=1e-4)
+            for got_rows, want_rows in zip(batch.cache.rows(b), alone.cache.rows(0, len(ctx[b]))):
+                np.testing.assert_allclose(got_rows, want_rows, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "llama-d8"])
+def test_rollback_then_continue_equals_a_fresh_prefill(engines, name):
+    """Write 5 rows, keep 2 (the rest stay in the buffer, stale), continue: as if the 3 were never fed."""
+    eng = OrtEngine(engines[name, "ort"])
+    d = Decoder(eng, 1)
+    d(np.array([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    d.cache.commit(8)
+    d(np.array([[5, 3, 5, 8, 9]]))
+    d.cache.commit(2)  # rows 10..12 are stale now
+    got = d(np.array([[7, 7, 1]])).copy()
+    d.cache.commit(3)
+    d.cache.rewind_to(11)  # and rewinding below a committed row
+    again = d(np.array([[2]])).copy()
+    fresh = Decoder(eng, 1)
+    want = fresh(np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 7, 7, 1]]))
+    np.testing.assert_allclose(got[0], want[0, 10:13], atol=1e-4)
+    want2 = Decoder(eng, 1)(np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 7, 2]]))
+    np.testing.assert_allclose(again[0, 0], want2[0, 11], atol=1e-4)
+
+
+def test_a_failed_call_is_scrubbed_on_an_ort_embeds_engine(engines, tmp_path):
+    m = export_engine(engines["llama", "ckpt"], tmp_path / "emb", input_mode="embeds", max_context=64,
+                      flavor="ort", progress=False)
+    assert m.flavor == "ort" and m.fusion["attention"] == "fused"
+    eng = OrtEngine(tmp_path / "emb")
+    emb = np.load(tmp_path / "emb" / m.embedding_file)
+    d, clean = Decoder(eng, 1, emb), Decoder(eng, 1, emb)
+    for dec in (d, clean):
+        dec.run(np.array([[1, 2, 3]]))
+        dec.cache.commit(3)
+    bad = emb[np.array([[4, 5]])].copy()
+    bad[0, 1] = np.nan
+    d.run(None, embeds=bad)
+    assert d.last_ids()[0, 1] == C.NONFINITE_ID
+    for j in range(len(d.cache.buffers)):
+        assert np.isfinite(d.cache.host(j)[:, :, :5]).all()
+    np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)
+    ids_engine = Decoder(OrtEngine(engines["llama", "ort"]), 1)  # embeds and ids engines agree (7, 8 not kept)
+    np.testing.assert_allclose(clean(np.array([[9]])), ids_engine(np.array([[1, 2, 3, 9]]))[:, -1:], atol=1e-4)
+
+
+def test_auto_takes_portable_when_attention_cannot_be_fused(engines, tmp_path):
+    m = export_engine(engines["llama-d8", "ckpt"], tmp_path / "auto", max_context=32, progress=False)
+    assert m.flavor == "portable" and "multiple of 16" in m.fusion["attention"]
+    assert export_engine(engines["llama", "ckpt"], tmp_path / "auto16", max_context=32, progress=False).flavor == "ort"
+
+
+def test_padding_must_be_on_the_right_for_ort_engines(engines):
+    d = OrtEngine(engines["llama", "ort"]).decoder(2)
+    with pytest.raises(ValueError, match="right padding"):
+        d(np.zeros((2, 3), np.int64), np.array([[True, False, True], [True, True, True]]))
+
+
+def test_tensorrt_refuses_an_ort_engine_and_says_what_to_export(engines):
+    for provider in ("tensorrt-native", "tensorrt-ep"):
+        with pytest.raises(EngineError, match="--flavor portable"):
+            open_engine(engines["llama", "ort"], provider)
+
+
+def test_a_folder_from_before_flavours_loads_as_portable(engines, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(engines["llama", "portable"], old)
+    data = json.loads((old / C.MANIFEST_FILE).read_text())
+    del data["flavor"], data["fusion"]
+    (old / C.MANIFEST_FILE).write_text(json.dumps(data))
+    gen = edgespec.load(old)
+    assert gen.target.manifest.flavor == "portable"
+    want = edgespec.load(engines["llama", "portable"]).generate([1, 2, 3], max_new_tokens=8).token_ids
+    assert gen.generate([1, 2, 3], max_new_tokens=8).token_ids == want
+
+
+def test_inspect_shows_the_flavour_and_each_fallback(engines, capsys):
+    from edgespec.cli import main
+    assert main(["inspect", str(engines["llama-d8", "ort"])]) == 0
+    out = capsys.readouterr().out
+    assert "flavor ort" in out and "attention: standard ops: ONNX Runtime" in out and "norm: fused" in out
+    assert "in  seqlens_k" in out and "OK" in out
