@@ -28,7 +28,7 @@ from .tokenizer import TextTokenizer, check_pair
 
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
 MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
-MEASURE_REPS = (5, 40)  # ... but at least / at most this many passes (each timing every call once)
+MEASURE_REPS = (3, 40)  # ... but at least / at most this many passes (each timing every call once)
 
 
 @dataclass
