@@ -72,9 +72,11 @@ def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode
                       edgespec_version=edgespec.__version__)
 
 
-def choose_flavor(spec: ModelSpec, flavor: str) -> tuple[str, dict]:
+def choose_flavor(spec: ModelSpec, flavor: str, input_mode: str = "ids") -> tuple[str, dict]:
     """(flavor, engine.json `fusion`) for `flavor` in FLAVOR_CHOICES: ort's per-op plan (ort_graph.plan_fusion);
-    auto takes ort only when its attention is fused, else portable with the reason recorded."""
+    auto takes ort only when its attention is fused, else portable with the reason recorded. Under auto,
+    inputs_embeds engines (VLA policy decoders) stay portable for now: policy.py's uncached reference path
+    feeds the portable inputs (`--flavor ort` exports them, tests/test_ort_flavor.py runs one)."""
     if flavor not in FLAVOR_CHOICES:
         raise ValueError(f"--flavor must be one of {FLAVOR_CHOICES}, got {flavor!r}")
     if flavor == "portable":
@@ -82,6 +84,8 @@ def choose_flavor(spec: ModelSpec, flavor: str) -> tuple[str, dict]:
     from .ort_graph import FUSED, plan_fusion
     fusion = plan_fusion(spec)
     if flavor == "auto" and fusion["attention"] != FUSED:
+    if flavor == "auto" and input_mode == "embeds":
+        return "portable", {"attention": "--flavor auto keeps inputs_embeds engines portable (for now)"}
         return "portable", {"attention": "--flavor auto chose portable: " + fusion["attention"]}
     return "ort", fusion
 
@@ -176,7 +180,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     t0 = time.time()
     spec, weights = load_checkpoint(ckpt_dir)
     max_context = resolve_max_context(spec, max_context)
-    flavor, fusion = choose_flavor(spec, flavor)
+    flavor, fusion = choose_flavor(spec, flavor, input_mode)
     manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids, flavor)
     manifest.fusion = fusion
     bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
