@@ -76,6 +76,7 @@ def cmd_inspect(args) -> int:
                 print(f"  {kind} … {len(specs) - 5} more (per-layer cache tensors)")
         lo, hi = m.argmax_range
         print(f"  KV cache {m.cache_dtype}, written in place; next_ids = argmax over ids {lo}..{hi - 1}")
+        _print_weight_bytes(m, args.engine_dir)
         print(f"  flavor {m.flavor}" + ("" if m.flavor == "ort" else " (standard ONNX ops: CPU, CUDA, TensorRT)"))
         for op, how in m.fusion.items():  # ort: what each fusable op became, and why a fallback
             print(f"    {op}: {how}")
@@ -94,6 +95,25 @@ def cmd_inspect(args) -> int:
         return 1
     print("  files and graph match the manifest: OK")
     return 0
+
+
+def _print_weight_bytes(m, engine_dir: Path) -> None:
+    """inspect's precision and weight bytes per token lines (export records them: export/quantize.py)."""
+    q, w = m.extra.get("quantization"), m.extra.get("weight_bytes_per_token")
+    if q:
+        print(f"  precision {m.precision}: {q.get('method')}"
+              + (f", {q['bits']}-bit blocks of {q['block_size']}, accuracy level {q.get('accuracy_level')}"
+                 if "block_size" in q else ""))
+    elif m.precision == "int8":
+        print("  precision int8: no quantization record (exported when int8 meant dynamic int8, now int8-dynamic)")
+    kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * (2 if m.cache_dtype == "float16" else 4)
+    if w:
+        parts = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in w["by_kind"].items() if v >= 1e3)
+        print(f"  weight bytes per token: {w['total'] / 1e6:.2f} MB ({parts}); KV cache {kv} B per context token")
+    else:
+        print(f"  weight bytes per token: not recorded (exported before edgespec recorded it: re-export, or run "
+              f"python -m edgespec.export.quantize {Path(engine_dir) / m.model_file}); "
+              f"KV cache {kv} B per context token")
 
 
 def _gamma(v: str):
@@ -358,6 +378,11 @@ def cmd_robot(args) -> int:
     return robots_cli.main(args.robot_args)
 
 
+DTYPES = ["fp32", "fp16", "int8", "int4", "int8-dynamic"]  # contract.PRECISIONS; integer ones: export/quantize.py
+DTYPE_HELP = ("int8 / int4: weight-only blocks of the MatMul weights (ONNX Runtime MatMulNBits, CPU and CUDA); "
+              "int8-dynamic: int8 weights + activations quantized at run time (standard ONNX ops)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on edge devices.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -365,12 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="checkpoint folder -> validated engine folder")
     p.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder (config.json + safetensors)")
     p.add_argument("--out", type=Path, required=True, help="engine folder to write")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
     p.add_argument("--role", choices=["target", "draft"], default="target",
                    help="what the engine is for: the precision gate binds targets (a draft's tokens are all "
                         "verified, so a lossy draft costs speed, not output)")
     p.add_argument("--allow-lossy", action="store_true",
-                   help="export a fp16/int8 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
+                   help="export a fp16/int8/int4 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
                         "records the override); for a draft this costs speed only, for a target it changes output")
     p.add_argument("--max-context", type=int, default=None, help="KV capacity (default min(model limit, 2048))")
     p.add_argument("--flavor", choices=["auto", "ort", "portable"], default="auto",
@@ -393,9 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
     p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--dtype", choices=["fp32", "fp16", "int8"], default="fp32")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
     p.add_argument("--allow-lossy", action="store_true",
-                   help="export a fp16/int8 target decoder below 0.99 top-1 agreement with fp32 anyway (recorded)")
+                   help="export a fp16/int8/int4 target decoder below 0.99 top-1 agreement with fp32 anyway (recorded)")
     p.add_argument("--force", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_export_policy)

@@ -75,7 +75,7 @@ POLICY_FILE = "policy.json"
 # Symbolic dimension names used in shapes.
 BATCH, SEQ, PAST, TOTAL = "batch", "seq", "past", "total"
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "int8-dynamic")  # the integer ones: export/quantize.py
 ENGINE_KINDS = ("decoder", "optimum")  # "optimum": concat-style export, manifest derived from the graph
 INPUT_MODES = ("ids", "embeds")
 CACHE_DTYPES = ("float32", "float16")

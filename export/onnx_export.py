@@ -1,6 +1,6 @@
 """Checkpoint folder -> engine folder (model.onnx + engine.json + tokenizer), through the validation gates.
 
-    edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int8] [--allow-lossy]
+    edgespec export models/demo-target --out engines/demo-target [--dtype fp32|fp16|int4|int8] [--allow-lossy]
         [--max-context N] [--flavor auto|ort|portable]
 
 Flavours (engine.json `flavor`, contract.py): `portable` is traced from `ContractDecoder` (standard ONNX ops:
@@ -16,9 +16,11 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
   2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present)
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference (1e-4), verify vs single steps (1e-4)
-  5) the precision variant (fp16 or int8) replacing model.onnx, with its agreement report vs fp32 and the
-     precision gate: a target below 0.99 top-1 agreement is refused unless --allow-lossy (recorded)
-  6) engine.json (the manifest, with hashes and the gate reports)
+  5) the precision variant (fp16; int8, int4 or int8-dynamic from quantize.py) replacing model.onnx, with its
+     agreement report vs fp32 and the precision gate: a target below 0.99 top-1 agreement is refused unless
+     --allow-lossy (recorded)
+  6) engine.json (the manifest, with hashes, the gate reports, the quantization settings and the weight bytes
+     read per token)
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from .checkpoint import ModelSpec, hash_files, load_checkpoint, weight_files
 from .validate import ROLES, agreement, parity_gate, precision_gate, require, verify_gate
 
 DEFAULT_MAX_CONTEXT = 2048
-CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int8": "float32"}  # KV cache I/O dtype per precision
+CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int8": "float32",  # KV cache I/O dtype
+               "int8-dynamic": "float32"}  # per precision (integer precisions: quantize.py)
 FLAVOR_CHOICES = ("auto",) + C.FLAVORS  # auto: ort where GroupQueryAttention runs the shape, else portable
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -122,12 +125,11 @@ def to_fp16(src: Path, dst: Path, num_layers: int) -> None:
     onnx.save(model, str(dst))
 
 
-def to_int8(src: Path, dst: Path, num_layers: int) -> None:
-    """Dynamic int8 quantization of the MatMul weights, per output channel (CPU / ARM)."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+def to_integer(src: Path, dst: Path, precision: str) -> dict:
+    """int4 / int8 (weight-only MatMulNBits) or int8-dynamic: export/quantize.py; returns its record."""
+    from .quantize import quantize
 
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                     op_types_to_quantize=["MatMul", "Gemm"])
+    return quantize(precision, src, dst)
 
 
 def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq: int = 256) -> tuple[list, str]:
@@ -226,13 +228,17 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         verify = verify_gate(engine, max_context, embed=embed)
         require("verify pass vs single steps", verify)
         validation = {"parity": parity, "verify": verify}
+        quantization = None  # int4 / int8 / int8-dynamic: the settings (quantize.py)
         # 5) precision variant
         bar.set_description(f"export: {dtype} variant")
         bar.update(1)
         if dtype != "fp32":
             fp32_path = stage / "model.fp32.onnx"
             os.replace(stage / "model.onnx", fp32_path)
-            (to_fp16 if dtype == "fp16" else to_int8)(fp32_path, stage / "model.onnx", spec.num_layers)
+            if dtype == "fp16":
+                to_fp16(fp32_path, stage / "model.onnx", spec.num_layers)
+            else:
+                quantization = to_integer(fp32_path, stage / "model.onnx", dtype)
             fp32_io = manifest.inputs, manifest.outputs
             variant_io = build_manifest(spec, max_context, dtype, input_mode, flavor=flavor)
             manifest.inputs, manifest.outputs = variant_io.inputs, variant_io.outputs
@@ -260,8 +266,10 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         # 6) manifest, then the atomic rename
         bar.set_description("export: writing manifest")
         bar.update(1)
+        from .quantize import weight_bytes_per_token
         manifest.extra = {"validation": validation, "export_seconds": round(time.time() - t0, 2),
-                          "source_checkpoint": ckpt_dir.name}
+                          "source_checkpoint": ckpt_dir.name, "quantization": quantization,
+                          "weight_bytes_per_token": weight_bytes_per_token(stage / manifest.model_file)}
         manifest.write(stage)
         publish(stage, out_dir)
         bar.set_description("export: done")

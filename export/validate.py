@@ -5,8 +5,8 @@
 2. verify:  one S = k+1 verify pass vs k+1 single-token steps on the same engine.
 3. agreement (precision variants): top-1 agreement and mean KL(fp32 || variant) over >= 1000
             teacher-forced tokens.
-4. precision (precision variants): a fp16 / int8 target keeps top-1 agreement >= 0.99 with fp32 on held-out
-            tokens, or the export is refused (unless allow_lossy, which engine.json records).
+4. precision (precision variants): a fp16 / int8 / int4 target keeps top-1 agreement >= 0.99 with fp32 on
+            held-out tokens, or the export is refused (unless allow_lossy, which engine.json records).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from edgespec import contract as C
 from edgespec.masks import step_inputs
 
 PARITY_TOL = 1e-4
-PRECISION_TOP1 = 0.99  # the design's gate: a fp16 / int8 target agrees with fp32 on >= 99% of top-1 tokens
+PRECISION_TOP1 = 0.99  # the design's gate: a target below fp32 agrees with fp32 on >= 99% of top-1 tokens
 ROLES = ("target", "draft")  # what an engine is exported for; the precision gate binds targets only
 
 
@@ -150,20 +150,25 @@ def agreement(base_engine, variant_engine, token_rows: list, embed=None, embed_v
 
 def precision_gate(agree: dict, precision: str, role: str, allow_lossy: bool = False,
                    threshold: float = PRECISION_TOP1) -> dict:
-    """The precision gate on an `agreement` report of a fp16 / int8 variant vs fp32; returns the record that
-    engine.json keeps (validation.precision_gate). A target below `threshold` raises GateError unless
-    `allow_lossy` (then `overridden` is recorded). A draft is reported, never refused: the target verifies
-    every draft token, so a lossy draft lowers the acceptance rate (speed), never changes the output."""
+    """The precision gate on an `agreement` report of a variant below fp32 (fp16, int8, int4, int8-dynamic)
+    vs fp32; returns the record that engine.json keeps (validation.precision_gate). A target below `threshold`
+    raises GateError, with the numbers, unless `allow_lossy` (then `overridden` is recorded). A draft is
+    reported, never refused: the target verifies every draft token, so a lossy draft lowers the acceptance
+    rate (speed), never changes the output."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
+        raise ValueError(f"the precision gate's threshold must be a top-1 agreement in (0, 1], got {threshold!r}")
     top1, tokens = float(agree["top1_agreement"]), int(agree["tokens"])
     passed = top1 >= threshold
     enforced = role == "target"
     if enforced and not passed and not allow_lossy:
         raise GateError(f"validation gate 'precision' failed: the {precision} target agrees with fp32 on the "
-                        f"top-1 token for {top1:.4f} of {tokens} held-out tokens ({agree.get('text', '?')}); "
-                        f"expected >= {threshold} (the gate for fp16 and int8 targets). Export at a higher "
-                        f"precision, or pass --allow-lossy (allow_lossy=True) to export it anyway (engine.json "
+                        f"top-1 token for {top1:.4f} of {tokens} held-out tokens ({agree.get('text', '?')}; "
+                        f"mean KL {float(agree.get('mean_kl', float('nan'))):.2e}); expected >= {threshold} "
+                        f"(the gate for every target below fp32). Export at a higher precision (fp16 or int8 "
+                        f"keep more than int4), use it as a draft instead (--role draft: the target verifies "
+                        f"every token), or pass --allow-lossy (allow_lossy=True) to export it anyway (engine.json "
                         f"records the override)")
     return {"threshold": threshold, "top1": top1, "tokens": tokens, "role": role, "enforced": enforced,
             "passed": passed, "overridden": enforced and not passed and allow_lossy}

@@ -56,7 +56,8 @@ MALFORMED = [  # (fields, what the error says): each used to load, or fail with 
     (dict(vocab_size=96.0), "vocab_size: expected an integer > 0, got 96.0"),
     (dict(max_context=None), "max_context: expected an integer > 0, got None"),
     (dict(num_heads=3), "num_heads: expected a multiple of num_kv_heads 2, got 3"),
-    (dict(precision="bf16"), "precision: expected one of \\('fp32', 'fp16', 'int8'\\), got 'bf16'"),
+    (dict(precision="bf16"), "precision: expected one of \\('fp32', 'fp16', 'int8', 'int4', 'int8-dynamic'\\), "
+                              "got 'bf16'"),
     (dict(kind="encoder"), "kind: expected one of"),
     (dict(input_mode="pixels"), "input_mode: expected one of"),
     (dict(argmax_ids=[0, 500]), "argmax_ids: expected null or \\[lo, hi\\] with 0 <= lo < hi <= vocab_size 96"),

@@ -1,0 +1,177 @@
+"""Integer precisions of an exported fp32 graph, and the weight bytes a graph reads per decoded token.
+
+    python -m edgespec.export.quantize engines/demo-target/model.onnx      # weight bytes per token, by kind
+
+`edgespec export --dtype D` calls `quantize(D, fp32.onnx, out.onnx)`; the record it returns goes into
+engine.json (extra.quantization). What each integer precision means:
+
+  int4          weight-only, block-wise: every MatMul weight [K, N] becomes ONNX Runtime's MatMulNBits
+  int8          (com.microsoft) with 4- or 8-bit blocks of BLOCK_SIZE values along K, one float scale and
+                one zero point per block (asymmetric); the KV cache and the I/O stay float32. Made by
+                onnxruntime.quantization's MatMulNBitsQuantizer (round to nearest), not by hand. A contrib op:
+                ONNX Runtime runs it (CPU, CUDA), TensorRT does not.
+  int8-dynamic  the earlier int8: quantize_dynamic, int8 weights per output channel, activations quantized
+                to uint8 at run time (DynamicQuantizeLinear + MatMulInteger).
+
+    MatMul(x [B,S,K], W [K,N] f32)  ──▶  MatMulNBits(x, W_q [N, ceil(K/bs), bs*bits/8] u8,
+                                                        scales [N*ceil(K/bs)] f32, zero_points u8)
+
+K need not be a multiple of the block size: the quantizer pads the last block with zeros and the kernel
+takes the true K as an attribute (the tiny test models' K = 48 with 32-value blocks). The token embedding
+(a Gather: one row read per token) stays float32; a tied lm_head is its own MatMul weight in the graph and is
+quantized like the others.
+
+Weight bytes per token (`weight_bytes_per_token`): the initializers a decode step reads, counted once each:
+whole tensors, except tables indexed by position or token id (the embedding, rotary caches: ROW_TABLES), of which
+one row per token. They are the graph's stored bytes: a kernel may repack them at load (MLAS does), so this is
+the streamed size up to that layout. The KV cache is not a weight: 2 x layers x kv heads x head dim x its dtype's
+bytes more per token of context.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+BLOCK_SIZE = 32  # values per block along K: divides every K of the bundled models (256..2816); 128 read 15%
+#                 fewer bytes but cost the int4 demo target 2-4 points of top-1 agreement (docs/export.md)
+ACCURACY_LEVEL = 4  # MatMulNBits compute: 4 = activations to int8 per block (MLAS int8 kernels). On this x86 CPU
+#                     the 8-bit kernel at level 0 (float32 compute) ran ~10x slower than the fp32 graph.
+ROW_TABLES = {"Gather": (0,), "GroupQueryAttention": (7, 8), "RotaryEmbedding": (2, 3)}  # (op: inputs) read
+#   one row per token: the embedding table, the rotary cos / sin caches (com.microsoft input order)
+
+
+@dataclass(frozen=True)
+class WeightOnly:
+    """Block-wise weight-only quantization of every MatMul weight through MatMulNBits."""
+    bits: int
+    block_size: int = BLOCK_SIZE
+    symmetric: bool = False
+    accuracy_level: int = ACCURACY_LEVEL
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8 (what MatMulNBits runs on the CPU), got {self.bits}")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16 (MatMulNBits), got {self.block_size}")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy_level must be 0..4 (MatMulNBits), got {self.accuracy_level}")
+
+
+WEIGHT_ONLY = {"int4": WeightOnly(bits=4), "int8": WeightOnly(bits=8)}
+DYNAMIC = ("int8-dynamic",)
+INTEGER_PRECISIONS = tuple(WEIGHT_ONLY) + DYNAMIC
+
+
+def quantize(precision: str, src: Path, dst: Path, settings: WeightOnly | None = None) -> dict:
+    """fp32 graph `src` -> integer-precision graph `dst`; returns the record engine.json keeps."""
+    if precision in WEIGHT_ONLY:
+        return weight_only(src, dst, settings or WEIGHT_ONLY[precision])
+    if precision in DYNAMIC:
+        return dynamic_int8(src, dst)
+    raise ValueError(f"integer precision must be one of {INTEGER_PRECISIONS}, got {precision!r}")
+
+
+def weight_only(src: Path, dst: Path, settings: WeightOnly) -> dict:
+    """Every MatMul with a constant [K, N] weight -> MatMulNBits (module docstring)."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(src))
+    matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
+    with _quiet():
+        q = MatMulNBitsQuantizer(model, bits=settings.bits, block_size=settings.block_size,
+                                 is_symmetric=settings.symmetric, accuracy_level=settings.accuracy_level or None,
+                                 op_types_to_quantize=("MatMul",))
+        q.process()
+    out = q.model.model
+    nbits = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+    if not nbits:
+        raise ValueError(f"{src}: no MatMul with a constant weight to quantize (expected the exported decoder's "
+                         f"projections, got {matmuls} MatMul nodes, none quantized)")
+    onnx.save(out, str(dst))
+    return {"method": "weight-only MatMulNBits (onnxruntime MatMulNBitsQuantizer, round to nearest)",
+            **asdict(settings), "quantized_matmuls": len(nbits),
+            "activation_matmuls": matmuls - len(nbits)}  # attention scores: no constant weight
+
+
+def dynamic_int8(src: Path, dst: Path) -> dict:
+    """Dynamic int8 quantization of the MatMul weights, per output channel (CPU / ARM)."""
+    from onnx import TensorProto
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # DefaultTensorType: ONNX shape inference gives contrib ops' outputs (the ort flavour's) no type; all float32
+    with _quiet():
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul", "Gemm"],
+                         extra_options={"DefaultTensorType": TensorProto.FLOAT})
+    return {"method": "dynamic int8 (onnxruntime quantize_dynamic: int8 weights per output channel, activations "
+                      "quantized at run time)", "bits": 8, "per_channel": True}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ONNX Runtime's quantizers log every node (INFO) and advice (WARNING) through the root logger."""
+    loggers = [logging.getLogger(), logging.getLogger("onnxruntime.quantization")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _kind(node, index: int, array: np.ndarray) -> str:
+    """What a weight input is, for the by-kind breakdown."""
+    if node is not None and node.op_type == "MatMulNBits":
+        bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+        return {1: f"{bits}-bit blocks", 2: f"block scales ({array.dtype})", 3: "block zero points"}.get(
+            index, str(array.dtype))
+    return str(array.dtype)
+
+
+def weight_bytes_per_token(model_path: str | Path) -> dict:
+    """Bytes of weights one decode step reads (module docstring): {"total": n, "by_kind": {kind: n}}."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    tensors = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:  # Constant nodes hold weights too in some exports
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            tensors[n.output[0]] = n.attribute[0].t
+    read: dict[str, tuple[int, str]] = {}  # tensor -> (bytes per step, kind): the most any consumer reads
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name not in tensors:
+                continue
+            a = numpy_helper.to_array(tensors[name])
+            size = a.nbytes
+            if i in ROW_TABLES.get(node.op_type, ()) and a.ndim >= 1 and a.shape[0]:
+                size //= a.shape[0]  # one row per token
+            if size >= read.get(name, (-1, ""))[0]:
+                read[name] = (int(size), _kind(node, i, a))
+    by_kind: dict[str, int] = {}
+    for size, kind in read.values():
+        by_kind[kind] = by_kind.get(kind, 0) + size
+    return {"total": sum(by_kind.values()), "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1]))}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="weight bytes a graph reads per decoded token, by kind")
+    ap.add_argument("model", type=Path, help="an ONNX graph (an engine folder's model.onnx)")
+    args = ap.parse_args(argv)
+    print(json.dumps(weight_bytes_per_token(args.model), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
