@@ -1,22 +1,44 @@
-"""edgespec vs ONNX Runtime GenAI and Hugging Face assisted generation, same checkpoints, same prompts.
+"""edgespec vs ONNX Runtime GenAI, Hugging Face transformers and optimum: each mode at its best setting, one run.
 
     bash bench/setup_peers.sh && python bench/bench_peers.py --out bench/results/peers.json
 
+Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has two phases,
+one process schedule, and nothing from any other run:
+
+  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its n-gram γ × max_ngram; GenAI's k,
+     adaptive k, n-gram size, chained lookup, and both its default threading and edgespec's threads; HF's
+     draft lengths and prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts),
+     configurations interleaved across systems;
+  2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
+     all prompts, --repeats times, the modes interleaved within every repeat.
+
 Every system runs in its own process (so peak RSS is its own): edgespec through this script's
-`--edgespec-runner` mode, the peers through bench/peers/*_runner.py in their virtual environments.
-Greedy runs compare every system's tokens with edgespec plain; a sampled edgespec run reports speed
-and acceptance. A peer that fails to install or run is recorded with its error, never dropped.
-Writes JSON, a markdown table (.md) and a PNG beside --out.
+`--edgespec-runner` mode, the peers through bench/peers/*_runner.py in their virtual environments. Greedy
+rows compare their tokens with edgespec plain; a sampled edgespec row (T = 0.8) reports speed and
+acceptance. A peer that fails to install or run is recorded with its error, never dropped. The report names
+the run (id, start and end times, full command); `check_same_run` refuses to write a table holding a row
+from any other run. Writes JSON, a markdown summary (.md) and a PNG beside --out; raw outputs (token ids)
+go to .cache/peers/<run id>/raw.json.
+
+Smoke test (2 prompts, 16 tokens, small sweeps; ~5 minutes):
+
+    python bench/bench_peers.py --out /tmp/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
+        --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
+        --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2
 """
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,22 +47,98 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+SAMPLED = "edgespec draft sampled T=0.8"  # the one row outside the greedy comparison
 
-def _prompts(n_code: int) -> list[str]:
+
+@dataclass(frozen=True)
+class Config:
+    label: str  # how the report names it: "γ=5", "k=4, threads: GenAI default"
+    argv: tuple  # the runner's arguments for it
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the final table: a system's decoding mode, tried in each of its configurations."""
+    name: str  # "ORT GenAI ngram"
+    system: str  # "edgespec", "ORT GenAI", "HF transformers", "optimum": best against best is per system
+    runner: str  # "edgespec", "genai", "hf", "optimum"
+    configs: tuple
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def plan(args) -> list[Mode]:
+    """Every mode and every configuration the sweep tries, from the command's sweep settings."""
+    from edgespec.generate import DRAFT_THREADS
+    es_threads = int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1  # edgespec's target
+    g, kmax = _ints(args.gammas), max(_ints(args.gammas))
+    gg = [str(x) for x in g] + ["auto"]
+    chained = {"off": False, "on": True}
+    genai_threads = {"threads: GenAI default": ("--threads", "0"),
+                     f"threads {es_threads}": ("--threads", str(es_threads))}
+    genai_draft = {"GenAI's default threads": ("--threads", "0", "--draft-threads", "0"),
+                   f"edgespec's threads: target {es_threads}, draft {DRAFT_THREADS}":
+                       ("--threads", str(es_threads), "--draft-threads", str(DRAFT_THREADS))}
+    k_opts = [(f"k={k}", ("--gamma", str(k))) for k in g] + \
+             [(f"adaptive k 1..{kmax}", ("--gamma", str(kmax), "--min-adaptive-k", "1"))]
+    modes = [
+        Mode("edgespec plain", "edgespec", "edgespec", (Config("threads: edgespec default", ("--mode", "plain")),)),
+        Mode("edgespec draft", "edgespec", "edgespec",
+             tuple(Config(f"γ={x}", ("--mode", "draft", "--gamma", x)) for x in gg)),
+        Mode("edgespec ngram", "edgespec", "edgespec",
+             tuple(Config(f"γ={x}, max_ngram={n}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)))
+                   for n in _ints(args.max_ngrams) for x in gg)),
+        Mode("ORT GenAI plain", "ORT GenAI", "genai",
+             tuple(Config(lab, ("--mode", "plain") + a) for lab, a in genai_threads.items())),
+    ]
+    for tlab, targs in genai_draft.items():
+        modes.append(Mode(f"ORT GenAI draft ({tlab.split(':')[0]})", "ORT GenAI", "genai",
+                          tuple(Config(f"{klab}, {tlab}", ("--mode", "draft") + ka + targs) for klab, ka in k_opts)))
+    ngram = [(f", ngram_size={n}" + (", chained" if chained[c] else ""),
+              ("--ngram-size", str(n)) + (("--ngram-chained",) if chained[c] else ()))
+             for c in args.genai_chained.split(",") for n in _ints(args.genai_ngram_sizes)]
+    modes += [
+        Mode("ORT GenAI ngram", "ORT GenAI", "genai",
+             tuple(Config(f"{klab}{nlab}, {tlab}", ("--mode", "ngram") + na + ka + ta)
+                   for tlab, ta in genai_threads.items() for nlab, na in ngram for klab, ka in k_opts)),
+        Mode("HF plain", "HF transformers", "hf", (Config("torch threads 2", ("--mode", "plain")),)),
+        Mode("HF assisted", "HF transformers", "hf",
+             tuple(Config(f"γ={x} (constant)", ("--mode", "assisted", "--gamma", str(x))) for x in g)
+             + (Config("transformers default (20, confidence 0.4)", ("--mode", "assisted")),)),
+        Mode("HF prompt lookup", "HF transformers", "hf",
+             tuple(Config(f"num_tokens={x}, max_ngram={n}",
+                          ("--mode", "prompt_lookup", "--gamma", str(x), "--ngram-size", str(n)))
+                   for n in _ints(args.hf_lookup_ngrams) for x in sorted(set(g) | {10}))),
+        Mode("optimum ORTModelForCausalLM plain", "optimum", "optimum", (Config("intra-op threads 2", ()),)),
+    ]
+    only = set(args.modes.split(",")) if args.modes else None
+    return [m for m in modes if only is None or m.name in only or m.name == "edgespec plain"]
+
+
+# ---- the edgespec side ---------------------------------------------------------------------------------------
+def _prompts(n_code: int, n_prose: int) -> list[str]:
     import edgespec
     from prompts import PROSE, code_prompts
     tok = edgespec.tokenizer.TextTokenizer(ROOT / "models" / "demo-target" / "tokenizer.json")
-    return code_prompts(tok, n_code) + PROSE
+    return code_prompts(tok, n_code) + PROSE[:n_prose]
 
 
 def edgespec_runner(args) -> None:
     """Subprocess: decode the prompts with edgespec in one mode; print one JSON object."""
     import edgespec
     from edgespec.cli import ensure_demo_engines
+    from edgespec.drafts import NgramDraft
+    from edgespec.generate import DRAFT_THREADS
     target, draft = ensure_demo_engines(ROOT / "models", args.engines)
     prompts = json.loads(args.prompts.read_text())
     d = {"plain": None, "draft": draft, "ngram": "ngram"}[args.mode]
-    gen = edgespec.load(target, draft=d, gamma=args.gamma if args.gamma is not None else "auto")
+    gamma = "auto" if args.gamma in (None, "auto") else int(args.gamma)
+    gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto")
+    if args.mode == "ngram" and args.max_ngram:
+        # edgespec.load has no max_ngram setting; the generator builds its drafter per call through _drafter
+        gen._drafter = lambda batch: NgramDraft(batch, max_ngram=args.max_ngram)
     kw = dict(max_new_tokens=args.max_new_tokens)
     if args.temperature:
         kw.update(temperature=args.temperature, seed=0, acceptance="rejection")
@@ -56,26 +154,33 @@ def edgespec_runner(args) -> None:
                             "decode_s": st.time_s["decode"], "ttft_s": st.time_s["prefill"],
                             "tokens_per_s": st.tokens_per_second, "drafted": st.drafted, "accepted": st.accepted,
                             "rounds": st.rounds, "rejections": st.rejections, "host_fraction": st.host_fraction})
+    if args.mode == "draft" and gen.cost is None:
+        gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
-    print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": args.mode, "results": results,
-                      "cost_model": cost,
+    config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
+              "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
+              "draft_threads": DRAFT_THREADS if args.mode == "draft" else None}
+    print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": args.mode, "config": config,
+                      "results": results, "cost_model": cost,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
 
+# ---- running and summarising one configuration ---------------------------------------------------------------
 def run_system(name: str, cmd: list[str], timeout: int) -> dict:
+    """Run one runner process; its JSON, or {"error": ...}. Stamps wall-clock start and end (epoch s)."""
     t0 = time.time()
-    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd[:3])} …", file=sys.stderr, flush=True)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except FileNotFoundError as e:
-        return {"error": f"could not start: {e} (run bash bench/setup_peers.sh)"}
+        return {"error": f"could not start: {e} (run bash bench/setup_peers.sh)", "started": t0, "ended": time.time()}
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout} s"}
+        return {"error": f"timed out after {timeout} s", "started": t0, "ended": time.time()}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        return {"error": f"exit {p.returncode}, no JSON; stderr tail: {p.stderr[-1500:]}"}
+        return {"error": f"exit {p.returncode}, no JSON; stderr tail: {p.stderr[-1500:]}", "started": t0,
+                "ended": time.time()}
     out = json.loads(lines[-1])
-    out["wall_s"] = round(time.time() - t0, 1)
+    out.update(started=t0, ended=time.time(), wall_s=round(time.time() - t0, 1))
     return out
 
 
@@ -103,7 +208,7 @@ def summarize(out: dict, ref: dict | None, n_prompts: int) -> dict:
             s["acceptance_rate"] = acc / prop
         if spec.get("rounds") and acc is not None:
             s["mean_accepted_per_round"] = acc / spec["rounds"]
-    if ref is not None:
+    if ref is not None and "error" not in ref:
         ours = {r["prompt_index"]: r["token_ids"] for r in ref["results"] if r["repeat"] == 0}
         theirs = {r["prompt_index"]: r["token_ids"] for r in res if r["repeat"] == 0}
         same = sum(ours.get(i) == theirs.get(i) for i in range(n_prompts))
@@ -111,6 +216,322 @@ def summarize(out: dict, ref: dict | None, n_prompts: int) -> dict:
                for i in range(n_prompts) if i in ours and i in theirs]
         s.update(identical_prompts=f"{same}/{n_prompts}", token_agreement_with_edgespec=float(np.mean(tok)))
     return s
+
+
+def merge_repeats(outs: list[dict]) -> dict:
+    """One process per repeat -> one runner-shaped output (results re-numbered by repeat; the first's stats)."""
+    bad = [(k, o) for k, o in enumerate(outs) if "error" in o]
+    if bad:
+        k, o = bad[0]
+        return {"error": f"repeat {k}: {o['error']}", "started": outs[0]["started"], "ended": outs[-1]["ended"]}
+    merged = dict(outs[0])
+    merged["results"] = [dict(r, repeat=k) for k, o in enumerate(outs) for r in o["results"]]
+    merged["peak_rss_bytes"] = max(o.get("peak_rss_bytes", 0) for o in outs)
+    merged.update(started=min(o["started"] for o in outs), ended=max(o["ended"] for o in outs))
+    return merged
+
+
+# ---- selection, the same-run rule, ratios -------------------------------------------------------------------
+def select_best(tried: list[dict]) -> dict | None:
+    """The fastest configuration of one mode: among those that ran and whose tokens matched edgespec plain on
+    every sweep prompt; if none matched, the fastest that ran, flagged. None when nothing ran."""
+    ok = [t for t in tried if t["status"] == "ok"]
+    if not ok:
+        return None
+
+    def identical(t):
+        got = t.get("identical_prompts")
+        return got is None or got.split("/")[0] == got.split("/")[1]
+
+    same = [t for t in ok if identical(t)]
+    best = max(same or ok, key=lambda t: t["tokens_per_s"]["median"])
+    return best if same else dict(best, selection_note="no configuration matched edgespec plain; fastest shown")
+
+
+class MixedRunsError(ValueError):
+    pass
+
+
+def check_same_run(report: dict) -> None:
+    """Every row and every sweep entry must carry this run's id and lie inside its start..end window."""
+    run = report["run"]
+    bad = []
+    entries = [(f"row {n!r}", s) for n, s in report["systems"].items()]
+    entries += [(f"sweep {n!r} {t.get('config', '?')!r}", t)
+                for n, ts in report.get("sweep", {}).get("modes", {}).items() for t in ts]
+    for where, e in entries:
+        if e.get("run_id") != run["id"]:
+            bad.append(f"{where} is from run {e.get('run_id')!r}")
+        elif not run["started_epoch"] <= e.get("started", -1) <= e.get("ended", -1) <= run["ended_epoch"]:
+            bad.append(f"{where} was measured outside this run's window")
+    if bad:
+        raise MixedRunsError(f"refusing to write a table that merges runs: this run is {run['id']!r} "
+                             f"({run['started']} .. {run['ended']}), but " + "; ".join(bad[:5])
+                             + (f" (+{len(bad) - 5} more)" if len(bad) > 5 else "")
+                             + ". Every row must come from one invocation of bench/bench_peers.py.")
+
+
+def _brief(err: str) -> str:
+    """An error on one line for the table: a runner's traceback shortened to its last line."""
+    head, _, tail = err.partition("stderr tail:")
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    return (head + (lines[-1] if lines else "")).replace("|", "/").replace("\n", " ")
+
+
+def _tps(s: dict) -> float | None:
+    return s["tokens_per_s"]["median"] if s.get("status") == "ok" else None
+
+
+def best_vs_best(systems: dict, system_of: dict) -> list[dict]:
+    """edgespec's fastest greedy row against each peer system's fastest row, both named with their configs."""
+    rows = {n: s for n, s in systems.items() if n != SAMPLED and _tps(s)}
+    by_sys: dict = {}
+    for n, s in rows.items():
+        sys_ = system_of[n]
+        if sys_ not in by_sys or _tps(s) > _tps(rows[by_sys[sys_]]):
+            by_sys[sys_] = n
+    if "edgespec" not in by_sys:
+        return []
+    ours = by_sys["edgespec"]
+    out = []
+    for sys_, theirs in by_sys.items():
+        if sys_ == "edgespec":
+            continue
+        a, b = rows[ours], rows[theirs]
+        r = _tps(a) / _tps(b)
+        out.append({"edgespec": ours, "edgespec_config": a.get("config"), "edgespec_tokens_per_s": _tps(a),
+                    "peer_system": sys_, "peer": theirs, "peer_config": b.get("config"),
+                    "peer_tokens_per_s": _tps(b), "ratio": r,
+                    "text": f"{ours} {a.get('config', '')} ({_tps(a):.0f} tok/s) vs {theirs} {b.get('config', '')} "
+                            f"({_tps(b):.0f} tok/s): {r:.2f}×"})
+    return out
+
+
+def mode_ratios(systems: dict) -> dict:
+    """Within each system (speculative / plain) and like for like across systems, best configs throughout."""
+    t = {n: _tps(s) for n, s in systems.items() if _tps(s)}
+    genai_draft = max((n for n in t if n.startswith("ORT GenAI draft")), key=t.get, default=None)
+    pairs = [("edgespec draft", "edgespec plain"), ("edgespec ngram", "edgespec plain"),
+             ("ORT GenAI ngram", "ORT GenAI plain"), ("HF assisted", "HF plain"), ("HF prompt lookup", "HF plain"),
+             ("edgespec plain", "ORT GenAI plain"), ("edgespec ngram", "ORT GenAI ngram"),
+             ("edgespec draft", "HF assisted"), ("edgespec ngram", "HF prompt lookup")]
+    pairs += [(n, "ORT GenAI plain") for n in t if n.startswith("ORT GenAI draft")]
+    if genai_draft:
+        pairs.append(("edgespec draft", genai_draft))
+    return {f"{a} / {b}": t[a] / t[b] for a, b in pairs if a in t and b in t}
+
+
+# ---- the run -------------------------------------------------------------------------------------------------
+class Progress:
+    """A one-line progress bar on stderr, by estimated seconds of work (tokens / a rough speed + start-up)."""
+    SPEED = {"edgespec": 350.0, "genai": 350.0, "hf": 90.0, "optimum": 140.0}  # rough tok/s, for the ETA only
+    START_S = {"edgespec": 3.0, "genai": 3.0, "hf": 7.0, "optimum": 7.0}
+
+    def __init__(self, total: float):
+        self.total, self.done, self.t0 = total, 0.0, time.time()
+
+    @classmethod
+    def cost(cls, runner: str, tokens: int) -> float:
+        return cls.START_S[runner] + tokens / cls.SPEED[runner]
+
+    def show(self, what: str) -> None:
+        el = time.time() - self.t0
+        frac = min(self.done / self.total, 1.0) if self.total else 1.0
+        eta = el / frac - el if frac > 0.02 else self.total - self.done
+        bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+        print(f"\r[{bar}] {100 * frac:3.0f}% {_mmss(el)} elapsed, ~{_mmss(eta)} left | {what[:70]:<70}",
+              end="", file=sys.stderr, flush=True)
+
+
+def _mmss(s: float) -> str:
+    return f"{int(s) // 60}:{int(s) % 60:02d}"
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/peers.json"))
+    ap.add_argument("--engines", type=Path, default=ROOT / "engines")
+    ap.add_argument("--code-prompts", type=int, default=20)
+    ap.add_argument("--prose-prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="final phase: passes over all prompts, modes interleaved")
+    ap.add_argument("--sweep-prompts", type=int, default=6, help="sweep phase: prompts (spread over the set)")
+    ap.add_argument("--gammas", default="2,3,4,5,6", help="draft lengths swept: edgespec γ (+auto), GenAI k "
+                                                          "(+adaptive), HF γ and prompt-lookup tokens (+10)")
+    ap.add_argument("--max-ngrams", default="2,3,4", help="edgespec n-gram: longest n-gram matched")
+    ap.add_argument("--genai-ngram-sizes", default="2,3,4", help="GenAI speculative.ngram_size")
+    ap.add_argument("--genai-chained", default="off,on", help="GenAI speculative.ngram_chained_lookup")
+    ap.add_argument("--hf-lookup-ngrams", default="2,3", help="HF prompt lookup: max_matching_ngram_size")
+    ap.add_argument("--modes", default=None, help="comma-separated modes to run (edgespec plain always runs); "
+                                                  "the rest are absent from the table, never taken from elsewhere")
+    ap.add_argument("--timeout", type=int, default=900, help="per runner process, seconds")
+    ap.add_argument("--edgespec-runner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
+    ap.add_argument("--gamma", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--max-ngram", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.edgespec_runner:
+        edgespec_runner(args)
+        return 0
+    argv = sys.argv[1:] if argv is None else argv
+    run = {"id": uuid.uuid4().hex[:12], "started_epoch": time.time(),
+           "command": "python bench/bench_peers.py " + shlex.join(argv)}
+    run["started"] = _iso(run["started_epoch"])
+    work = ROOT / ".cache" / "peers"
+    rdir = work / run["id"]
+    rdir.mkdir(parents=True, exist_ok=True)
+    prompts = _prompts(args.code_prompts, args.prose_prompts)
+    n = len(prompts)
+    sweep_idx = sorted({round(i * (n - 1) / max(args.sweep_prompts - 1, 1)) for i in range(min(args.sweep_prompts, n))})
+    pfile, sfile = rdir / "prompts.json", rdir / "sweep-prompts.json"
+    pfile.write_text(json.dumps(prompts))
+    sfile.write_text(json.dumps([prompts[i] for i in sweep_idx]))
+
+    tgt, dft = str(ROOT / "models" / "demo-target"), str(ROOT / "models" / "demo-draft")
+    tokens = ["--max-new-tokens", str(args.max_new_tokens)]
+    base = {"edgespec": [sys.executable, str(Path(__file__).resolve()), "--edgespec-runner", "--engines",
+                         str(args.engines)] + tokens,
+            "genai": [str(ROOT / ".venv-genai" / "bin" / "python"), str(HERE / "peers" / "genai_runner.py"),
+                      "--target", tgt, "--draft", dft, "--work", str(work / "genai")] + tokens,
+            "hf": [str(ROOT / ".venv-hf" / "bin" / "python"), str(HERE / "peers" / "hf_runner.py"),
+                   "--target", tgt, "--draft", dft] + tokens,
+            "optimum": [str(ROOT / ".venv-optimum" / "bin" / "python"), str(HERE / "peers" / "optimum_runner.py"),
+                        "--target", tgt, "--work", str(work / "optimum")] + tokens}
+
+    def cmd(mode: Mode, cfg: Config, prompts_file: Path, extra=()) -> list[str]:
+        return base[mode.runner] + ["--prompts", str(prompts_file), "--repeats", "1"] + list(cfg.argv) + list(extra)
+
+    modes = plan(args)
+    by_name = {m.name: m for m in modes}
+    swept = [m for m in modes if len(m.configs) > 1 or m.name == "edgespec plain"]
+    ns, nt = len(sweep_idx) * args.max_new_tokens, n * args.max_new_tokens
+    total = sum(Progress.cost(m.runner, ns) for m in swept for _ in m.configs) + \
+        args.repeats * (sum(Progress.cost(m.runner, nt) for m in modes) + Progress.cost("edgespec", nt))
+    n_sweep = sum(len(m.configs) for m in swept)
+    print(f"run {run['id']}: sweep {n_sweep} configurations on {len(sweep_idx)} prompts, then {len(modes) + 1} "
+          f"modes × {args.repeats} repeats on {n} prompts; estimated {_mmss(total)} (min:s)", file=sys.stderr)
+    bar = Progress(total)
+    raw: dict = {"sweep": {}, "final": {}}
+
+    # 1. sweep: configurations interleaved across modes (the i-th of every mode, then the (i+1)-th, ...)
+    order = [(m, c) for i in range(max(len(m.configs) for m in swept)) for m in swept if i < len(m.configs)
+             for c in [m.configs[i]]]
+    sweep: dict = {m.name: [] for m in swept}
+    ref = None
+    for m, c in order:
+        bar.show(f"sweep {m.name}: {c.label}")
+        out = run_system(f"{m.name} {c.label}", cmd(m, c, sfile), args.timeout)
+        raw["sweep"][f"{m.name} | {c.label}"] = out
+        if m.name == "edgespec plain":
+            ref = out
+        s = summarize(out, ref if m.name != "edgespec plain" else None, len(sweep_idx))
+        sweep[m.name].append(dict(s, config=c.label, argv=list(c.argv), run_id=run["id"], started=out["started"],
+                                  ended=out["ended"]))
+        bar.done += Progress.cost(m.runner, ns)
+    best: dict = {}
+    for m in modes:
+        b = select_best(sweep[m.name]) if m.name in sweep else {"config": m.configs[0].label}
+        best[m.name] = next((c for c in m.configs if b and c.label == b["config"]), None)
+
+    # 2. final: the best of each mode on all prompts, one process per (mode, repeat), modes rotated per repeat
+    final = [m for m in modes if best[m.name] is not None]
+    sampled = Mode(SAMPLED, "edgespec", "edgespec", ())
+    sampled_cfg = best.get("edgespec draft")
+    outs: dict = {m.name: [] for m in final}
+    for rep in range(args.repeats):
+        rot = final[rep % len(final):] + final[:rep % len(final)]
+        for m in rot + ([sampled] if sampled_cfg else []):
+            c = sampled_cfg if m is sampled else best[m.name]
+            bar.show(f"final {rep + 1}/{args.repeats} {m.name}: {c.label}")
+            extra = ["--temperature", "0.8"] if m is sampled else []
+            outs.setdefault(m.name, []).append(run_system(m.name, cmd(m, c, pfile, extra), args.timeout))
+            bar.done += Progress.cost(m.runner, nt)
+    bar.show("roofline")
+    print(file=sys.stderr)
+    merged = {name: merge_repeats(o) for name, o in outs.items()}
+    raw["final"] = merged
+    ref = merged.get("edgespec plain")
+    systems = {}
+    for name in [m.name for m in modes] + [SAMPLED]:
+        if name in merged:
+            out = merged[name]
+            s = summarize(out, ref if name != SAMPLED else None, n)
+            systems[name] = dict(s, config=(sampled_cfg if name == SAMPLED else best[name]).label, run_id=run["id"],
+                                 started=out["started"], ended=out["ended"],
+                                 selected_from=len(by_name[name].configs) if name in by_name else 1)
+        elif name in by_name:  # a mode none of whose configurations ran: failed, with the sweep's first error
+            err = next((t["error"] for t in sweep.get(name, []) if t["status"] != "ok"), "no configuration ran")
+            systems[name] = {"status": "failed", "error": f"every configuration failed in the sweep; first: {err}",
+                             "run_id": run["id"], "started": run["started_epoch"], "ended": time.time()}
+    system_of = {m.name: m.system for m in modes} | {SAMPLED: "edgespec"}
+
+    roofline = roofline_of(args.engines, systems)
+    pred = predicted_vs_measured(merged.get("edgespec draft"), systems)
+    (rdir / "raw.json").write_text(json.dumps(raw))
+    run["ended_epoch"] = time.time()
+    run["ended"] = _iso(run["ended_epoch"])
+    run["duration_min"] = round((run["ended_epoch"] - run["started_epoch"]) / 60, 1)
+    from bench_speculative import machine
+    report = {"run": run, "prompts": {"code": args.code_prompts, "prose": n - args.code_prompts, "count": n},
+              "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
+              "method": {"sweep_prompt_indices": sweep_idx, "sweep_repeats": 1, "final_repeats": args.repeats,
+                         "selection": "fastest configuration (median tok/s on the sweep prompts) whose tokens were "
+                                      "identical to edgespec plain on every sweep prompt",
+                         "schedule": "sweep: configurations interleaved across modes; final: one process per "
+                                     "(mode, repeat), modes rotated each repeat"},
+              "sweep": {"modes": sweep},
+              "systems": systems, "system_of": system_of,
+              "best_vs_best": best_vs_best(systems, system_of), "ratios": mode_ratios(systems),
+              "roofline": roofline, "edgespec_predicted_vs_measured": pred, "machine": machine(),
+              "raw": str(rdir / "raw.json")}
+    write_report(report, args.out)
+    print(markdown(report))
+    return 0
+
+
+def write_report(report: dict, out: Path) -> None:
+    """JSON, markdown and PNG beside `out`, after `check_same_run` (it raises instead of writing a merge)."""
+    check_same_run(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
+
+
+def roofline_of(engines: Path, systems: dict) -> dict:
+    bw = memory_bandwidth_gbs()
+    weights = (engines / "demo-target" / "model.onnx").stat().st_size
+    m = json.loads((engines / "demo-target" / "engine.json").read_text())
+    ctx = 160  # ~ mean context of these runs (prompt ~96 + half of 128 new tokens)
+    kv = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4 * ctx
+    roof = bw["read_gbs"] * 1e9 / (weights + kv)
+    return {"read_bandwidth_gbs": bw["read_gbs"], "copy_bandwidth_gbs": bw["copy_gbs"],
+            "bytes_per_token": weights + kv, "weights_bytes": weights, "kv_bytes_at_mean_context": kv,
+            "roofline_tokens_per_s": roof,
+            "plain_share_of_roofline": {n: _tps(systems[n]) / roof for n in ("edgespec plain", "ORT GenAI plain",
+                                                                             "HF plain")
+                                        if n in systems and _tps(systems[n])}}
+
+
+def predicted_vs_measured(ed: dict | None, systems: dict) -> dict | None:
+    if not ed or "error" in ed or not ed.get("cost_model"):
+        return None
+    from edgespec.costmodel import expected_tokens
+    cm = ed["cost_model"]
+    r0 = [r for r in ed["results"] if r["repeat"] == 0]
+    acc, rej, dr, rounds = (sum(r[k] for r in r0) for k in ("accepted", "rejections", "drafted", "rounds"))
+    alpha = acc / (acc + rej) if acc + rej else 0.0
+    g = round(dr / rounds) if rounds else 0
+    t1 = cm["t_verify_ms"][0]
+    p = expected_tokens(alpha, g) / (g * cm["t_draft_ms"] / t1 + cm["t_verify_ms"][g] / t1) if g else 1.0
+    a, b = _tps(systems.get("edgespec draft", {})), _tps(systems.get("edgespec plain", {}))
+    return {"alpha": alpha, "mean_gamma": g, "predicted_speedup": p, "measured_speedup": a / b if a and b else None}
 
 
 def memory_bandwidth_gbs(mib: int = 512, reps: int = 5) -> dict:
@@ -134,133 +555,30 @@ def memory_bandwidth_gbs(mib: int = 512, reps: int = 5) -> dict:
     return {"read_gbs": a.nbytes / min(rd) / 1e9, "copy_gbs": 2 * a.nbytes / min(cp) / 1e9}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/peers.json"))
-    ap.add_argument("--engines", type=Path, default=ROOT / "engines")
-    ap.add_argument("--code-prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--peer-repeats", type=int, default=2)
-    ap.add_argument("--gamma", type=int, default=None, help="edgespec/peer draft length (default: edgespec auto, peers 4)")
-    ap.add_argument("--timeout", type=int, default=1800)
-    ap.add_argument("--only", default=None, help="comma-separated system names to (re)run; others are read "
-                                                  "from the previous run's .cache/peers/raw.json")
-    ap.add_argument("--edgespec-runner", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
-    ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.edgespec_runner:
-        edgespec_runner(args)
-        return 0
-
-    work = ROOT / ".cache" / "peers"
-    work.mkdir(parents=True, exist_ok=True)
-    prompts = _prompts(args.code_prompts)
-    pfile = work / "prompts.json"
-    pfile.write_text(json.dumps(prompts))
-    me = [sys.executable, str(Path(__file__).resolve()), "--edgespec-runner", "--prompts", str(pfile),
-          "--engines", str(args.engines), "--max-new-tokens", str(args.max_new_tokens)]
-    tgt, dft = str(ROOT / "models" / "demo-target"), str(ROOT / "models" / "demo-draft")
-    g_peer = str(args.gamma or 4)
-    genai = [str(ROOT / ".venv-genai" / "bin" / "python"), str(HERE / "peers" / "genai_runner.py"), "--target", tgt,
-             "--draft", dft, "--prompts", str(pfile), "--max-new-tokens", str(args.max_new_tokens),
-             "--repeats", str(args.peer_repeats), "--work", str(work / "genai")]
-    hf = [str(ROOT / ".venv-hf" / "bin" / "python"), str(HERE / "peers" / "hf_runner.py"), "--target", tgt,
-          "--draft", dft, "--prompts", str(pfile), "--max-new-tokens", str(args.max_new_tokens),
-          "--repeats", str(args.peer_repeats)]
-    optimum = [str(ROOT / ".venv-optimum" / "bin" / "python"), str(HERE / "peers" / "optimum_runner.py"),
-               "--target", tgt, "--prompts", str(pfile), "--max-new-tokens", str(args.max_new_tokens),
-               "--repeats", str(args.peer_repeats), "--work", str(work / "optimum")]
-    eg = [] if args.gamma is None else ["--gamma", str(args.gamma)]
-    systems = {
-        "edgespec plain": me + ["--mode", "plain", "--repeats", str(args.repeats)],
-        "edgespec draft": me + ["--mode", "draft", "--repeats", str(args.repeats)] + eg,
-        "edgespec ngram": me + ["--mode", "ngram", "--repeats", str(args.repeats)] + eg,
-        "ORT GenAI plain": genai + ["--mode", "plain"],
-        "ORT GenAI draft": genai + ["--mode", "draft", "--gamma", g_peer],
-        "ORT GenAI ngram": genai + ["--mode", "ngram", "--gamma", g_peer],
-        "HF plain": hf + ["--mode", "plain"],
-        "HF assisted": hf + ["--mode", "assisted", "--gamma", g_peer],
-        "HF prompt lookup": hf + ["--mode", "prompt_lookup", "--gamma", g_peer],
-        "optimum ORTModelForCausalLM plain": optimum,
-        "edgespec draft sampled T=0.8": me + ["--mode", "draft", "--repeats", "1", "--temperature", "0.8"] + eg,
-    }
-    prev = json.loads((work / "raw.json").read_text()) if args.only and (work / "raw.json").is_file() else {}
-    only = set(args.only.split(",")) if args.only else set(systems)
-    raw = {name: run_system(name, cmd, args.timeout) if name in only or name not in prev else prev[name]
-           for name, cmd in systems.items()}
-    (work / "raw.json").write_text(json.dumps(raw))
-    ref = raw["edgespec plain"] if "error" not in raw["edgespec plain"] else None
-    table = {name: summarize(out, ref if "sampled" not in name else None, len(prompts)) for name, out in raw.items()}
-
-    def tps(name):
-        t = table.get(name, {})
-        return t["tokens_per_s"]["median"] if t.get("status") == "ok" else None
-
-    ratios = {}
-    for a, b in (("edgespec draft", "ORT GenAI draft"), ("edgespec draft", "HF assisted"),
-                 ("edgespec plain", "ORT GenAI plain"), ("edgespec draft", "edgespec plain"),
-                 ("ORT GenAI draft", "ORT GenAI plain"), ("HF assisted", "HF plain"),
-                 ("edgespec ngram", "ORT GenAI ngram"), ("edgespec ngram", "HF prompt lookup")):
-        if tps(a) and tps(b):
-            ratios[f"{a} / {b}"] = tps(a) / tps(b)
-    bw = memory_bandwidth_gbs()
-    weights = (args.engines / "demo-target" / "model.onnx").stat().st_size
-    m = json.loads((args.engines / "demo-target" / "engine.json").read_text())
-    ctx = 160  # ~ mean context of these runs (prompt ~96 + half of 128 new tokens)
-    kv = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4 * ctx
-    roof = bw["read_gbs"] * 1e9 / (weights + kv)
-    roofline = {"read_bandwidth_gbs": bw["read_gbs"], "copy_bandwidth_gbs": bw["copy_gbs"],
-                "bytes_per_token": weights + kv, "weights_bytes": weights,
-                "kv_bytes_at_mean_context": kv, "roofline_tokens_per_s": roof,
-                "plain_share_of_roofline": {n: tps(n) / roof for n in ("edgespec plain", "ORT GenAI plain", "HF plain")
-                                            if tps(n)}}
-    pred = None
-    ed = raw.get("edgespec draft", {})
-    if "error" not in ed and ed.get("cost_model"):
-        from edgespec.costmodel import expected_tokens
-        cm = ed["cost_model"]
-        r0 = [r for r in ed["results"] if r["repeat"] == 0]
-        acc, rej, dr, rounds = (sum(r[k] for r in r0) for k in ("accepted", "rejections", "drafted", "rounds"))
-        alpha = acc / (acc + rej) if acc + rej else 0.0
-        g = round(dr / rounds) if rounds else 0
-        t1 = cm["t_verify_ms"][0]
-        p = expected_tokens(alpha, g) / (g * cm["t_draft_ms"] / t1 + cm["t_verify_ms"][g] / t1) if g else 1.0
-        pred = {"alpha": alpha, "mean_gamma": g, "predicted_speedup": p,
-                "measured_speedup": ratios.get("edgespec draft / edgespec plain")}
-    report = {"command": "python bench/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "prompts": {"code": args.code_prompts, "prose": len(prompts) - args.code_prompts},
-              "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
-              "rerun_only": sorted(only) if args.only else None,
-              "note": (f"rows other than {sorted(only)} come from the previous full run (.cache/peers/raw.json), "
-                       "same prompts and settings" if args.only else None),
-              "systems": table, "ratios": ratios, "roofline": roofline, "edgespec_predicted_vs_measured": pred}
-    from bench_speculative import machine
-    report["machine"] = machine()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    md = markdown(report)
-    args.out.with_suffix(".md").write_text(md)
-    plot(report, args.out.with_suffix(".png"))
-    print(md)
-    return 0
-
-
+# ---- the summary -------------------------------------------------------------------------------------------
 def markdown(r: dict) -> str:
-    rows = ["| system | tok/s median (min–max) | TTFT ms | acceptance | accepted/round | identical prompts | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|"]
+    rows = []
+    run = r.get("run")
+    if run:
+        rows += [f"Run `{run['id']}`: {run['started']} .. {run['ended']} ({run['duration_min']} min), every row "
+                 f"below from this run.", ""]
+    if r.get("best_vs_best"):
+        rows += ["**Best against best** (each system's fastest mode at its fastest configuration):", ""]
+        rows += [f"- {b['text']}" for b in r["best_vs_best"]] + [""]
+    rows += ["| system | tok/s median (min–max) | TTFT ms | acceptance | accepted/round | identical prompts | "
+             "peak RSS MiB | configuration (selected in the sweep) |", "|---|---|---|---|---|---|---|---|"]
     for name, s in r["systems"].items():
         if s["status"] != "ok":
-            rows.append(f"| {name} | failed: {s['error'][:120]} | | | | | |")
+            rows.append(f"| {name} | failed: {_brief(s['error'])[:160]} | | | | | | |")
             continue
         t = s["tokens_per_s"]
         acc = f"{s['acceptance_rate']:.3f}" if "acceptance_rate" in s else "–"
         apr = f"{s['mean_accepted_per_round']:.2f}" if "mean_accepted_per_round" in s else "–"
+        cfg = s.get("config", "") + (f" (best of {s['selected_from']})" if s.get("selected_from", 1) > 1 else "")
         rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | {s['ttft_ms_median']:.1f} | "
-                    f"{acc} | {apr} | {s.get('identical_prompts', '–')} | {s['peak_rss_mib']:.0f} |")
-    rows += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
+                    f"{acc} | {apr} | {s.get('identical_prompts', '–')} | {s['peak_rss_mib']:.0f} | {cfg} |")
+    rows += ["", "| ratio (best configuration of each) | value |", "|---|---|"] + \
+        [f"| {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
     rf = r["roofline"]
     rows += ["", f"Roofline: read bandwidth {rf['read_bandwidth_gbs']:.1f} GB/s (numpy sum; copy "
                  f"{rf['copy_bandwidth_gbs']:.1f} GB/s) ÷ {rf['bytes_per_token'] / 1e6:.1f} MB "
@@ -270,7 +588,24 @@ def markdown(r: dict) -> str:
         p = r["edgespec_predicted_vs_measured"]
         rows.append(f"edgespec draft: α = {p['alpha']:.3f}, mean γ {p['mean_gamma']}, predicted speedup "
                     f"{p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x")
-    rows.append(f"\nCommand: `{r['command']}`" + (f" ({r['note']})" if r.get("note") else ""))
+    sweep = r.get("sweep", {}).get("modes")
+    if sweep:
+        m = r["method"]
+        rows += ["", f"Every configuration tried (sweep: prompts {m['sweep_prompt_indices']} of {r['prompts']['count']}"
+                     f", once each; {m['selection']}):", "",
+                 "| mode | configuration | tok/s | acceptance | identical prompts | |", "|---|---|---|---|---|---|"]
+        for name, tried in sweep.items():
+            chosen = r["systems"].get(name, {}).get("config")
+            for t in tried:
+                mark = "**selected**" if t["config"] == chosen else ""
+                if t["status"] != "ok":
+                    rows.append(f"| {name} | {t['config']} | failed: {_brief(t['error'])[:160]} | | | |")
+                    continue
+                acc = f"{t['acceptance_rate']:.3f}" if "acceptance_rate" in t else "–"
+                rows.append(f"| {name} | {t['config']} | {t['tokens_per_s']['median']:.1f} | {acc} | "
+                            f"{t.get('identical_prompts', '–')} | {mark} |")
+    rows.append(f"\nCommand: `{run['command'] if run else r['command']}`"
+                + (f" ({r['note']})" if r.get("note") else ""))
     return "\n".join(rows) + "\n"
 
 
@@ -282,17 +617,20 @@ def plot(r: dict, path: Path) -> None:
     except ImportError:
         return
     ok = {n: s for n, s in r["systems"].items() if s["status"] == "ok"}
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 5.5))
     names = list(ok)
     med = [ok[n]["tokens_per_s"]["median"] for n in names]
     err = [[m - ok[n]["tokens_per_s"]["min"] for n, m in zip(names, med)],
            [ok[n]["tokens_per_s"]["max"] - m for n, m in zip(names, med)]]
     colors = ["tab:green" if n.startswith("edgespec") else "tab:blue" if "GenAI" in n else "tab:orange" for n in names]
-    ax.barh(names, med, xerr=err, color=colors)
+    ax.barh([f"{n}\n{ok[n].get('config', '')}" for n in names], med, xerr=err, color=colors)
     ax.axvline(r["roofline"]["roofline_tokens_per_s"], color="grey", ls="--", lw=1, label="plain-decode roofline")
     ax.invert_yaxis()
-    ax.set_xlabel("tokens/s (median over repeats; bars: min–max)")
-    ax.set_title("Bundled pair, 2-core CPU: edgespec vs ONNX Runtime GenAI vs HF")
+    ax.tick_params(axis="y", labelsize=7)
+    ax.set_xlabel("tokens/s (median over repeats; bars: min–max); each mode at its best swept configuration")
+    bvb = "; ".join(f"vs {b['peer_system']} {b['ratio']:.2f}×" for b in r.get("best_vs_best", []))
+    ax.set_title(f"Bundled pair, {r.get('machine', {}).get('cores', '?')}-core CPU, one run"
+                 + (f"\nedgespec best vs each peer's best: {bvb}" if bvb else ""), fontsize=10)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

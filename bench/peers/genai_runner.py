@@ -4,7 +4,7 @@ Runs inside .venv-genai (see bench/setup_peers.sh), as a subprocess of the bench
 
     .venv-genai/bin/python bench/peers/genai_runner.py --target models/demo-target \
         --draft models/demo-draft --prompts prompts.json --max-new-tokens 128 --repeats 3 \
-        --work .cache/peers/genai --mode draft --gamma 4
+        --work .cache/peers/genai --mode draft --gamma 4 --threads 2 --draft-threads 1
 
 Prints exactly ONE JSON object on stdout (everything else goes to stderr):
 
@@ -23,12 +23,22 @@ Speculative API of onnxruntime-genai 0.18 (verified against the installed packag
     it, so it is added here with `og.Config(target).overlay(json)`, its `filename` pointing at the
     draft build relative to the target build;
   * `GeneratorParams.set_speculative_options(max_draft_tokens=K, ngram_size=N,
-    ngram_chained_lookup=bool, min_adaptive_k=int, cooldown=bool)`; `ngram_size >= 2` turns on
-    n-gram (prompt lookup) drafting from the target alone; it cannot be combined with a draft;
+    ngram_chained_lookup=bool, min_adaptive_k=int, cooldown=bool)`; K in [1, 16] (default 4);
+    `ngram_size` 0 or in [2, 16]: >= 2 turns on n-gram (prompt lookup) drafting from the target
+    alone and cannot be combined with a draft; `min_adaptive_k` > 0 lets GenAI adapt k between it
+    and K from the acceptance (`adaptive_k_increases/decreases` in the stats);
   * `Generator.get_speculative_stats()` -> dict of counters (rounds, draft_tokens_proposed,
     draft_tokens_accepted, acceptance_rate, acceptance_length_histogram, ...).
   The generator still hands out one token per `generate_next_token()` (verified tokens are
   queued), so the token loop is the same in every mode.
+
+Threads: every model section of genai_config.json (`model.decoder`, `model.draft`) takes its own
+`session_options` (https://onnxruntime.ai/docs/genai/reference/config.html, SessionOptions:
+`intra_op_num_threads`, `inter_op_num_threads`). --threads sets the target's, --draft-threads the
+draft's; 0 leaves the section alone (GenAI's default). The draft section does NOT inherit the
+decoder's session options (verified: a draft without them starts no intra-op worker thread, like
+intra_op_num_threads = 1, and so does GenAI's default on this 2-core CPU). `config.os_threads` records
+the process's thread count after the model loaded, the evidence of what ORT actually started.
 
 Timing (same convention as edgespec's Stats): t0 just before the Generator is created (prompt
 already tokenized); ttft_s = until the first new token is returned by get_next_tokens();
@@ -126,9 +136,10 @@ def draft_overlay(target_build: Path, draft_build: Path) -> dict:
     return {"model": {"draft": dec}}
 
 
-def threads_overlay(threads: int, sections) -> dict:
-    return {"model": {s: {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}
-                      for s in sections}}
+def threads_overlay(threads: dict) -> dict:
+    """{section: intra-op threads} -> session_options per model section; 0 leaves a section alone."""
+    return {"model": {s: {"session_options": {"intra_op_num_threads": n, "inter_op_num_threads": 1}}
+                      for s, n in threads.items() if n > 0}}
 
 
 def merge(a: dict, b: dict) -> dict:
@@ -182,7 +193,12 @@ def main(argv=None):
                     help="speculative.max_draft_tokens (1..16); GenAI's default (4) when omitted")
     ap.add_argument("--ngram-size", type=int, default=3, help="speculative.ngram_size for --mode ngram (>= 2)")
     ap.add_argument("--ngram-chained", action="store_true", help="speculative.ngram_chained_lookup")
-    ap.add_argument("--threads", type=int, default=2, help="ORT intra-op threads (0 = ORT default)")
+    ap.add_argument("--min-adaptive-k", type=int, default=0,
+                    help="speculative.min_adaptive_k (> 0: GenAI adapts k between it and --gamma)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="target (model.decoder) intra-op threads; 0 = GenAI's default")
+    ap.add_argument("--draft-threads", type=int, default=0,
+                    help="draft (model.draft) intra-op threads; 0 = GenAI's default")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "int8", "int4"])
     ap.add_argument("--warmup", type=int, default=1, help="untimed generations (16 tokens) before timing")
     args = ap.parse_args(argv)
@@ -214,7 +230,9 @@ def main(argv=None):
     config = {"target_build": str(target_build), "draft_build": str(draft_build) if draft_build else None,
               "builder_command": f"{sys.executable} -m onnxruntime_genai.models.builder -i <hf folder> "
                                  f"-o <out> -p {args.precision} -e cpu -c {args.work / 'builder_cache'}",
-              "precision": args.precision, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+              "precision": args.precision, "threads": args.threads or "GenAI default",
+              "draft_threads": (args.draft_threads or "GenAI default") if draft_build else None,
+              "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "warmup": args.warmup, "search": {"do_sample": False, "top_k": 1}}
 
     # ---- model + speculative options (an exception here means the mode is unsupported: exit 0)
@@ -225,18 +243,19 @@ def main(argv=None):
         spec_opts["ngram_size"] = args.ngram_size
         if args.ngram_chained:
             spec_opts["ngram_chained_lookup"] = True
+    if args.mode != "plain" and args.min_adaptive_k:
+        spec_opts["min_adaptive_k"] = args.min_adaptive_k
     config["speculative_options"] = spec_opts
     try:
         cfg = og.Config(str(target_build))
-        overlay: dict = {}
-        if args.threads > 0:
-            overlay = threads_overlay(args.threads, ["decoder"] + (["draft"] if draft_build else []))
+        overlay = threads_overlay({"decoder": args.threads, **({"draft": args.draft_threads} if draft_build else {})})
         if draft_build:
             overlay = merge(overlay, draft_overlay(target_build, draft_build))
-        if overlay:
+        if overlay["model"]:
             cfg.overlay(json.dumps(overlay))
         config["config_overlay"] = overlay
         model = og.Model(cfg)
+        config["os_threads"] = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
         tokenizer = og.Tokenizer(model) if any(isinstance(p, str) for p in prompts) else None
 
         def new_params(max_length):
