@@ -84,11 +84,11 @@ def choose_flavor(spec: ModelSpec, flavor: str, input_mode: str = "ids") -> tupl
         raise ValueError(f"--flavor must be one of {FLAVOR_CHOICES}, got {flavor!r}")
     if flavor == "portable":
         return flavor, {}
+    if flavor == "auto" and input_mode == "embeds":
+        return "portable", {"attention": "--flavor auto keeps inputs_embeds engines portable (for now)"}
     from .ort_graph import FUSED, plan_fusion
     fusion = plan_fusion(spec)
     if flavor == "auto" and fusion["attention"] != FUSED:
-    if flavor == "auto" and input_mode == "embeds":
-        return "portable", {"attention": "--flavor auto keeps inputs_embeds engines portable (for now)"}
         return "portable", {"attention": "--flavor auto chose portable: " + fusion["attention"]}
     return "ort", fusion
 
