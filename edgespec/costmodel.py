@@ -106,39 +106,52 @@ class CostModel:
         return float(self._at(self.draft, context))
 
     # -- prediction -----------------------------------------------------------------------------------
-    def round_s(self, gamma: int, context: int | None = None, counts: np.ndarray | None = None) -> float:
-        """Expected seconds of a round that asks for γ drafts; counts (γ+1,) = P(c proposals), default c = γ."""
-        if gamma == 0:
-            return self.t_round + self.verify_s(1, context)
-        if counts is None:
-            counts = np.zeros(gamma + 1)
-            counts[gamma] = 1.0
+    def round_times(self, top: int, context: int | None = None, reach: np.ndarray | None = None) -> np.ndarray:
+        """(top+1,) expected seconds of a round that asks for γ = 0..top drafts. reach (top+1,): P(c >= j) the
+        drafter proposes at least j (default 1: it proposes all it is asked for)."""
         k0, k1, u = self._bracket(context)
-        verify = (1 - u) * self.verify[k0, :gamma + 1] + u * self.verify[k1, :gamma + 1]  # (γ+1,) S = 1..γ+1
+        verify = (1 - u) * self.verify[k0, :top + 1] + u * self.verify[k1, :top + 1]  # (top+1,) S = 1..top+1
         if u > 1:
-            verify = np.maximum(verify, self.verify[k1, :gamma + 1])
-        c = np.arange(gamma + 1)
-        return self.t_round + self.t_draft_round + float(counts @ (c * self.draft_s(context) + verify))
+            verify = np.maximum(verify, self.verify[k1, :top + 1])
+        ran = np.arange(top + 1) * self.draft_s(context) + verify  # (top+1,) a round with c = j proposals
+        if reach is None:
+            out = ran.copy()
+        else:  # asking γ: c = j < γ with P(c = j) = reach[j] - reach[j+1], c = γ with P(c >= γ)
+            before = np.concatenate([[0.0], np.cumsum((reach[:-1] - reach[1:]) * ran[:-1])])
+            out = before + reach * ran
+        out[1:] += self.t_draft_round
+        return out + self.t_round
+
+    def rates(self, alpha: float, top: int, context: int | None = None, tokens: np.ndarray | None = None,
+              reach: np.ndarray | None = None) -> np.ndarray:
+        """(top+1,) expected tokens per second asking for γ = 0..top: tokens (top+1,) = E[tokens | γ] (default
+        the paper's i.i.d. formula at α), reach as in round_times."""
+        if tokens is None:
+            tokens = np.array([expected_tokens(alpha, g) for g in range(top + 1)])
+        return tokens / self.round_times(top, context, reach)
+
+    def round_s(self, gamma: int, context: int | None = None, counts: np.ndarray | None = None) -> float:
+        """Expected seconds of a round asking for γ; counts (γ+1,) = P(c proposals), default c = γ."""
+        reach = None if counts is None else np.cumsum(np.asarray(counts)[::-1])[::-1]
+        return float(self.round_times(gamma, context, reach)[gamma])
 
     def rate(self, alpha: float, gamma: int, tokens: float | None = None, context: int | None = None,
              counts: np.ndarray | None = None) -> float:
         """Expected tokens per second with γ drafts: the paper's E[tokens] at acceptance α, or `tokens`
         (expected tokens per round from measured position-wise acceptance) when given."""
-        if gamma == 0:
-            return 1.0 / self.round_s(0, context)
-        e = expected_tokens(alpha, gamma) if tokens is None else tokens
+        e = expected_tokens(alpha, gamma) if tokens is None or gamma == 0 else tokens
         return e / self.round_s(gamma, context, counts)
 
     def predicted_speedup(self, alpha: float, gamma: int, context: int | None = None) -> float:
         return self.rate(alpha, gamma, context=context) / self.rate(alpha, 0, context=context)
 
-    def best_gamma(self, alpha: float, limit: int | None = None, expected=None, context: int | None = None,
-                   counts=None) -> int:
-        """argmax over γ in 0..limit of expected tokens/s at this context; `expected(γ)` overrides the
-        i.i.d. formula, `counts(γ)` gives P(c proposals) (default: the drafter proposes all γ)."""
+    def best_gamma(self, alpha: float, limit: int | None = None, context: int | None = None,
+                   estimator: "AcceptanceEstimator | None" = None) -> int:
+        """argmax over γ in 0..limit of expected tokens/s at this context (the shortest γ among equals);
+        with an `estimator`, its position-wise acceptance and fill replace the i.i.d. formula."""
         top = self.gamma_max if limit is None else max(0, min(limit, self.gamma_max))
-        return max(range(top + 1), key=lambda g: self.rate(
-            alpha, g, expected(g) if expected and g else None, context, counts(g) if counts and g else None))
+        tokens, reach = estimator.curves(top) if estimator is not None else (None, None)
+        return int(np.argmax(self.rates(alpha, top, context, tokens, reach)))
 
     # -- learning from rounds ---------------------------------------------------------------------------
     @staticmethod
@@ -189,24 +202,26 @@ class AcceptanceEstimator:
     """Running estimate of α from rounds: each accepted draft is a success, a round that stopped at a
     rejection is one failure (drafts after it were never tried). Old rounds decay away. It also tracks how
     often the drafter fills position i when asked for it (an n-gram lookup often proposes fewer than γ).
-    The position lists grow with the longest draft seen (`positions` presizes them)."""
+    Per-position arrays grow with the longest draft seen (`positions` presizes them)."""
     prior_accept: float = 3.0
     prior_reject: float = 1.0
     decay: float = 0.97
     accepted: float = 0.0
     rejected: float = 0.0
     positions: int = 0
-    tried_at: list = field(default_factory=list)  # decayed drafts tried at position i
-    kept_at: list = field(default_factory=list)  # ... and kept
-    asked_at: list = field(default_factory=list)  # decayed rounds that asked for position i, having position i-1
-    filled_at: list = field(default_factory=list)  # ... and got a proposal there
+    tried_at: np.ndarray = field(default_factory=lambda: np.zeros(0))  # decayed drafts tried at position i
+    kept_at: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ... and kept
+    asked_at: np.ndarray = field(default_factory=lambda: np.zeros(0))  # decayed rounds asking for i, having i-1
+    filled_at: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ... that got a proposal there
 
     def __post_init__(self):
         self._grow(self.positions)
 
     def _grow(self, n: int) -> None:
-        for lst in (self.tried_at, self.kept_at, self.asked_at, self.filled_at):
-            lst.extend([0.0] * (n - len(lst)))
+        if n > len(self.tried_at):
+            pad = lambda a: np.concatenate([a, np.zeros(n - len(a))])  # noqa: E731
+            self.tried_at, self.kept_at = pad(self.tried_at), pad(self.kept_at)
+            self.asked_at, self.filled_at = pad(self.asked_at), pad(self.filled_at)
 
     @property
     def alpha(self) -> float:
@@ -218,42 +233,41 @@ class AcceptanceEstimator:
         if not 0 <= accepted <= drafted <= asked:
             raise ValueError(f"need 0 <= accepted <= drafted <= asked, got {accepted}, {drafted}, {asked}")
         self._grow(asked)
-        for i in range(len(self.asked_at)):  # position i is asked for when i < asked and 0..i-1 were proposed
-            offered = i < asked and i <= drafted
-            self.asked_at[i] = self.asked_at[i] * self.decay + offered
-            self.filled_at[i] = self.filled_at[i] * self.decay + (offered and i < drafted)
+        i, d = np.arange(len(self.asked_at)), self.decay
+        offered = (i < asked) & (i <= drafted)  # position i is asked for when 0..i-1 were proposed
+        self.asked_at = self.asked_at * d + offered
+        self.filled_at = self.filled_at * d + (offered & (i < drafted))
         if drafted == 0:
             return
-        self.accepted = self.accepted * self.decay + accepted
-        self.rejected = self.rejected * self.decay + (1 if accepted < drafted else 0)
-        for i in range(len(self.tried_at)):  # position i is tried only when 0..i-1 were all kept
-            tried = i < drafted and i <= accepted
-            self.tried_at[i] = self.tried_at[i] * self.decay + tried
-            self.kept_at[i] = self.kept_at[i] * self.decay + (tried and i < accepted)
+        self.accepted = self.accepted * d + accepted
+        self.rejected = self.rejected * d + (1 if accepted < drafted else 0)
+        tried = (i < drafted) & (i <= accepted)  # position i is tried only when 0..i-1 were all kept
+        self.tried_at = self.tried_at * d + tried
+        self.kept_at = self.kept_at * d + (tried & (i < accepted))
 
-    def fill(self, j: int, prior: float = 1.0) -> float:
-        """P(the drafter proposes position j | asked for it, proposed j-1), shrunk toward 1."""
-        a = self.asked_at[j] if j < len(self.asked_at) else 0.0
-        f = self.filled_at[j] if j < len(self.filled_at) else 0.0
-        return (f + prior) / (a + prior)
+    def _at(self, a: np.ndarray, n: int) -> np.ndarray:
+        return a[:n] if len(a) >= n else np.concatenate([a, np.zeros(n - len(a))])
+
+    def curves(self, top: int, prior: float = 2.0, fill_prior: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """-> (tokens, reach), each (top+1,) for γ = 0..top: tokens[γ] = E[tokens per round | γ] =
+        1 + sum_{j<γ} prod_{i<=j} f_i a_i, reach[j] = P(the drafter proposes at least j) = prod_{i<j} f_i.
+        a_i: acceptance at position i, shrunk toward the pooled α where a position has few observations;
+        f_i: P(proposes position i | asked for it, proposed i-1), shrunk toward 1. Acceptance is not i.i.d.
+        (easy stretches accept everything, hard ones reject at once), so this can differ from the paper's
+        formula either way."""
+        a = (self._at(self.kept_at, top) + prior * self.alpha) / (self._at(self.tried_at, top) + prior)
+        f = (self._at(self.filled_at, top) + fill_prior) / (self._at(self.asked_at, top) + fill_prior)
+        tokens = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(f * a))])
+        reach = np.concatenate([[1.0], np.cumprod(f)])
+        return tokens, reach
+
+    def expected_tokens(self, gamma: int) -> float:
+        return float(self.curves(gamma)[0][gamma])
 
     def proposal_counts(self, gamma: int) -> np.ndarray:
         """(γ+1,) P(a round that asks for γ drafts gets c of them), c = 0..γ."""
-        reach = np.cumprod([1.0] + [self.fill(j) for j in range(gamma)])  # P(c >= j), j = 0..γ
+        reach = self.curves(gamma)[1]
         return reach - np.append(reach[1:], 0.0)
-
-    def expected_tokens(self, gamma: int, prior: float = 2.0) -> float:
-        """E[tokens per round] = 1 + sum_j prod_{i<=j} f_i a_i from position-wise acceptance a_i (shrunk toward
-        the pooled α where a position has few observations) and fill f_i. Acceptance is not i.i.d. (easy
-        stretches accept everything, hard ones reject at once), so this can differ from the paper's formula
-        either way."""
-        alpha, e, run = self.alpha, 1.0, 1.0
-        for j in range(gamma):
-            t = self.tried_at[j] if j < len(self.tried_at) else 0.0
-            k = self.kept_at[j] if j < len(self.kept_at) else 0.0
-            run *= self.fill(j) * (k + prior * alpha) / (t + prior)
-            e += run
-        return e
 
 
 def median_time(fn, reps: int) -> float:

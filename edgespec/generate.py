@@ -457,8 +457,7 @@ class Generator:
             return gamma
         if self.cost is None:
             self.measure_costs()
-        g = self.cost.best_gamma(est.alpha, min(limit, self.gamma_max), expected=est.expected_tokens,
-                                 context=context, counts=est.proposal_counts)
+        g = self.cost.best_gamma(est.alpha, min(limit, self.gamma_max), context, est)
         if g == 0 and stats.rounds % PROBE_EVERY == PROBE_EVERY - 1:
             g = 1  # probe: keep the acceptance estimate alive while not speculating
         return g

@@ -93,6 +93,9 @@ def test_fill_rate_of_a_drafter_that_proposes_fewer_than_asked():
     assert cm.round_s(5, counts=p) == pytest.approx(cm.round_s(2), rel=0.01)
     assert cm.rate(est.alpha, 5, est.expected_tokens(5), counts=p) == pytest.approx(
         cm.rate(est.alpha, 2, est.expected_tokens(2)), rel=0.02)
+    for context in (None, 64):  # best_gamma (vectorised) picks the argmax of the one-γ-at-a-time rates
+        one = [cm.rate(est.alpha, g, est.expected_tokens(g), context, est.proposal_counts(g)) for g in range(6)]
+        assert cm.best_gamma(est.alpha, context=context, estimator=est) == int(np.argmax(one))
 
 
 def test_positionwise_acceptance_sees_bursty_drafts():
