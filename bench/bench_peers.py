@@ -12,6 +12,9 @@ one process schedule, and nothing from any other run:
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat.
 
+The defaults (129 sweep configurations on 6 prompts, then 12 rows × 3 repeats on 24 prompts × 128 tokens)
+take about 30 minutes on the 2-core CPU; the script prints its estimate first and a progress bar after.
+
 Every system runs in its own process (so peak RSS is its own): edgespec through this script's
 `--edgespec-runner` mode, the peers through bench/peers/*_runner.py in their virtual environments. Greedy
 rows compare their tokens with edgespec plain; a sampled edgespec row (T = 0.8) reports speed and
@@ -20,7 +23,7 @@ the run (id, start and end times, full command); `check_same_run` refuses to wri
 from any other run. Writes JSON, a markdown summary (.md) and a PNG beside --out; raw outputs (token ids)
 go to .cache/peers/<run id>/raw.json.
 
-Smoke test (2 prompts, 16 tokens, small sweeps; ~5 minutes):
+Smoke test (2 prompts, 16 tokens, small sweeps; 4-8 minutes, mostly process start-up):
 
     python bench/bench_peers.py --out /tmp/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
         --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
@@ -325,7 +328,7 @@ def mode_ratios(systems: dict) -> dict:
 class Progress:
     """A one-line progress bar on stderr, by estimated seconds of work (tokens / a rough speed + start-up)."""
     SPEED = {"edgespec": 350.0, "genai": 350.0, "hf": 90.0, "optimum": 140.0}  # rough tok/s, for the ETA only
-    START_S = {"edgespec": 3.0, "genai": 3.0, "hf": 7.0, "optimum": 7.0}
+    START_S = {"edgespec": 4.0, "genai": 2.5, "hf": 12.0, "optimum": 10.0}  # process start, load, warm-up
 
     def __init__(self, total: float):
         self.total, self.done, self.t0 = total, 0.0, time.time()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Virtual environments for the peer systems the benchmark compares against. Run from the repo root:
 #
-#     bash bench/setup_peers.sh            # both environments
+#     bash bench/setup_peers.sh            # all three environments
 #     bash bench/setup_peers.sh genai      # only .venv-genai
 #     bash bench/setup_peers.sh hf         # only .venv-hf
 #     bash bench/setup_peers.sh optimum    # only .venv-optimum (optimum-onnx pins an older transformers)
@@ -9,6 +9,10 @@
 # .venv-genai  ONNX Runtime GenAI + what its model builder needs (onnx, onnx-ir, torch, transformers,
 #              numpy, onnxruntime), for bench/peers/genai_runner.py
 # .venv-hf     torch + transformers (+ psutil), for bench/peers/hf_runner.py
+# .venv-optimum  torch + optimum-onnx + onnxruntime, for bench/peers/optimum_runner.py
+#
+# bench/bench_peers.py runs every runner from these environments (GenAI with its default threading and
+# with edgespec's, k / n-gram sweeps, HF assisted and prompt lookup sweeps) in one run.
 #
 # Idempotent: an environment whose stamp matches the pinned requirements and whose checks pass is
 # left alone; otherwise it is (re)installed in place. Each step prints "ERROR: ..." and exits

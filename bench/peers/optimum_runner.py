@@ -34,12 +34,14 @@ def main() -> None:
     args = ap.parse_args()
     base = {"system": "optimum ORTModelForCausalLM", "mode": "plain"}
     try:
+        from importlib.metadata import version
+
         import onnxruntime as ort
-        import optimum
         import torch
         from optimum.onnxruntime import ORTModelForCausalLM
         from transformers import AutoTokenizer
-        base["system"] = f"optimum {getattr(optimum, '__version__', '?')} ORTModelForCausalLM (onnxruntime {ort.__version__})"
+        base["system"] = (f"optimum {version('optimum')} (optimum-onnx {version('optimum-onnx')}) ORTModelForCausalLM "
+                          f"(onnxruntime {ort.__version__})")
         torch.set_num_threads(args.threads)
         out_dir = args.work / args.target.name
         so = ort.SessionOptions()
