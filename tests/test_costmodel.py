@@ -278,3 +278,12 @@ def test_stats_lists_grow_with_the_draft_length():
     s.add_round(3, 5)
     assert len(s.histogram) == 6 and s.tried_by_position == [1, 1, 1, 1, 1] and s.accepted_by_position[:4] == [1, 1, 1, 0]
     assert s.rejections == 1 and s.drafted == 5 and s.accepted == 3
+
+
+def test_costs_are_measured_within_the_smaller_engine_capacity(tiny_engines):
+    """A draft of 48 rows beside a target of 128: every bucket fits the draft, and decoding past the draft's
+    capacity still matches plain decoding."""
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["short"], gamma_max=16)
+    assert gen.cost.contexts.tolist() == [48 - 16 - 2]
+    plain = edgespec.load(tiny_engines["target"]).generate(PROMPT, max_new_tokens=60)
+    assert gen.generate(PROMPT, max_new_tokens=60).token_ids == plain.token_ids
