@@ -46,6 +46,7 @@ from .decoder import Decoder
 from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel, Drafter
 from .engine import open_engine, session_options
+from .masks import step_inputs
 from .speculative import RelaxedRule, fast_round, greedy_rule, reference_round
 
 MODES = ("greedy", "relaxed")
@@ -313,9 +314,7 @@ class Policy:
             x = np.concatenate([seq, emb[ids]], 0)[None] if ids else seq[None]
             s = x.shape[1]
             feeds = {self.target.m.inputs[0].name: x.astype(np.float32),
-                     C.POSITION_IDS: np.arange(s, dtype=np.int64)[None],
-                     C.ATTENTION_BIAS: np.where(np.tril(np.ones((s, s), bool)), 0.0, C.MASKED)
-                     .astype(np.float32)[None, None]}
+                     **step_inputs(self.target.m, np.zeros(1, np.int64), s, s)}  # either graph flavour
             for past, _ in C.cache_names(self.target.m.num_layers):
                 feeds[past] = np.zeros((1, self.target.m.num_kv_heads, s, self.target.m.head_dim),
                                        self.target.m.cache_dtype)  # rows 0..s-1: written by the call

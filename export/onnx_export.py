@@ -77,15 +77,11 @@ def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode
 
 def choose_flavor(spec: ModelSpec, flavor: str, input_mode: str = "ids") -> tuple[str, dict]:
     """(flavor, engine.json `fusion`) for `flavor` in FLAVOR_CHOICES: ort's per-op plan (ort_graph.plan_fusion);
-    auto takes ort only when its attention is fused, else portable with the reason recorded. Under auto,
-    inputs_embeds engines (VLA policy decoders) stay portable for now: policy.py's uncached reference path
-    feeds the portable inputs (`--flavor ort` exports them, tests/test_ort_flavor.py runs one)."""
+    auto takes ort only when its attention is fused, else portable with the reason recorded."""
     if flavor not in FLAVOR_CHOICES:
         raise ValueError(f"--flavor must be one of {FLAVOR_CHOICES}, got {flavor!r}")
     if flavor == "portable":
         return flavor, {}
-    if flavor == "auto" and input_mode == "embeds":
-        return "portable", {"attention": "--flavor auto keeps inputs_embeds engines portable (for now)"}
     from .ort_graph import FUSED, plan_fusion
     fusion = plan_fusion(spec)
     if flavor == "auto" and fusion["attention"] != FUSED:
