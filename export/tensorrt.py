@@ -20,12 +20,15 @@ from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, pr
 def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = True, workspace_gib: float = 4.0) -> dict:
     """Parse model.onnx, build a TensorRT plan with the given profiles, write model.plan. Needs a GPU."""
     from edgespec.trt import import_tensorrt
-    trt = import_tensorrt()  # an EngineError that says what to install when tensorrt is missing
 
     engine_dir = Path(engine_dir)
     m = C.Manifest.read(engine_dir)
     if m.kind != "decoder":
         raise ValueError(f"{engine_dir}: only contract decoders (kind 'decoder') build to TensorRT, got {m.kind!r}")
+    if m.flavor != "portable":  # ONNX Runtime's contrib ops (GroupQueryAttention, ...) are not TensorRT layers
+        raise ValueError(f"{engine_dir} is a {m.flavor!r}-flavour graph (ONNX Runtime contrib ops); TensorRT builds "
+                         f"the portable graph: re-export with `edgespec export ... --flavor portable`")
+    trt = import_tensorrt()  # an EngineError that says what to install when tensorrt is missing
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     major = int(trt.__version__.split(".")[0])

@@ -186,6 +186,9 @@ def test_tensorrt_refuses_an_ort_engine_and_says_what_to_export(engines):
     for provider in ("tensorrt-native", "tensorrt-ep"):
         with pytest.raises(EngineError, match="--flavor portable"):
             open_engine(engines["llama", "ort"], provider)
+    from edgespec.export.tensorrt import build_engine
+    with pytest.raises(ValueError, match="TensorRT builds the portable graph: re-export with .*--flavor portable"):
+        build_engine(engines["llama", "ort"], [])  # refused before TensorRT is even needed
 
 
 def test_a_folder_from_before_flavours_loads_as_portable(engines, tmp_path):
