@@ -103,7 +103,8 @@ def _print_weight_bytes(m, engine_dir: Path) -> None:
     if q:
         print(f"  precision {m.precision}: {q.get('method')}"
               + (f", {q['bits']}-bit blocks of {q['block_size']}, accuracy level {q.get('accuracy_level')}"
-                 if "block_size" in q else ""))
+                 if "block_size" in q else "")
+              + (f", lm_head {q['head']} {q['head_bits']}-bit" if q.get("head") else ""))
     elif m.precision == "int8":
         print("  precision int8: no quantization record (exported when int8 meant dynamic int8, now int8-dynamic)")
     kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * (2 if m.cache_dtype == "float16" else 4)

@@ -53,7 +53,9 @@ def test_integer_exports_load_and_decode(exported, dtype):
     if dtype in quantize.WEIGHT_ONLY:
         nbits = nodes(exported[dtype], "MatMulNBits")
         assert len(nbits) == q["quantized_matmuls"] > 0 and not nodes(exported[dtype], "MatMulInteger")
-        assert {attrs(n)["bits"] for n in nbits} == {q["bits"]} == {int(dtype[3:])}
+        head = [n for n in nbits if n.name.startswith(q["head"] or "-")]  # the lm_head: the MatMul of the logits
+        assert {attrs(n)["bits"] for n in nbits if n not in head} == {q["bits"]} == {int(dtype[3:])}
+        assert {attrs(n)["bits"] for n in head} == ({8} if dtype == "int4" else set())  # int4: lm_head at 8 bits
         assert {attrs(n)["block_size"] for n in nbits} == {q["block_size"]} == {quantize.BLOCK_SIZE}
         # the tiny model's down projection has K = 48: not a multiple of the 32-value block (padded last block)
         assert 48 in {attrs(n)["K"] for n in nbits} and 48 % quantize.BLOCK_SIZE
@@ -71,20 +73,22 @@ def test_int8_keeps_more_than_int4(exported):
 
 
 def test_weight_bytes_per_token_counts_the_packed_blocks(exported):
-    """int4: the 4-bit blocks are N * ceil(K/bs) * bs/2 bytes per MatMulNBits, plus one float32 scale and half a
-    zero-point byte per block; everything not quantized reads the same bytes as in the fp32 graph, and the
-    embedding table counts one row per token."""
+    """int4: the 4-bit blocks are N * ceil(K/bs) * bs/2 bytes per MatMulNBits (the 8-bit lm_head's twice that),
+    plus one float32 scale and half a zero-point byte (a whole one at 8 bits) per block; everything not
+    quantized reads the same bytes as in the fp32 graph, and the embedding table counts one row per token."""
     fp32, int4 = (C.Manifest.read(exported[d]).extra["weight_bytes_per_token"] for d in ("fp32", "int4"))
     bs = quantize.BLOCK_SIZE
 
     def ceil(a, b):
         return -(-a // b)
-    shapes = [(attrs(n)["K"], attrs(n)["N"]) for n in nodes(exported["int4"], "MatMulNBits")]
-    assert int4["by_kind"]["4-bit blocks"] == sum(n * ceil(k, bs) * bs // 2 for k, n in shapes)
-    assert int4["by_kind"]["block scales (float32)"] == sum(4 * n * ceil(k, bs) for k, n in shapes)
-    assert int4["by_kind"]["block zero points"] == sum(n * ceil(ceil(k, bs), 2) for k, n in shapes)
-    quantized = sum(v for k, v in int4["by_kind"].items() if k.startswith(("4-bit", "block ")))
-    assert fp32["total"] - sum(4 * k * n for k, n in shapes) == int4["total"] - quantized  # the rest: unchanged
+    shapes = [(attrs(n)["K"], attrs(n)["N"], attrs(n)["bits"]) for n in nodes(exported["int4"], "MatMulNBits")]
+    for bits in (4, 8):  # the lm_head's blocks are 8-bit
+        assert int4["by_kind"][f"{bits}-bit blocks"] == sum(n * ceil(k, bs) * bs * b // 8 for k, n, b in shapes
+                                                           if b == bits)
+    assert int4["by_kind"]["block scales (float32)"] == sum(4 * n * ceil(k, bs) for k, n, _ in shapes)
+    assert int4["by_kind"]["block zero points"] == sum(n * ceil(ceil(k, bs), 8 // b) for k, n, b in shapes)
+    quantized = sum(v for k, v in int4["by_kind"].items() if k.startswith(("4-bit", "8-bit", "block ")))
+    assert fp32["total"] - sum(4 * k * n for k, n, _ in shapes) == int4["total"] - quantized  # the rest: unchanged
     m = C.Manifest.read(exported["fp32"])
     stored = sum(onnx.numpy_helper.to_array(t).nbytes
                  for t in onnx.load(str(exported["fp32"] / "model.onnx")).graph.initializer)
@@ -99,6 +103,7 @@ def test_inspect_shows_weight_bytes_per_token_and_precision(exported, capsys):
     w = C.Manifest.read(exported["int4"]).extra["weight_bytes_per_token"]
     assert f"weight bytes per token: {w['total'] / 1e6:.2f} MB (4-bit blocks" in said
     assert "precision int4: weight-only MatMulNBits" in said and f"4-bit blocks of {quantize.BLOCK_SIZE}" in said
+    assert "8-bit" in said.split("lm_head")[1]
     assert "KV cache 256 B per context token" in said  # 2 x 2 layers x 2 kv heads x head dim 8 x 4 bytes
 
 
