@@ -132,16 +132,13 @@ def edgespec_runner(args) -> None:
     """Subprocess: decode the prompts with edgespec in one mode; print one JSON object."""
     import edgespec
     from edgespec.cli import ensure_demo_engines
-    from edgespec.drafts import NgramDraft
     from edgespec.generate import DRAFT_THREADS
     target, draft = ensure_demo_engines(ROOT / "models", args.engines)
     prompts = json.loads(args.prompts.read_text())
     d = {"plain": None, "draft": draft, "ngram": "ngram"}[args.mode]
     gamma = "auto" if args.gamma in (None, "auto") else int(args.gamma)
-    gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto")
-    if args.mode == "ngram" and args.max_ngram:
-        # edgespec.load has no max_ngram setting; the generator builds its drafter per call through _drafter
-        gen._drafter = lambda batch: NgramDraft(batch, max_ngram=args.max_ngram)
+    ngram = {"max_ngram": args.max_ngram} if args.mode == "ngram" and args.max_ngram else {}
+    gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", **ngram)
     kw = dict(max_new_tokens=args.max_new_tokens)
     if args.temperature:
         kw.update(temperature=args.temperature, seed=0, acceptance="rejection")

@@ -26,6 +26,7 @@ from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finit
 from .speculative import fast_round, speculative_round
 from .tokenizer import TextTokenizer, check_pair
 
+NGRAM_MAX = 4  # the n-gram draft's longest lookup, unless load(max_ngram=) says otherwise
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
 MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
 MEASURE_REPS = (3, 40)  # ... but at least / at most this many passes (each timing every call once)
@@ -182,12 +183,15 @@ class Generator:
 
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
-                 gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None):
+                 gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
+                 max_ngram: int = NGRAM_MAX):
         if (drafter_kind == "custom") != (drafter_factory is not None):
             raise ValueError(f"drafter_kind 'custom' goes with a drafter_factory: got kind {drafter_kind!r} and "
                              f"factory {drafter_factory!r}")
         self.target, self.draft, self.drafter_kind, self.tok = target, draft, drafter_kind, tokenizer
         self.drafter_factory = drafter_factory
+        NgramDraft(1, max_ngram)  # checks it
+        self.max_ngram = max_ngram  # the n-gram draft's longest lookup
         self.gamma_max = check_gamma_max(gamma_max)
         if self.gamma_max + 2 > target.manifest.max_context:
             raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
@@ -231,7 +235,7 @@ class Generator:
         if self.drafter_kind == "model":
             return DraftModel(self._decoder(self.draft, batch))
         if self.drafter_kind == "ngram":
-            return NgramDraft(batch)
+            return NgramDraft(batch, self.max_ngram)
         if self.drafter_kind == "custom":
             return self.drafter_factory(batch)
         return None
@@ -560,9 +564,10 @@ DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread p
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
-         gamma_max: int = DEFAULT_GAMMA_MAX) -> Generator:
+         gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
-    the longest draft `auto` may choose and a fixed gamma may ask for."""
+    the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
+    'ngram' draft looks up."""
     gamma_max = check_gamma_max(gamma_max)
     check_gamma(gamma, gamma_max)
     provider = provider or default_provider()
@@ -577,7 +582,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
         raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
-    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max)
+    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

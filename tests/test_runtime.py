@@ -320,6 +320,15 @@ def test_ngram_draft_proposes_the_latest_continuation():
     assert NgramDraft(1, min_ngram=2).lookup(0, [5, 6, 7, 5], 4) == []  # a 1-gram match is below min_ngram
 
 
+def test_load_sets_the_ngram_drafts_longest_lookup(tiny_engines, plain_outputs):
+    gen = edgespec.load(tiny_engines["target"], draft="ngram", gamma=3, max_ngram=2)
+    assert gen._drafter(1).max_n == 2
+    for p, want in zip(prompts()[:6], plain_outputs):
+        assert gen.generate(p, max_new_tokens=24).token_ids == want
+    with pytest.raises(ValueError, match="need 1 <= min_ngram <= max_ngram, got 1, 0"):
+        edgespec.load(tiny_engines["target"], draft="ngram", gamma=3, max_ngram=0)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(temperature=-1), "temperature must be a finite number >= 0"),
     (dict(temperature=float("nan")), "temperature"),

@@ -1,0 +1,102 @@
+"""Acceptance by position of the feature-level text draft head (edgespec/text_head.py) against the bundled
+2.6M draft model and n-gram prompt lookup, greedy, on the held-out code prompts of bench_speculative.py.
+
+    python bench/bench_text_head.py --head .cache/text-head/text_head.npz --out bench/results/text-head.json
+
+The head needs the target's final hidden state at the position that emitted the pending token. The target
+engines do not output it yet, so here it comes from the torch reference of the same checkpoint (which the
+engine matches within its parity gate), recomputed over the whole context each round. Acceptance, tokens
+per target call and exactness are measured; the head's speed is not (only its proposal cost, alone).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edgespec  # noqa: E402
+from edgespec.cli import ensure_demo_engines  # noqa: E402
+from edgespec.generate import Generator  # noqa: E402
+from edgespec.text_head import TextHead, TextHeadDraft  # noqa: E402
+from prompts import code_prompts  # noqa: E402
+
+
+def reference_features(ckpt: Path):
+    """features(ctx) -> the target's final hidden state (E,) at position len(ctx) - 2, from the torch reference."""
+    import torch
+
+    from edgespec.export.reference import ReferenceDecoder
+    ref = ReferenceDecoder.from_pretrained(ckpt)
+
+    def features(ctx: list[int]) -> np.ndarray:
+        return ref.hidden(torch.tensor([ctx[:-1]]))[0, -1].numpy()
+    return features
+
+
+def run(gen, prompts, max_new: int, plain_ids) -> dict:
+    b = gen.gamma_max
+    acc, tried, new, calls, same = np.zeros(b), np.zeros(b), 0, 0, 0
+    for p, want in zip(prompts, plain_ids):
+        out = gen.generate(p, max_new_tokens=max_new)
+        st = out.stats
+        acc[:len(st.accepted_by_position)] += st.accepted_by_position[:b]
+        tried[:len(st.tried_by_position)] += st.tried_by_position[:b]
+        new, calls, same = new + st.new_tokens, calls + st.target_calls, same + (out.token_ids == want)
+    g = int(np.max(np.nonzero(tried)[0]) + 1) if tried.any() else 0
+    return {"acceptance_by_position": [round(float(a / t), 4) if t else None for a, t in zip(acc[:g], tried[:g])],
+            "tried_by_position": tried[:g].astype(int).tolist(), "tokens_per_round": new / calls,
+            "identical_to_plain": f"{same}/{len(prompts)}"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", type=Path, required=True, help="text_head.npz (python -m edgespec.export.train_text_head)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/text-head.json"))
+    ap.add_argument("--engines", type=Path, default=Path("engines"))
+    ap.add_argument("--models", type=Path, default=Path("models"))
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    target, draft = ensure_demo_engines(args.models, args.engines)
+    plain = edgespec.load(target)
+    prompts = code_prompts(plain.tok, args.prompts)
+    plain_ids = [plain.generate(p, max_new_tokens=args.max_new_tokens).token_ids for p in prompts]
+    head = TextHead.load(args.head)
+    features = reference_features(args.models / "demo-target")
+    gens = {
+        "draft model (2.6M)": edgespec.load(target, draft=draft, gamma=args.gamma),
+        "n-gram": edgespec.load(target, draft="ngram", gamma=args.gamma),
+        "text head": Generator(plain.target, "custom", tokenizer=plain.tok, gamma=args.gamma,
+                               drafter_factory=lambda b: TextHeadDraft(head, features)),
+    }
+    results = {name: run(gen, prompts, args.max_new_tokens, plain_ids) for name, gen in gens.items()}
+    h = features(plain.tok.encode(prompts[0]))  # a real hidden state: chains of 4 proposals from it
+    n = 500
+    t = time.perf_counter()
+    for _ in range(n):
+        tok, _ = head.first(h, 1)
+        for _ in range(3):
+            tok, _ = head.next(tok)
+    proposal_ms = (time.perf_counter() - t) / (4 * n) * 1e3
+    out = {"command": "python bench/bench_text_head.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+           "head": str(args.head), "head_proposal_ms": round(proposal_ms, 4), "results": results,
+           "wall_s": round(time.time() - t0, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    for name, r in results.items():
+        print(f"{name:20s} tokens/round {r['tokens_per_round']:.2f} identical {r['identical_to_plain']} "
+              f"acceptance by position {r['acceptance_by_position']}")
+    print(f"head proposal {proposal_ms:.4f} ms (alone)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
