@@ -255,6 +255,7 @@ DEMO_PROMPTS = [
 
 DEMO_ENGINES = {"demo-target": ("demo-target", "fp32"),  # engine folder -> (checkpoint, precision)
                 "demo-draft": ("demo-draft", "int8")}  # int8 draft: 4x fewer bytes to stream per draft step
+DEMO_RECIPE = 2  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8): re-exported on use
 
 
 def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
@@ -263,7 +264,7 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
     out = []
     for name, (ckpt, dtype) in DEMO_ENGINES.items():
         eng = engines / name
-        old = _older_contract(eng)
+        old = _older_contract(eng) or _older_recipe(eng)
         if not (eng / "engine.json").is_file() or old:
             if not (models / ckpt / "config.json").is_file():
                 raise FileNotFoundError(f"neither {eng} nor the checkpoint {models / ckpt} exists; run from the "
@@ -272,8 +273,10 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
             from edgespec.export.onnx_export import export_engine
             why = "made by an older edgespec" if old else "first run only"
             print(f"exporting {models / ckpt} -> {eng} ({dtype}, {why})", file=sys.stderr)
-            export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old,
-                          role="draft" if name == "demo-draft" else "target")  # the precision gate binds targets
+            m = export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old,
+                              role="draft" if name == "demo-draft" else "target")  # the gate binds targets
+            m.extra["demo_recipe"] = DEMO_RECIPE
+            m.write(eng)
         out.append(eng)
     return out[0], out[1]
 
@@ -284,6 +287,17 @@ VLA_POLICY = "vla-reacher"  # models/vla-reacher (train_vla.py) -> engines/vla-r
 def _sha(path: Path) -> str:
     from edgespec.contract import file_sha256
     return file_sha256(path)
+
+
+def _older_recipe(engine_dir: Path) -> bool:
+    """True for a demo engine folder exported by an earlier demo recipe (DEMO_RECIPE)."""
+    from edgespec.contract import MANIFEST_FILE
+    path = Path(engine_dir) / MANIFEST_FILE
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False  # let loading report the broken file
+    return isinstance(data, dict) and (data.get("extra") or {}).get("demo_recipe") != DEMO_RECIPE
 
 
 def _older_contract(engine_dir: Path) -> bool:

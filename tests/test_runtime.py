@@ -420,6 +420,15 @@ def test_demo_engines_from_an_older_contract_are_re_exported(tiny_checkpoints, t
     cli.ensure_demo_engines(models, engines)
     assert json.loads((eng / "engine.json").read_text())["contract_version"] == C.CONTRACT_VERSION
     assert len(edgespec.load(eng).generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
+    # a folder from an earlier demo recipe (before flavours and weight-only int8) is re-exported too
+    manifest = json.loads((eng / "engine.json").read_text())
+    assert manifest["extra"]["demo_recipe"] == cli.DEMO_RECIPE
+    del manifest["extra"]["demo_recipe"]
+    (eng / "engine.json").write_text(json.dumps(manifest))
+    stamp = (eng / "engine.json").stat().st_mtime_ns
+    cli.ensure_demo_engines(models, engines)
+    assert json.loads((eng / "engine.json").read_text())["extra"]["demo_recipe"] == cli.DEMO_RECIPE
+    assert (eng / "engine.json").stat().st_mtime_ns != stamp
 
 
 def test_generator_reuses_its_decoders_but_never_shares_one(tiny_engines):
