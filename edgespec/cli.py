@@ -289,26 +289,28 @@ def _sha(path: Path) -> str:
     return file_sha256(path)
 
 
-def _older_recipe(engine_dir: Path) -> bool:
-    """True for a demo engine folder exported by an earlier demo recipe (DEMO_RECIPE)."""
+def _manifest_json(engine_dir: Path) -> dict | None:
+    """engine.json as a dict, or None (missing or unreadable: loading reports a broken file)."""
     from edgespec.contract import MANIFEST_FILE
     path = Path(engine_dir) / MANIFEST_FILE
     try:
         data = json.loads(path.read_text()) if path.is_file() else None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return False  # let loading report the broken file
-    return isinstance(data, dict) and (data.get("extra") or {}).get("demo_recipe") != DEMO_RECIPE
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _older_recipe(engine_dir: Path) -> bool:
+    """True for a demo engine folder exported by an earlier demo recipe (DEMO_RECIPE)."""
+    data = _manifest_json(engine_dir)
+    return data is not None and (data.get("extra") or {}).get("demo_recipe") != DEMO_RECIPE
 
 
 def _older_contract(engine_dir: Path) -> bool:
     """True for an engine folder exported for an earlier engine contract (re-exported on use)."""
-    from edgespec.contract import CONTRACT_VERSION, MANIFEST_FILE
-    path = Path(engine_dir) / MANIFEST_FILE
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False  # let loading report the broken file
-    return isinstance(data, dict) and data.get("contract_version") != CONTRACT_VERSION
+    from edgespec.contract import CONTRACT_VERSION
+    data = _manifest_json(engine_dir)
+    return data is not None and data.get("contract_version") != CONTRACT_VERSION
 
 
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:

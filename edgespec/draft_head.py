@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafts import Drafter, Proposal, top
+from .drafts import OneSequenceDrafter, load_arrays, top
 
 TABLES = ("prev", "same", "vel", "other_vel")
 
@@ -90,16 +90,9 @@ class DraftHeadWeights:
 
     @classmethod
     def load(cls, path: str | Path) -> "DraftHeadWeights":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no draft head weights")
-        with np.load(path) as z:
-            missing = [f.name for f in fields(cls) if f.name not in z.files]
-            if missing:
-                raise ValueError(f"{path} is not a draft head: missing {missing}")
-            kw = {f.name: (int(z[f.name]) if f.name in ("dims", "horizon", "radius") else
-                           np.ascontiguousarray(z[f.name], np.float32)) for f in fields(cls)}
-        return cls(**kw)
+        z = load_arrays(path, [f.name for f in fields(cls)], "draft head")
+        return cls(**{k: int(v) if k in ("dims", "horizon", "radius") else np.ascontiguousarray(v, np.float32)
+                      for k, v in z.items()})
 
     @classmethod
     def from_torch(cls, head, dims: int, horizon: int, radius: int) -> "DraftHeadWeights":
@@ -185,7 +178,7 @@ class DraftHead:
         return h[:self.dims] @ w.abs_w + w.abs_b, h[self.dims:] @ w.rel_w + w.rel_b
 
 
-class HeadDraft(Drafter):
+class HeadDraft(OneSequenceDrafter):
     """The head as a Drafter for one sequence: contexts hold `offset` placeholder ids for the prefix, then
     the chunk's ids. It drafts from the prefix alone (start(prefix) once per chunk), so a chunk's first round
     can be the target's prefill (speculative.fast_round with prefix). Stops after a proposal with
@@ -206,10 +199,3 @@ class HeadDraft(Drafter):
                 return j + 1
             work.append(tok)
         return gamma
-
-    def propose(self, contexts, gamma, pick, active) -> Proposal:
-        if len(contexts) != 1:
-            raise ValueError(f"HeadDraft drafts one sequence, got {len(contexts)}")
-        tokens = np.zeros((1, gamma), np.int64)
-        c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
-        return Proposal(tokens, np.array([c]), None)

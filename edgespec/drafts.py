@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -53,6 +54,32 @@ class Drafter(ABC):
 
     def reset(self, b: int) -> None:
         """Sequence b finished: forget its state."""
+
+
+def load_arrays(path: str | Path, names: list[str], what: str) -> dict[str, np.ndarray]:
+    """The named arrays of a numpy draft's .npz weights file, or an error naming the file and what is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {what} weights")
+    with np.load(path) as z:
+        missing = [n for n in names if n not in z.files]
+        if missing:
+            raise ValueError(f"{path} is not a {what}: missing {missing}")
+        return {n: np.asarray(z[n]) for n in names}
+
+
+class OneSequenceDrafter(Drafter):
+    """A drafter for one greedy sequence: `draft` is the whole of it, and `propose` goes through it."""
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        if len(contexts) != 1:
+            raise ValueError(f"{type(self).__name__} drafts one sequence, got {len(contexts)}")
+        tokens = np.zeros((1, gamma), np.int64)
+        c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
+        return Proposal(tokens, np.array([c]), None)
+
+    @abstractmethod
+    def draft(self, ctx: list[int], gamma: int, out: np.ndarray) -> int: ...
 
 
 def greedy_pick(logits: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, None]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafts import Drafter, Proposal, top
+from .drafts import OneSequenceDrafter, load_arrays, top
 
 HEAD_FORMAT = 1
 
@@ -64,17 +64,11 @@ class TextHeadWeights:
 
     @classmethod
     def load(cls, path: str | Path) -> "TextHeadWeights":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no text draft head")
-        with np.load(path) as z:
-            missing = [f.name for f in fields(cls) if f.name not in z.files]
-            if missing or "format" not in z.files:
-                raise ValueError(f"{path} is not a text draft head: missing {missing or ['format']}")
-            if int(z["format"]) != HEAD_FORMAT:
-                raise ValueError(f"{path}: text head format {int(z['format'])}, this runtime reads {HEAD_FORMAT}")
-            kw = {f.name: np.asarray(z[f.name], np.int64 if f.name == "vocab" else np.float32) for f in fields(cls)}
-        return cls(**kw)
+        z = load_arrays(path, ["format"] + [f.name for f in fields(cls)], "text draft head")
+        if int(z["format"]) != HEAD_FORMAT:
+            raise ValueError(f"{path}: text head format {int(z['format'])}, this runtime reads {HEAD_FORMAT}")
+        return cls(**{f.name: np.asarray(z[f.name], np.int64 if f.name == "vocab" else np.float32)
+                      for f in fields(cls)})
 
 
 class TextHead:
@@ -122,7 +116,7 @@ class TextHead:
         return np.array(out)
 
 
-class TextHeadDraft(Drafter):
+class TextHeadDraft(OneSequenceDrafter):
     """The head as a Drafter for one greedy sequence. `features(ctx)` returns the target's final hidden
     state (E,) at the position that emitted ctx[-1] (the target engine's hidden-state output)."""
 
@@ -142,10 +136,3 @@ class TextHeadDraft(Drafter):
             if j + 1 < gamma:
                 tok, p = self.head.next(tok)
         return gamma
-
-    def propose(self, contexts, gamma, pick, active) -> Proposal:
-        if len(contexts) != 1:
-            raise ValueError(f"TextHeadDraft drafts one sequence, got {len(contexts)}")
-        tokens = np.zeros((1, gamma), np.int64)
-        c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
-        return Proposal(tokens, np.array([c]), None)
