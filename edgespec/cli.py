@@ -31,7 +31,7 @@ def cmd_export(args) -> int:
 
     m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
                       input_mode=args.inputs, force=args.force, progress=not args.quiet,
-                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor)
+                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor, hidden=args.hidden)
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default): ort where its attention is fused, else portable")
     p.add_argument("--inputs", choices=["ids", "embeds"], default="ids",
                    help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
+    p.add_argument("--hidden", action="store_true",
+                   help="also output the final hidden state (what the feature-level text draft head reads)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tensorrt", action="store_true",

@@ -68,6 +68,7 @@ ATTENTION_BIAS = "attention_bias"
 SEQLENS_K, QUERY_SEQLENS, TOTAL_SEQUENCE_LENGTH = "seqlens_k", "query_seqlens", "total_sequence_length"  # ort flavour
 LOGITS = "logits"
 NEXT_IDS = "next_ids"
+HIDDEN = "hidden"  # optional: the final hidden state (B, S, E), the LM head's input (a feature-level draft reads it)
 
 ENC_IMAGE, ENC_STATE, ENC_INSTRUCTION, ENC_PREFIX = "image", "state", "instruction", "prefix_embeds"
 POLICY_FILE = "policy.json"
@@ -124,9 +125,9 @@ class TensorSpec:
 
 
 def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, hidden_size: int,
-               input_mode: str = "ids", cache_dtype: str = "float32", flavor: str = "portable"
-               ) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """(inputs, outputs) of a contract decoder of `flavor`, in graph order."""
+               input_mode: str = "ids", cache_dtype: str = "float32", flavor: str = "portable",
+               hidden: bool = False) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of a contract decoder of `flavor`, in graph order; `hidden` adds the HIDDEN output."""
     if flavor not in FLAVORS:
         raise EngineError(f"flavor must be one of {FLAVORS}, got {flavor!r}")
     if input_mode not in INPUT_MODES:
@@ -142,6 +143,8 @@ def decoder_io(num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: in
         inputs = [first, TensorSpec(SEQLENS_K, "int32", [BATCH]), TensorSpec(QUERY_SEQLENS, "int32", [BATCH]),
                   TensorSpec(TOTAL_SEQUENCE_LENGTH, "int32", [])]
     outputs = [TensorSpec(LOGITS, "float32", [BATCH, SEQ, vocab_size]), TensorSpec(NEXT_IDS, "int64", [BATCH, SEQ])]
+    if hidden:
+        outputs.append(TensorSpec(HIDDEN, "float32", [BATCH, SEQ, hidden_size]))
     kv = [BATCH, num_kv_heads, PAST, head_dim]
     for i in range(num_layers):
         inputs += [TensorSpec(past_key(i), cache_dtype, kv), TensorSpec(past_value(i), cache_dtype, kv)]
@@ -429,6 +432,11 @@ class Manifest:
                 problems.append(f"{field_name}: engine.json has {getattr(self, field_name)} but the graph's "
                                 f"{name} {shape} has {got} (last dim)")
         return problems
+
+    @property
+    def has_hidden(self) -> bool:
+        """The graph also outputs its final hidden state (HIDDEN)."""
+        return any(t.name == HIDDEN for t in self.outputs)
 
     @property
     def argmax_range(self) -> tuple[int, int]:

@@ -36,6 +36,7 @@ class Decoder:
                              self.memory, in_place=engine.provider != "tensorrt")  # TensorRT: I/O never alias
         self._bindings: dict[tuple, list] = {}  # (S, parity) -> [IOBinding, cache generation bound, logits, ids]
         self._last: list | None = None  # the binding of the last call (its outputs are still in place)
+        self.last_start = np.zeros(batch, np.int64)  # (B,) the cache length before the last call
         self._ids_host: np.ndarray | None = None  # the last call's next_ids on the host, once fetched
         self.embedding = embedding  # (V, E) for inputs_embeds engines
         self.calls = 0
@@ -65,10 +66,14 @@ class Decoder:
         if entry is None:
             b, m = self.batch, self.m
             logits, ids = mem.zeros((b, s, m.vocab_size), np.float32), mem.zeros((b, s), np.int64)
+            outs = [(C.LOGITS, logits), (C.NEXT_IDS, ids)]
+            hidden = mem.zeros((b, s, m.hidden_size), np.float32) if m.has_hidden else None
+            if hidden is not None:
+                outs.append((C.HIDDEN, hidden))
             bind = self.engine.session.io_binding()
-            for name, buf in ((C.LOGITS, logits), (C.NEXT_IDS, ids)):
+            for name, buf in outs:
                 bind.bind_output(name, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
-            entry = self._bindings[key] = [bind, -1, logits, ids]
+            entry = self._bindings[key] = [bind, -1, logits, ids, hidden]
         if entry[1] != self.cache.generation:
             cache = self.cache
             for buf, out, (past, present) in zip(cache.buffers, cache.out_buffers, C.cache_names(self.m.num_layers)):
@@ -111,6 +116,7 @@ class Decoder:
         embeds (B, S, E) float32 replaces `tokens` on inputs_embeds engines (a VLA encoder's prefix).
         """
         first, small = self._prepare(tokens, valid, embeds)
+        start = self.cache.lengths.copy()  # (B,) the position of the call's first row
         entry = self._binding(first.shape[1])
         bind = entry[0]
         bind.bind_cpu_input(self.m.inputs[0].name, first)
@@ -120,7 +126,7 @@ class Decoder:
         self.engine.session.run_with_iobinding(bind)
         t1 = time.perf_counter()
         self.cache.wrote(first.shape[1])
-        self._last, self._ids_host = entry, None
+        self._last, self._ids_host, self.last_start = entry, None, start
         self._scrub_if_failed(first.shape[1], valid)
         self.engine_s += t1 - t0
         self.calls += 1
@@ -141,6 +147,18 @@ class Decoder:
         """(B, S, V) logits of the last call, on the host (on the CPU: the bound array, reused by the next
         call with the same S, so read it before then)."""
         return self.memory.to_host(self._last[2])
+
+    def hidden_at(self, b: int, position: int) -> np.ndarray:
+        """(E,) the final hidden state the last call computed at sequence b's `position` (an engine exported
+        with --hidden; the row that predicted the token at position + 1), on the host."""
+        if not self.m.has_hidden:
+            raise C.EngineError(f"{self.engine.dir}: this engine does not output its hidden state; re-export it "
+                                f"with `edgespec export ... --hidden`")
+        row = position - int(self.last_start[b])
+        if self._last is None or not 0 <= row < self._last[4].shape[1]:
+            raise ValueError(f"position {position} is not a row of the last call (it wrote rows "
+                             f"{int(self.last_start[b])}.. of sequence {b})")
+        return self.memory.to_host(self._last[4])[b, row]
 
     def last_ids(self) -> np.ndarray:
         """(B, S) int64 argmax ids of the last call over the manifest's argmax_ids, on the host (copied back

@@ -24,8 +24,10 @@ from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import fast_round, speculative_round
+from .text_head import TextHead, TextHeadDraft
 from .tokenizer import TextTokenizer, check_pair
 
+TEXT_HEAD_FILE = "text_head.npz"  # draft="head": the text draft head in the target's engine folder
 NGRAM_MAX = 4  # the n-gram draft's longest lookup, unless load(max_ngram=) says otherwise
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
 MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
@@ -179,12 +181,19 @@ class _FixedDraft(Drafter):
 
 class Generator:
     """Decodes text with a target engine and an optional drafter. drafter_kind: None (plain decoding),
-    "model" (`draft` engine), "ngram", or "custom" with `drafter_factory(batch) -> Drafter`."""
+    "model" (`draft` engine), "ngram", "head" (`text_head`, over the target's hidden-state output: one greedy
+    sequence), or "custom" with `drafter_factory(batch) -> Drafter`."""
 
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
                  gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
-                 max_ngram: int = NGRAM_MAX):
+                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None):
+        if (drafter_kind == "head") != (text_head is not None):
+            raise ValueError(f"drafter_kind 'head' goes with a text_head: got kind {drafter_kind!r}")
+        if text_head is not None and not target.manifest.has_hidden:
+            raise EngineError(f"{target.dir}: the text draft head reads the target's hidden state, which this "
+                              f"engine does not output; re-export it with `edgespec export ... --hidden`")
+        self.text_head = text_head
         if (drafter_kind == "custom") != (drafter_factory is not None):
             raise ValueError(f"drafter_kind 'custom' goes with a drafter_factory: got kind {drafter_kind!r} and "
                              f"factory {drafter_factory!r}")
@@ -231,7 +240,14 @@ class Generator:
                 if d is not None:
                     self._free.setdefault((id(d.engine), d.batch), []).append(d)
 
-    def _drafter(self, batch: int) -> Drafter | None:
+    def _drafter(self, batch: int, target: Decoder | None = None) -> Drafter | None:
+        """This generation's drafter; the head reads `target`'s last call (None: zeros, for timing)."""
+        if self.drafter_kind == "head":
+            if batch != 1:
+                raise ValueError(f"the text draft head drafts one sequence at a time, got a batch of {batch}")
+            zero = np.zeros(self.target.manifest.hidden_size, np.float32)
+            return TextHeadDraft(self.text_head, (lambda ctx: target.hidden_at(0, len(ctx) - 2)) if target
+                                 else (lambda ctx: zero))
         if self.drafter_kind == "model":
             return DraftModel(self._decoder(self.draft, batch))
         if self.drafter_kind == "ngram":
@@ -359,7 +375,11 @@ class Generator:
     def _run(self, prompts: list[list[int]], max_new_tokens: int, cfg: SamplingConfig, mode: str,
              gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
         """Prefill, then rounds until every sequence is finished; yields after every round."""
-        target, drafter = self._decoder(self.target, len(prompts)), self._drafter(len(prompts))
+        if self.drafter_kind == "head" and mode != "greedy":
+            raise ValueError(f"the text draft head drafts for greedy decoding; got acceptance {mode!r} "
+                             f"(temperature > 0): load without draft='head' to sample")
+        target = self._decoder(self.target, len(prompts))
+        drafter = self._drafter(len(prompts), target)
         try:
             yield from self._rounds(target, drafter, prompts, max_new_tokens, cfg, mode, gamma, stop)
         finally:
@@ -573,16 +593,18 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     provider = provider or default_provider()
     tgt = open_engine(target, provider, threads)
     tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
-    dft, kind = None, None
+    dft, kind, head = None, None, None
     if draft is not None and str(draft) == "ngram":
         kind = "ngram"
+    elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
+        kind, head = "head", TextHead.load(tgt.dir / TEXT_HEAD_FILE if str(draft) == "head" else draft)
     elif draft is not None:
         dft = open_engine(draft, provider, draft_threads or threads)
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
         raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
-    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram)
+    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

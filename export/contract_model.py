@@ -46,9 +46,9 @@ class ScatterRows(torch.autograd.Function):
 
 class ContractDecoder(torch.nn.Module):
     def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray], input_mode: str = "ids",
-                 argmax_ids: tuple[int, int] | None = None):
+                 argmax_ids: tuple[int, int] | None = None, hidden: bool = False):
         super().__init__()
-        self.spec, self.input_mode = spec, input_mode
+        self.spec, self.input_mode, self.hidden = spec, input_mode, hidden  # hidden: also output the final state
         self.argmax_lo, self.argmax_hi = argmax_ids or (0, spec.vocab_size)
         t = lambda a: torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)),
                                          requires_grad=False)
@@ -78,7 +78,8 @@ class ContractDecoder(torch.nn.Module):
     def forward(self, first, position_ids, attention_bias, *past):
         """first: input_ids (B, S) int64 or inputs_embeds (B, S, E); position_ids (B, S) = the rows written;
         attention_bias (B, 1, S, P); past: key_0, value_0, key_1, ... each (B, Hkv, P, D).
-        Returns logits (B, S, V), next_ids (B, S), then present key_0, value_0, ... each (B, Hkv, P, D)."""
+        Returns logits (B, S, V), next_ids (B, S), the final hidden state (B, S, E) when built with hidden=True,
+        then present key_0, value_0, ... each (B, Hkv, P, D)."""
         s = self.spec
         x = F.embedding(first, self.embed) if self.input_mode == "ids" else first
         b, n = x.shape[0], x.shape[1]
@@ -113,11 +114,12 @@ class ContractDecoder(torch.nn.Module):
             h = self._norm(x, L.ln2)
             gate, up = F.linear(h, L.wgu).split([s.intermediate_size, s.intermediate_size], dim=-1)
             x = x + F.linear(F.silu(gate) * up, L.wd)
-        logits = F.linear(self._norm(x, self.norm), self.lm_head)
+        final = self._norm(x, self.norm)  # (B, S, E)
+        logits = F.linear(final, self.lm_head)
         next_ids = logits[..., self.argmax_lo:self.argmax_hi].argmax(-1) + self.argmax_lo  # (B, S)
         finite = torch.isfinite(logits.sum(-1))  # (B, S): one reduction, then a check per row
         next_ids = torch.where(finite, next_ids, NONFINITE_ID)  # the argmax of a NaN row is no id
-        return (logits, next_ids, *presents)
+        return (logits, next_ids, *((final,) if self.hidden else ()), *presents)
 
     @staticmethod
     def _rope(x, cos, sin):

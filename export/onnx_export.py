@@ -61,9 +61,10 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
 
 
 def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str,
-                   argmax_ids: tuple[int, int] | None = None, flavor: str = "portable") -> C.Manifest:
+                   argmax_ids: tuple[int, int] | None = None, flavor: str = "portable",
+                   hidden: bool = False) -> C.Manifest:
     inputs, outputs = C.decoder_io(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
-                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision], flavor)
+                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision], flavor, hidden)
     eos = spec.eos_token_id
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return C.Manifest(model_file="model.onnx", architecture=spec.model_type, num_layers=spec.num_layers,
@@ -156,7 +157,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
                   input_mode: str = "ids", force: bool = False, progress: bool = True,
                   agreement_tokens: int = 1024, argmax_ids: tuple[int, int] | None = None,
                   calibration: tuple[list, str] | None = None,
-                  role: str = "target", allow_lossy: bool = False, flavor: str = "auto") -> C.Manifest:
+                  role: str = "target", allow_lossy: bool = False, flavor: str = "auto",
+                  hidden: bool = False) -> C.Manifest:
     """Export `ckpt_dir` to `out_dir` through the gates (module docstring). `role` is "target" or "draft":
     a fp16 / int8 target must keep top-1 agreement >= 0.99 with fp32 (validate.precision_gate) unless
     `allow_lossy`; a draft's agreement is recorded but never refused (the target verifies its tokens).
@@ -179,7 +181,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     spec, weights = load_checkpoint(ckpt_dir)
     max_context = resolve_max_context(spec, max_context)
     flavor, fusion = choose_flavor(spec, flavor, input_mode)
-    manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids, flavor)
+    manifest = build_manifest(spec, max_context, "fp32", input_mode, argmax_ids, flavor, hidden)
     manifest.fusion = fusion
     bar = tqdm(total=6, desc="export", disable=not progress, bar_format="{desc}: {n}/{total} {bar} {elapsed}")
     stage = prepare(out_dir, [ckpt_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
@@ -193,7 +195,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             from .ort_graph import build_ort_graph
             onnx.save(build_ort_graph(spec, weights, manifest), str(stage / "model.onnx"))
         else:
-            export_onnx(ContractDecoder(spec, weights, input_mode, manifest.argmax_range), manifest,
+            export_onnx(ContractDecoder(spec, weights, input_mode, manifest.argmax_range, hidden), manifest,
                         stage / "model.onnx")
         # 2) tokenizer
         for name in TOKENIZER_FILES:
@@ -236,7 +238,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             else:
                 quantization = to_integer(fp32_path, stage / "model.onnx", dtype)
             fp32_io = manifest.inputs, manifest.outputs
-            variant_io = build_manifest(spec, max_context, dtype, input_mode, flavor=flavor)
+            variant_io = build_manifest(spec, max_context, dtype, input_mode, flavor=flavor, hidden=hidden)
             manifest.inputs, manifest.outputs = variant_io.inputs, variant_io.outputs
             manifest.precision = dtype
             manifest.model_sha256 = C.file_sha256(stage / "model.onnx")

@@ -168,6 +168,8 @@ def build_ort_graph(spec: ModelSpec, weights: dict[str, np.ndarray], manifest: C
         h, _, _, x = g.op("SkipSimplifiedLayerNormalization", [mlp, x, g.const(f"l{i + 1}.ln1", gamma)], 4,
                           domain=MS_DOMAIN, epsilon=eps)
     g.op("MatMul", [h, g.const("lm_head", w("lm_head.weight").T.copy())], [C.LOGITS])  # (B, S, V)
+    if m.has_hidden:
+        g.op("Identity", [h], [C.HIDDEN])  # (B, S, E): the LM head's input
 
     # next_ids: argmax over [lo, hi), NONFINITE_ID where a row's logits are not all finite
     lo, hi = m.argmax_range

@@ -209,3 +209,83 @@ def test_inspect_shows_the_flavour_and_each_fallback(engines, capsys):
     out = capsys.readouterr().out
     assert "flavor ort" in out and "attention: standard ops: ONNX Runtime" in out and "norm: fused" in out
     assert "in  seqlens_k" in out and "OK" in out
+
+
+@pytest.mark.parametrize("flavor", ["ort", "portable"])
+def test_hidden_output_is_the_reference_final_hidden_state(engines, tmp_path, flavor):
+    """--hidden adds the final hidden state (the LM head's input); hidden_at reads the row of the last call
+    that emitted the next token, also after a verify call on top of a cache."""
+    out = export_engine(engines["llama", "ckpt"], tmp_path / "h", max_context=96, flavor=flavor, hidden=True,
+                        progress=False)
+    assert out.has_hidden and not C.Manifest.read(engines["llama", flavor]).has_hidden
+    ref = ReferenceDecoder.from_pretrained(engines["llama", "ckpt"])
+    ids = [5, 17, 3, 60, 22, 9, 41]
+    want = ref.hidden(torch.tensor([ids]))[0].numpy()  # (T, E)
+    d = OrtEngine(tmp_path / "h").decoder(1)
+    d.ids(np.array([ids[:4]]))
+    d.cache.commit(4)
+    for pos in range(4):
+        np.testing.assert_allclose(d.hidden_at(0, pos), want[pos], atol=1e-4)
+    d.ids(np.array([ids[4:]]))  # a verify-shaped call: rows 4..6
+    for pos in range(4, 7):
+        np.testing.assert_allclose(d.hidden_at(0, pos), want[pos], atol=1e-4)
+    with pytest.raises(ValueError, match="not a row of the last call"):
+        d.hidden_at(0, 3)
+    with pytest.raises(EngineError, match="re-export it with .*--hidden"):
+        OrtEngine(engines["llama", flavor]).decoder(1).hidden_at(0, 0)
+
+
+def _random_text_head(e: int, v: int, seed: int = 0):
+    from edgespec.text_head import TextHeadWeights
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: (rng.normal(0, 0.3, shape)).astype(np.float32)  # noqa: E731
+    embed = r(v, e)
+    vocab = np.arange(0, v, 2)
+    return TextHeadWeights(r(e, 32), r(e, 32), r(32), r(32, e), r(e), embed, embed[vocab], vocab)
+
+
+@pytest.mark.parametrize("gamma", [3, "auto"])
+def test_text_head_drafts_from_the_engines_hidden_state_and_greedy_output_is_plain(engines, tmp_path, gamma):
+    eng = tmp_path / "h"
+    m = export_engine(engines["llama", "ckpt"], eng, max_context=96, hidden=True, progress=False)
+    _random_text_head(m.hidden_size, m.vocab_size).save(eng / "text_head.npz")
+    plain, head = edgespec.load(eng), edgespec.load(eng, draft="head", gamma=gamma)
+    drafted = 0
+    for p in ([1, 2, 3], [7, 7, 7, 7, 9], list(range(20, 40))):
+        out = head.generate(p, max_new_tokens=24)
+        assert out.token_ids == plain.generate(p, max_new_tokens=24).token_ids
+        drafted += out.stats.drafted
+    assert drafted > 0
+    seen = []
+    gen = edgespec.load(eng, draft="head", gamma=3)
+    real = gen._drafter
+
+    def spy(batch, target=None):  # the head reads the hidden state of the row that emitted ctx[-1]
+        d = real(batch, target)
+        inner = d.features
+
+        def features(ctx):
+            h = inner(ctx)
+            seen.append((list(ctx), h.copy()))
+            return h
+        d.features = features
+        return d
+    gen._drafter = spy
+    gen.generate([1, 2, 3], max_new_tokens=12)
+    assert len(seen) >= 2 and len(seen[0][0]) == 4  # prompt of 3 + the prefill's token
+    ref = ReferenceDecoder.from_pretrained(engines["llama", "ckpt"])
+    for ctx, h in seen:
+        np.testing.assert_allclose(h, ref.hidden(torch.tensor([ctx[:-1]]))[0, -1].numpy(), atol=1e-4)
+
+
+def test_text_head_needs_a_hidden_output_and_one_greedy_sequence(engines, tmp_path):
+    eng = tmp_path / "h"
+    m = export_engine(engines["llama", "ckpt"], eng, max_context=96, hidden=True, progress=False)
+    _random_text_head(m.hidden_size, m.vocab_size).save(tmp_path / "head.npz")
+    with pytest.raises(EngineError, match="re-export it with .*--hidden"):
+        edgespec.load(engines["llama", "ort"], draft=tmp_path / "head.npz", gamma=2)
+    gen = edgespec.load(eng, draft=tmp_path / "head.npz", gamma=2)
+    with pytest.raises(ValueError, match="greedy decoding"):
+        gen.generate([1, 2, 3], max_new_tokens=4, temperature=0.8)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)

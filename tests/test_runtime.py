@@ -68,7 +68,7 @@ def test_rejection_at_first_position_and_full_acceptance(tiny_engines, plain):
             c = super().draft(ctx, gamma, out)
             out[:c] = (out[:c] + 1) % 96
             return c
-    gen._drafter = lambda b: Contrary(gen._decoder(gen.draft, b))
+    gen._drafter = lambda b, target=None: Contrary(gen._decoder(gen.draft, b))
     out = gen.generate(p, max_new_tokens=30)
     assert out.token_ids == want
     assert out.stats.accepted == 0 and out.stats.histogram[0] == out.stats.rounds
