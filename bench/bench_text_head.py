@@ -53,6 +53,37 @@ def run(gen, prompts, max_new: int, plain_ids) -> dict:
             "identical_to_plain": f"{same}/{len(prompts)}"}
 
 
+def timed(gens: dict, prompts, max_new: int, repeats: int, plain_ids) -> dict:
+    """tokens/s of each generator over the prompts, interleaved (every prompt through every generator, the
+    order rotated per repeat), with acceptance by position and exactness from the first repeat."""
+    names = list(gens)
+    tok = {n: [0, 0.0] for n in names}
+    stats = {n: run(gens[n], prompts[:1], 8, plain_ids[:1]) for n in names}  # warm every shape
+    stats = {n: {"acc": np.zeros(16), "tried": np.zeros(16), "new": 0, "calls": 0, "same": 0} for n in names}
+    for r in range(repeats):
+        for i, (p, want) in enumerate(zip(prompts, plain_ids)):
+            for n in names[(r + i) % len(names):] + names[:(r + i) % len(names)]:
+                t = time.perf_counter()
+                out = gens[n].generate(p, max_new_tokens=max_new)
+                tok[n][1] += time.perf_counter() - t
+                tok[n][0] += out.stats.new_tokens
+                if r == 0:
+                    st, a = out.stats, stats[n]
+                    k = min(16, len(st.accepted_by_position))
+                    a["acc"][:k] += st.accepted_by_position[:k]
+                    a["tried"][:k] += st.tried_by_position[:k]
+                    a["new"], a["calls"] = a["new"] + st.new_tokens, a["calls"] + st.target_calls
+                    a["same"] += out.token_ids == want
+    out = {}
+    for n in names:
+        a = stats[n]
+        g = int(np.max(np.nonzero(a["tried"])[0]) + 1) if a["tried"].any() else 0
+        out[n] = {"tokens_per_s": tok[n][0] / tok[n][1], "tokens_per_round": a["new"] / a["calls"],
+                  "acceptance_by_position": [round(float(x / t), 4) for x, t in zip(a["acc"][:g], a["tried"][:g])],
+                  "identical_to_plain": f"{a['same']}/{len(prompts)}"}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", type=Path, required=True, help="text_head.npz (python -m edgespec.export.train_text_head)")
@@ -62,7 +93,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--engine", type=Path, default=None,
+                    help="a target engine exported with --hidden: time the head from its own hidden-state output "
+                         "against plain and the draft model (interleaved) instead of the torch-reference run")
+    ap.add_argument("--gammas", default="4,6,8", help="with --engine: the head's γ values (and 'auto')")
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
+    if args.engine is not None:
+        return main_timed(args, argv)
     t0 = time.time()
     target, draft = ensure_demo_engines(args.models, args.engines)
     plain = edgespec.load(target)
@@ -95,6 +133,31 @@ def main(argv=None) -> int:
         print(f"{name:20s} tokens/round {r['tokens_per_round']:.2f} identical {r['identical_to_plain']} "
               f"acceptance by position {r['acceptance_by_position']}")
     print(f"head proposal {proposal_ms:.4f} ms (alone)")
+    return 0
+
+
+def main_timed(args, argv) -> int:
+    t0 = time.time()
+    target, draft = ensure_demo_engines(args.models, args.engines)
+    plain = edgespec.load(args.engine)
+    prompts = code_prompts(plain.tok, args.prompts)
+    plain_ids = [plain.generate(p, max_new_tokens=args.max_new_tokens).token_ids for p in prompts]
+    gens = {"plain": plain, "draft model γ=5": edgespec.load(args.engine, draft=draft, gamma=5)}
+    for g in args.gammas.split(","):
+        gens[f"text head γ={g}"] = edgespec.load(args.engine, draft=args.head, gamma=g if g == "auto" else int(g))
+    results = timed(gens, prompts, args.max_new_tokens, args.repeats, plain_ids)
+    base = results["plain"]["tokens_per_s"]
+    for r in results.values():
+        r["vs_plain"] = r["tokens_per_s"] / base
+    out = {"command": "python bench/bench_text_head.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "engine": str(args.engine), "head": str(args.head), "prompts": len(prompts),
+           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "results": results,
+           "wall_s": round(time.time() - t0, 1)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    for name, r in results.items():
+        print(f"{name:18s} {r['tokens_per_s']:6.1f} tok/s {r['vs_plain']:.2f}x  tokens/round "
+              f"{r['tokens_per_round']:.2f} identical {r['identical_to_plain']} acceptance {r['acceptance_by_position']}")
     return 0
 
 

@@ -9,8 +9,8 @@ that emitted token x_{t+1}:
     logits_j = ĥ_j L_F^T = u_j M + m                           (K,)   L_F: the target's LM head rows of the
                                                                       head's vocabulary F (K frequent ids)
     d_j = F[argmax logits_j];  u_{j+1} = silu(ĥ_j W_h + P[d_j]) = silu(u_j A + a + P[d_j])
-The folded matrices (M = W_out L_F^T, A = W_out W_h) are computed once at save; a proposal is one gather
-and two small matrix-vector products. `reference_logits` computes the unfolded formula (slow, obvious).
+The folded matrices (M = W_out L_F^T, A = W_out W_h) are computed once at load; a proposal is one gather
+and two small matrix-vector products, on the calling thread (`mv`). `reference_logits` computes the unfolded formula (slow, obvious).
 Trained by export/train_text_head.py on the target's own hidden states and greedy choices.
 """
 from __future__ import annotations
@@ -23,6 +23,13 @@ import numpy as np
 from .drafts import OneSequenceDrafter, load_arrays, top
 
 HEAD_FORMAT = 1
+
+
+def mv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N,) @ w (N, M) on the calling thread. numpy's matmul would hand these products to a multithreaded
+    BLAS, whose threads then wait for the cores the engine's own thread pool keeps spinning on between
+    calls; einsum's loop never leaves this thread."""
+    return np.einsum("n,nm->m", x, w, optimize=False)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -93,17 +100,17 @@ class TextHead:
 
     def first(self, h: np.ndarray, x: int) -> tuple[int, float]:
         """h (E,) the target's hidden state that emitted x -> (the proposed id after x, its probability)."""
-        self._u = silu(h @ self._w_h + self._p[x])
+        self._u = silu(mv(np.asarray(h, np.float32), self._w_h) + self._p[x])
         return self._propose()
 
     def next(self, x: int) -> tuple[int, float]:
         """After the head's own proposal x -> (the next proposed id, its probability)."""
-        self._u = silu(self._u @ self._a + self._a_b + self._p[x])
+        self._u = silu(mv(self._u, self._a) + self._a_b + self._p[x])
         return self._propose()
 
     def _propose(self) -> tuple[int, float]:
         self.calls += 1
-        best, p = top(self._u @ self._m + self._m_b)
+        best, p = top(mv(self._u, self._m) + self._m_b)
         return int(self.vocab[best]), p
 
     def reference_logits(self, h: np.ndarray, xs: list[int]) -> np.ndarray:
