@@ -392,18 +392,24 @@ def test_gc_is_frozen_during_the_run_and_every_collection_is_reported():
 
 def test_stop_ends_the_run_at_the_next_tick_with_one_safe_stop():
     import threading
+    def stop_once_sending(loop, robot, stamp):  # from another thread, as a signal handler would
+        while len(robot.sent) < 3 and time.perf_counter() - stamp[0] < 5.0:
+            time.sleep(0.002)
+        stamp[1] = time.perf_counter()
+        loop.stop("SIGTERM")
+
     for _ in range(3):  # rerun if the machine froze the process (see run())
         with MockRobot(dims=2) as robot:
             loop = ControlLoop(robot, chunked_policy(), LoopConfig(hz=HZ, hold_s=5.0))
-            threading.Timer(0.3, loop.stop, args=("SIGTERM",)).start()  # as a signal handler would
-            t0 = time.perf_counter()
+            stamp = [time.perf_counter(), None]  # (start, when stop() was called)
+            # stop once actions flow: run()'s set-up (gc.collect over the whole test process) takes a
+            # varying share of any fixed delay
+            threading.Thread(target=stop_once_sending, args=(loop, robot, stamp), daemon=True).start()
             rep = loop.run(10.0)
-            took = time.perf_counter() - t0
+            after = time.perf_counter() - stamp[1]  # from stop() to run() returning
         if not stalled(rep):
             break
-    # run()'s set-up (gc.collect over the whole test process) can take most of the 0.3 s: only the upper
-    # bounds say the stop took effect at once
-    assert took < 2.0 and 1 <= rep.ticks <= 0.3 * HZ + 5, (took, rep.ticks)
+    assert after < 0.5 and rep.ticks >= 3, (after, rep.ticks)  # the run ended within a few ticks of stop()
     assert rep.stop_requested == "SIGTERM" and rep.safe_stop_reason == "SIGTERM" and rep.safe_stop_s is not None
     assert robot.stops == 1 and rep.sent > 0 and rep.stopped_ticks == 0
     sent = len(robot.sent)
