@@ -80,7 +80,8 @@ def main(argv=None) -> int:
         dec.cache.commit(CONTEXT)
         timed_round(dec, 8)  # warm-up
         nodes = optimized_nodes(d, tmp)
-        report["flavors"][flavor] = {"engine": str(d), "fusion": eng.manifest.fusion, "manifest_flavor":
+        given = getattr(args, flavor)  # an engine folder the user named, or a temporary export of --checkpoint
+        report["flavors"][flavor] = {"engine": str(given) if given else f"exported from {args.checkpoint}", "fusion": eng.manifest.fusion, "manifest_flavor":
                                      eng.manifest.flavor, "nodes_per_step": sum(nodes.values()), "node_types": nodes,
                                      "tokens_per_s": []}
     for _ in range(args.rounds):  # interleaved: both flavours see the same load

@@ -25,7 +25,7 @@ go to .cache/peers/<run id>/raw.json.
 
 Smoke test (2 prompts, 16 tokens, small sweeps; 4-8 minutes, mostly process start-up):
 
-    python bench/bench_peers.py --out /tmp/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
+    python bench/bench_peers.py --out .cache/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
         --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
         --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2
 """
@@ -489,7 +489,7 @@ def main(argv=None) -> int:
               "systems": systems, "system_of": system_of,
               "best_vs_best": best_vs_best(systems, system_of), "ratios": mode_ratios(systems),
               "roofline": roofline, "edgespec_predicted_vs_measured": pred, "machine": machine(),
-              "raw": str(rdir / "raw.json")}
+              "raw": str((rdir / "raw.json").relative_to(ROOT))}  # repository-relative: no machine path
     write_report(report, args.out)
     print(markdown(report))
     return 0

@@ -38,28 +38,43 @@ def reference_features(ckpt: Path):
     return features
 
 
+class Tally:
+    """Acceptance by position, tokens per target call and exactness over generations."""
+
+    def __init__(self, width: int = 16):
+        self.acc, self.tried = np.zeros(width), np.zeros(width)
+        self.new = self.calls = self.same = self.n = 0
+
+    def add(self, out, want: list[int]) -> None:
+        st, w = out.stats, len(self.acc)
+        k = min(w, len(st.accepted_by_position))
+        self.acc[:k] += st.accepted_by_position[:k]
+        self.tried[:k] += st.tried_by_position[:k]
+        self.new, self.calls = self.new + st.new_tokens, self.calls + st.target_calls
+        self.same, self.n = self.same + (out.token_ids == want), self.n + 1
+
+    def report(self) -> dict:
+        g = int(np.max(np.nonzero(self.tried)[0]) + 1) if self.tried.any() else 0
+        return {"acceptance_by_position": [round(float(a / t), 4) for a, t in zip(self.acc[:g], self.tried[:g])],
+                "tried_by_position": self.tried[:g].astype(int).tolist(), "tokens_per_round": self.new / self.calls,
+                "identical_to_plain": f"{self.same}/{self.n}"}
+
+
 def run(gen, prompts, max_new: int, plain_ids) -> dict:
-    b = gen.gamma_max
-    acc, tried, new, calls, same = np.zeros(b), np.zeros(b), 0, 0, 0
+    tally = Tally()
     for p, want in zip(prompts, plain_ids):
-        out = gen.generate(p, max_new_tokens=max_new)
-        st = out.stats
-        acc[:len(st.accepted_by_position)] += st.accepted_by_position[:b]
-        tried[:len(st.tried_by_position)] += st.tried_by_position[:b]
-        new, calls, same = new + st.new_tokens, calls + st.target_calls, same + (out.token_ids == want)
-    g = int(np.max(np.nonzero(tried)[0]) + 1) if tried.any() else 0
-    return {"acceptance_by_position": [round(float(a / t), 4) if t else None for a, t in zip(acc[:g], tried[:g])],
-            "tried_by_position": tried[:g].astype(int).tolist(), "tokens_per_round": new / calls,
-            "identical_to_plain": f"{same}/{len(prompts)}"}
+        tally.add(gen.generate(p, max_new_tokens=max_new), want)
+    return tally.report()
 
 
 def timed(gens: dict, prompts, max_new: int, repeats: int, plain_ids) -> dict:
     """tokens/s of each generator over the prompts, interleaved (every prompt through every generator, the
     order rotated per repeat), with acceptance by position and exactness from the first repeat."""
     names = list(gens)
+    for g in gens.values():
+        g.generate(prompts[0], max_new_tokens=8)  # warm every shape
     tok = {n: [0, 0.0] for n in names}
-    stats = {n: run(gens[n], prompts[:1], 8, plain_ids[:1]) for n in names}  # warm every shape
-    stats = {n: {"acc": np.zeros(16), "tried": np.zeros(16), "new": 0, "calls": 0, "same": 0} for n in names}
+    tallies = {n: Tally() for n in names}
     for r in range(repeats):
         for i, (p, want) in enumerate(zip(prompts, plain_ids)):
             for n in names[(r + i) % len(names):] + names[:(r + i) % len(names)]:
@@ -68,20 +83,15 @@ def timed(gens: dict, prompts, max_new: int, repeats: int, plain_ids) -> dict:
                 tok[n][1] += time.perf_counter() - t
                 tok[n][0] += out.stats.new_tokens
                 if r == 0:
-                    st, a = out.stats, stats[n]
-                    k = min(16, len(st.accepted_by_position))
-                    a["acc"][:k] += st.accepted_by_position[:k]
-                    a["tried"][:k] += st.tried_by_position[:k]
-                    a["new"], a["calls"] = a["new"] + st.new_tokens, a["calls"] + st.target_calls
-                    a["same"] += out.token_ids == want
-    out = {}
-    for n in names:
-        a = stats[n]
-        g = int(np.max(np.nonzero(a["tried"])[0]) + 1) if a["tried"].any() else 0
-        out[n] = {"tokens_per_s": tok[n][0] / tok[n][1], "tokens_per_round": a["new"] / a["calls"],
-                  "acceptance_by_position": [round(float(x / t), 4) for x, t in zip(a["acc"][:g], a["tried"][:g])],
-                  "identical_to_plain": f"{a['same']}/{len(prompts)}"}
-    return out
+                    tallies[n].add(out, want)
+    return {n: {"tokens_per_s": tok[n][0] / tok[n][1], **tallies[n].report()} for n in names}
+
+
+def write(args, argv, out: dict) -> None:
+    out = {"command": "python bench/bench_text_head.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           **out}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def main(argv=None) -> int:
@@ -123,12 +133,9 @@ def main(argv=None) -> int:
         for _ in range(3):
             tok, _ = head.next(tok)
     proposal_ms = (time.perf_counter() - t) / (4 * n) * 1e3
-    out = {"command": "python bench/bench_text_head.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
-           "head": str(args.head), "head_proposal_ms": round(proposal_ms, 4), "results": results,
-           "wall_s": round(time.time() - t0, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write(args, argv, {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,
+                       "head": str(args.head), "head_proposal_ms": round(proposal_ms, 4), "results": results,
+                       "wall_s": round(time.time() - t0, 1)})
     for name, r in results.items():
         print(f"{name:20s} tokens/round {r['tokens_per_round']:.2f} identical {r['identical_to_plain']} "
               f"acceptance by position {r['acceptance_by_position']}")
@@ -149,12 +156,9 @@ def main_timed(args, argv) -> int:
     base = results["plain"]["tokens_per_s"]
     for r in results.values():
         r["vs_plain"] = r["tokens_per_s"] / base
-    out = {"command": "python bench/bench_text_head.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "engine": str(args.engine), "head": str(args.head), "prompts": len(prompts),
-           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "results": results,
-           "wall_s": round(time.time() - t0, 1)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write(args, argv, {"engine": str(args.engine), "head": str(args.head), "prompts": len(prompts),
+                       "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "results": results,
+                       "wall_s": round(time.time() - t0, 1)})
     for name, r in results.items():
         print(f"{name:18s} {r['tokens_per_s']:6.1f} tok/s {r['vs_plain']:.2f}x  tokens/round "
               f"{r['tokens_per_round']:.2f} identical {r['identical_to_plain']} acceptance {r['acceptance_by_position']}")

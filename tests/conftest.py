@@ -201,3 +201,34 @@ def bundled_policy_dir():
     from edgespec.cli import ensure_policy_engines
     root = Path(__file__).resolve().parents[1]
     return ensure_policy_engines(root / "models", root / "engines")
+
+
+def assert_a_failed_call_is_scrubbed(engine_dir, rows: int | None = None, nan_logits: bool = False):
+    """On an inputs_embeds engine: commit [1, 2, 3], then a call whose second embedding is NaN. It must report
+    NONFINITE_ID there (and NaN logits there, with nan_logits), leave the cache finite (its first `rows`
+    rows; None: all of it) and the next call equal to a decoder that never saw the NaN.
+    -> (that decoder, the clean one)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from edgespec import contract as C
+    from edgespec.decoder import Decoder
+    from edgespec.engine import OrtEngine
+    eng = OrtEngine(engine_dir)
+    emb = np.load(Path(engine_dir) / eng.manifest.embedding_file)
+    d, clean = Decoder(eng, 1, emb), Decoder(eng, 1, emb)
+    for dec in (d, clean):
+        dec.run(np.array([[1, 2, 3]]))
+        dec.cache.commit(3)
+    bad = emb[np.array([[4, 5]])].copy()
+    bad[0, 1] = np.nan
+    d.run(None, embeds=bad)
+    assert d.last_ids()[0, 1] == C.NONFINITE_ID
+    assert not nan_logits or np.isnan(d.last_logits()[0, 1]).all()
+    # (row 0 may be NaN too: its query weighs row 1's NaN value by exactly 0, and 0 x NaN is NaN; the
+    # whole call has failed, and all the rows it wrote are zeroed)
+    for j in range(len(d.cache.buffers)):
+        assert np.isfinite(d.cache.host(j)[:, :, :rows]).all()
+    np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)
+    return d, clean

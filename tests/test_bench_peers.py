@@ -124,7 +124,7 @@ def test_a_faster_peer_mode_gives_a_ratio_below_one():
 
 # ---- the plan ------------------------------------------------------------------------------------------------
 def test_genai_draft_is_tried_with_its_default_threads_and_with_edgespecs(monkeypatch):
-    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime", reason="edgespec.generate needs onnxruntime (a runtime dependency)")
     from edgespec.generate import DRAFT_THREADS
     monkeypatch.setenv("EDGESPEC_THREADS", "2")  # edgespec's target threads (conftest pins 1 for the tests)
     args = argparse.Namespace(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4",

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 import edgespec
-from edgespec import contract as C
 from edgespec.decoder import Decoder
 from edgespec.export.validate import garbage
 from edgespec.kvcache import KVCache
@@ -88,25 +87,10 @@ def test_a_failed_call_leaves_only_finite_rows(tiny_engines, tmp_path):
     """NaN inputs give NaN logits and NONFINITE_ID; the decoder zeroes the rows that call wrote, so the cache
     stays finite and the next call from the committed rows is exactly what it would have been."""
     from edgespec.export.onnx_export import export_engine
-    from edgespec.engine import OrtEngine
-    from tests.conftest import make_checkpoint
+    from tests.conftest import assert_a_failed_call_is_scrubbed, make_checkpoint
     make_checkpoint("llama", tmp_path / "ck", seed=4)
     export_engine(tmp_path / "ck", tmp_path / "emb", input_mode="embeds", max_context=64, progress=False)
-    eng = OrtEngine(tmp_path / "emb")
-    emb = np.load(tmp_path / "emb" / eng.manifest.embedding_file)
-    d, clean = Decoder(eng, 1, emb), Decoder(eng, 1, emb)
-    for dec in (d, clean):
-        dec.run(np.array([[1, 2, 3]]))
-        dec.cache.commit(3)
-    bad = emb[np.array([[4, 5]])].copy()
-    bad[0, 1] = np.nan
-    d.run(None, embeds=bad)
-    assert np.isnan(d.last_logits()[0, 1]).all() and d.last_ids()[0, 1] == C.NONFINITE_ID
-    # (row 0 may be NaN too: its query weighs row 1's NaN value by exactly 0, and 0 x NaN is NaN; the
-    # whole call has failed, and all the rows it wrote are zeroed)
-    for j in range(len(d.cache.buffers)):
-        assert np.isfinite(d.cache.host(j)).all()
-    np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)
+    assert_a_failed_call_is_scrubbed(tmp_path / "emb", nan_logits=True)
 
 
 # -- the verbs ------------------------------------------------------------------------------------------

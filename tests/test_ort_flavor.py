@@ -17,7 +17,7 @@ from edgespec.engine import OrtEngine, open_engine
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder
 
-from tests.conftest import _noisy_copy, char_tokenizer_json
+from tests.conftest import _noisy_copy, assert_a_failed_call_is_scrubbed, char_tokenizer_json
 
 H16 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256)  # head_dim 16: GroupQueryAttention runs it
@@ -151,19 +151,7 @@ def test_a_failed_call_is_scrubbed_on_an_ort_embeds_engine(engines, tmp_path):
     m = export_engine(engines["llama", "ckpt"], tmp_path / "emb", input_mode="embeds", max_context=64,
                       flavor="ort", progress=False)
     assert m.flavor == "ort" and m.fusion["attention"] == "fused"
-    eng = OrtEngine(tmp_path / "emb")
-    emb = np.load(tmp_path / "emb" / m.embedding_file)
-    d, clean = Decoder(eng, 1, emb), Decoder(eng, 1, emb)
-    for dec in (d, clean):
-        dec.run(np.array([[1, 2, 3]]))
-        dec.cache.commit(3)
-    bad = emb[np.array([[4, 5]])].copy()
-    bad[0, 1] = np.nan
-    d.run(None, embeds=bad)
-    assert d.last_ids()[0, 1] == C.NONFINITE_ID
-    for j in range(len(d.cache.buffers)):
-        assert np.isfinite(d.cache.host(j)[:, :, :5]).all()
-    np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)
+    _, clean = assert_a_failed_call_is_scrubbed(tmp_path / "emb", rows=5)
     ids_engine = Decoder(OrtEngine(engines["llama", "ort"]), 1)  # embeds and ids engines agree (7, 8 not kept)
     np.testing.assert_allclose(clean(np.array([[9]])), ids_engine(np.array([[1, 2, 3, 9]]))[:, -1:], atol=1e-4)
 

@@ -14,7 +14,7 @@ from edgespec.export import onnx_export, quantize
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.validate import GateError, precision_gate
 
-onnx = pytest.importorskip("onnx")
+onnx = pytest.importorskip("onnx", reason="quantizing needs the export extra (onnx)")
 
 CAP = 64  # max context of these tests' exports: the gates run faster, nothing here needs more
 
