@@ -6,14 +6,17 @@ runs (host memory on the CPU provider, CUDA memory on the CUDA and TensorRT prov
   the cache in place at the committed lengths: nothing is copied after the call;
 - `logits` and `next_ids` are bound to buffers kept per S; only what the caller asks for comes back to the
   host: `ids()` copies S ids per sequence, `__call__` / `last_logits()` the S x V logits.
-A call binds only its small inputs (the manifest's flavour says which: position_ids and attention_bias, or
-GroupQueryAttention's seqlens_k, query_seqlens and total_sequence_length; masks.step_inputs builds both), also
-when S changes from call to call, as in speculative rounds; cache bindings are renewed when the cache grows. The call writes the new rows but does not
+- the inputs are host arrays bound once per binding; a call writes its ids (or embeds) and its small inputs
+  into them in place (the manifest's flavour says which: position_ids and attention_bias, or
+  GroupQueryAttention's seqlens_k, query_seqlens and total_sequence_length; masks.step_inputs builds both),
+  so a call makes no new binding, also when S changes from call to call, as in speculative rounds. Bindings
+  are renewed when the cache grows. The call writes the new rows but does not
 commit them: the caller keeps what it accepts with `cache.commit(n)`.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,8 +24,20 @@ from . import contract as C
 from .compat import compat_call
 from .engine import OrtEngine
 from .kvcache import KVCache
-from .masks import step_inputs
-from .memory import HostMemory, memory_for
+from .masks import step_inputs, step_inputs_into
+from .memory import Buffer, HostMemory, memory_for
+
+
+@dataclass
+class _Binding:
+    """One IOBinding for S new tokens per sequence: the cache generation it is bound to, its output buffers,
+    and the host arrays bound as its inputs (by contract name)."""
+    bind: object  # onnxruntime IOBinding
+    generation: int
+    logits: Buffer  # (B, S, V)
+    ids: Buffer  # (B, S) int64
+    hidden: Buffer | None  # (B, S, E) on --hidden engines
+    inputs: dict  # name -> np.ndarray
 
 
 class Decoder:
@@ -34,8 +49,8 @@ class Decoder:
         self.memory = memory or memory_for(engine.provider)
         self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, m.cache_dtype,
                              self.memory, in_place=engine.provider != "tensorrt")  # TensorRT: I/O never alias
-        self._bindings: dict[tuple, list] = {}  # (S, parity) -> [IOBinding, cache generation bound, logits, ids]
-        self._last: list | None = None  # the binding of the last call (its outputs are still in place)
+        self._bindings: dict[tuple, _Binding] = {}  # (S, parity) -> its binding
+        self._last: _Binding | None = None  # the binding of the last call (its outputs are still in place)
         self.last_start = np.zeros(batch, np.int64)  # (B,) the cache length before the last call
         self._ids_host: np.ndarray | None = None  # the last call's next_ids on the host, once fetched
         self.embedding = embedding  # (V, E) for inputs_embeds engines
@@ -58,8 +73,8 @@ class Decoder:
         self.calls, self.engine_s, self.trace, self.trace_name = 0, 0.0, None, "engine"
         self._last, self._ids_host = None, None
 
-    def _binding(self, s: int) -> list:
-        """-> [IOBinding for S new tokens with its outputs and the current cache bound, gen, logits, ids]."""
+    def _binding(self, s: int) -> _Binding:
+        """The binding for S new tokens per sequence, bound to the current cache (renewed after it grows)."""
         key = (s, self.cache.parity)
         entry = self._bindings.get(key)
         mem = self.memory
@@ -73,14 +88,22 @@ class Decoder:
             bind = self.engine.session.io_binding()
             for name, buf in outs:
                 bind.bind_output(name, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
-            entry = self._bindings[key] = [bind, -1, logits, ids, hidden]
-        if entry[1] != self.cache.generation:
-            cache = self.cache
+            entry = self._bindings[key] = _Binding(bind, -1, logits, ids, hidden, {})
+        if entry.generation != self.cache.generation:
+            cache, bind = self.cache, entry.bind
             for buf, out, (past, present) in zip(cache.buffers, cache.out_buffers, C.cache_names(self.m.num_layers)):
-                # in place: the same memory in and out, so ScatterND writes the new rows where they belong
-                entry[0].bind_input(past, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
-                entry[0].bind_output(present, mem.device, mem.device_id, out.dtype.type, list(out.shape), out.ptr)
-            entry[1] = self.cache.generation
+                # in place: the same memory in and out, so the graph writes the new rows where they belong
+                bind.bind_input(past, mem.device, mem.device_id, buf.dtype.type, list(buf.shape), buf.ptr)
+                bind.bind_output(present, mem.device, mem.device_id, out.dtype.type, list(out.shape), out.ptr)
+            # the call's inputs: host arrays bound once, written in place by every call (their shapes depend
+            # on the bound rows for the portable flavour's attention_bias)
+            b, first = self.batch, self.m.inputs[0]
+            shape, dtype = ((b, s), np.int64) if first.name == C.INPUT_IDS else ((b, s, self.m.hidden_size), np.float32)
+            small = step_inputs(self.m, np.zeros(b, np.int64), s, cache.capacity)
+            entry.inputs = {first.name: np.zeros(shape, dtype), **{n: np.zeros_like(v) for n, v in small.items()}}
+            for name, arr in entry.inputs.items():
+                bind.bind_input(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)
+            entry.generation = cache.generation
         return entry
 
     def _inputs(self, tokens, valid, embeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -91,6 +114,13 @@ class Decoder:
 
     def _prepare(self, tokens, valid, embeds) -> tuple[np.ndarray, dict]:
         """-> (first input, the flavour's small inputs by name: masks.step_inputs) on the host, cache reserved."""
+        first = self._first(tokens, embeds)
+        cache, lengths = self.cache, self.cache.lengths
+        cache.reserve(int(lengths.max()) + first.shape[1])
+        return first, step_inputs(self.m, lengths, first.shape[1], cache.capacity, valid)
+
+    def _first(self, tokens, embeds) -> np.ndarray:
+        """The call's first input on the host: ids (B, S) int64, or embeds (B, S, E) float32, checked."""
         if embeds is not None:
             if self.m.input_mode != "embeds" or embeds.ndim != 3 or embeds.shape[2] != self.m.hidden_size:
                 raise ValueError(f"embeds must be (B, S, {self.m.hidden_size}) for an inputs_embeds engine; "
@@ -100,12 +130,9 @@ class Decoder:
             first = self.embedding[np.asarray(tokens)]
         else:
             first = np.ascontiguousarray(tokens, dtype=np.int64)
-        b, s = first.shape[:2]
-        if b != self.batch:
-            raise ValueError(f"this decoder runs batches of {self.batch}, got {b} sequences")
-        cache, lengths = self.cache, self.cache.lengths
-        cache.reserve(int(lengths.max()) + s)
-        return first, step_inputs(self.m, lengths, s, cache.capacity, valid)
+        if first.shape[0] != self.batch:
+            raise ValueError(f"this decoder runs batches of {self.batch}, got {first.shape[0]} sequences")
+        return first
 
     def run(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
             embeds: np.ndarray | None = None) -> None:
@@ -115,23 +142,24 @@ class Decoder:
         valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
         embeds (B, S, E) float32 replaces `tokens` on inputs_embeds engines (a VLA encoder's prefix).
         """
-        first, small = self._prepare(tokens, valid, embeds)
-        start = self.cache.lengths.copy()  # (B,) the position of the call's first row
-        entry = self._binding(first.shape[1])
-        bind = entry[0]
-        bind.bind_cpu_input(self.m.inputs[0].name, first)
-        for name, value in small.items():
-            bind.bind_cpu_input(name, value)
+        first = self._first(tokens, embeds)
+        s, cache = first.shape[1], self.cache
+        cache.reserve(int(cache.lengths.max()) + s)
+        start = cache.lengths.copy()  # (B,) the position of the call's first row
+        entry = self._binding(s)
+        bind, inputs = entry.bind, entry.inputs
+        inputs[self.m.inputs[0].name][...] = first
+        step_inputs_into(self.m, start, s, cache.capacity, valid, inputs)
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
         t1 = time.perf_counter()
-        self.cache.wrote(first.shape[1])
+        cache.wrote(s)
         self._last, self._ids_host, self.last_start = entry, None, start
-        self._scrub_if_failed(first.shape[1], valid)
+        self._scrub_if_failed(s, valid)
         self.engine_s += t1 - t0
         self.calls += 1
         if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.run S={first.shape[1]}", t0, t1))
+            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
 
     def _scrub_if_failed(self, s: int, valid: np.ndarray | None = None) -> None:
         """A call with NaN or inf logits (next_ids = NONFINITE_ID) in a real (valid) row may have written
@@ -146,7 +174,7 @@ class Decoder:
     def last_logits(self) -> np.ndarray:
         """(B, S, V) logits of the last call, on the host (on the CPU: the bound array, reused by the next
         call with the same S, so read it before then)."""
-        return self.memory.to_host(self._last[2])
+        return self.memory.to_host(self._last.logits)
 
     def hidden_at(self, b: int, position: int) -> np.ndarray:
         """(E,) the final hidden state the last call computed at sequence b's `position` (an engine exported
@@ -155,10 +183,10 @@ class Decoder:
             raise C.EngineError(f"{self.engine.dir}: this engine does not output its hidden state; re-export it "
                                 f"with `edgespec export ... --hidden`")
         row = position - int(self.last_start[b])
-        if self._last is None or not 0 <= row < self._last[4].shape[1]:
+        if self._last is None or not 0 <= row < self._last.hidden.shape[1]:
             raise ValueError(f"position {position} is not a row of the last call (it wrote rows "
                              f"{int(self.last_start[b])}.. of sequence {b})")
-        return self.memory.to_host(self._last[4])[b, row]
+        return self.memory.to_host(self._last.hidden)[b, row]
 
     def last_ids(self) -> np.ndarray:
         """(B, S) int64 argmax ids of the last call over the manifest's argmax_ids, on the host (copied back
@@ -168,7 +196,7 @@ class Decoder:
         return self._ids_host
 
     def _fetch_ids(self) -> np.ndarray:
-        return self.memory.to_host(self._last[3])
+        return self.memory.to_host(self._last.ids)
 
     def __call__(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
                  embeds: np.ndarray | None = None) -> np.ndarray:

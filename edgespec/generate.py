@@ -426,7 +426,10 @@ class Generator:
         stats.new_tokens = b
         est = AcceptanceEstimator(positions=self.gamma_max)
         cap = self.target.manifest.max_context
-        lean = b == 1 and mode == "greedy" and self.lean
+        if b == 1 and mode == "greedy" and self.lean:
+            yield from self._lean_rounds(target, drafter, seqs[0], stats, timer, est, gamma, max_new_tokens, stop,
+                                         (t0, t_first, prefill_engine_s), log)
+            return
         while not all(s.finish for s in seqs):
             t_round0 = time.perf_counter()
             active = np.array([s.finish is None for s in seqs])
@@ -437,12 +440,8 @@ class Generator:
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             with timer("round"):
-                if lean:  # one greedy sequence: the lean round
-                    new1, k1, n1 = fast_round(target, drafter if g else None, seqs[0].ctx, g, timer=timer)
-                    new, k, n = [new1], np.array([k1]), np.array([n1])
-                else:
-                    new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
-                                                  noise, pick, timer)
+                new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
+                                              noise, pick, timer)
             draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
             stats.rounds += 1
             for i, s in enumerate(seqs):
@@ -457,11 +456,7 @@ class Generator:
                     target.cache.rewind_to(np.where(np.arange(b) == i, 0, target.cache.lengths))  # rows unneeded
                     if drafter:
                         drafter.reset(i)
-            stats.time_s = self._times(timer, t0, t_first)
-            stats.target_calls = target.calls
-            stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
-            stats.engine_s = target.engine_s - prefill_engine_s + (
-                drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
+            self._close(stats, timer, target, drafter, (t0, t_first, prefill_engine_s))
             # what the round really cost, credited to what ran: c = n proposals, a verify call of c+1 tokens
             host_s = time.perf_counter() - t_round0 - draft_s - verify_s
             if log is not None:
@@ -471,6 +466,60 @@ class Generator:
             yield seqs, stats
         stats.time_s = self._times(timer, t0, t_first)
         yield seqs, stats
+
+    def _lean_rounds(self, target: Decoder, drafter: Drafter | None, s: _Seq, stats: Stats, timer: Timer,
+                     est: AcceptanceEstimator, gamma: int | str, max_new_tokens: int, stop: list[str], clock: tuple,
+                     log: list | None) -> Iterator[tuple[list[_Seq], Stats]]:
+        """_rounds' loop for one greedy sequence (after the prefill): the same rounds, statistics and stops, with
+        only what one sequence needs between engine calls (the host time between calls also lets the engine's
+        worker threads fall asleep, which slows the next call). Tests compare it with Generator.lean = False."""
+        cap, ctx, n_prompt = self.target.manifest.max_context, s.ctx, len(s.prompt)
+        auto = gamma == "auto" and self.drafter_kind is not None
+        fixed = gamma if self.drafter_kind is not None and not auto else 0
+        one = np.ones(1, bool)
+        while s.finish is None:
+            t_round0 = time.perf_counter()
+            n = len(ctx)
+            room = min(cap - n, max_new_tokens - (n - n_prompt) - 1)
+            if drafter is not None:
+                room = min(room, drafter.room([ctx], one))
+            g = max(0, min(self._choose_gamma(gamma, est, stats, n, room) if auto else fixed, room))
+            stats.gamma_history.append((stats.new_tokens, g))
+            t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
+            t_fr = time.perf_counter()
+            new, k, c = fast_round(target, drafter if g else None, ctx, g, timer=timer)
+            if timer.events is not None:  # the profiler's per-round lane
+                timer.events.append(("round", t_fr, time.perf_counter()))
+            stats.rounds += 1
+            stats.add_round(k, c)
+            est.update(k, c, g)
+            stats.new_tokens += self._append(s, new, max_new_tokens, stop)
+            if s.finish is None and len(ctx) > cap:
+                s.finish = "capacity"
+            if auto or log is not None:
+                draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
+                host_s = time.perf_counter() - t_round0 - draft_s - verify_s
+                if log is not None:
+                    log.append((g, c, draft_s, verify_s, host_s))
+                if auto and self.cost is not None and self.refine_costs:
+                    self.cost.observe(g, c, draft_s, verify_s, n, host_s)
+            if s.finish is not None:
+                break
+            yield [s], stats
+        target.cache.rewind_to(0)  # rows unneeded
+        if drafter:
+            drafter.reset(0)
+        self._close(stats, timer, target, drafter, clock)
+        yield [s], stats
+
+    def _close(self, stats: Stats, timer: Timer, target: Decoder, drafter: Drafter | None, clock: tuple) -> None:
+        """Bring stats' times and call counts up to now. clock: (start, first token, prefill engine s)."""
+        t0, t_first, prefill_engine_s = clock
+        stats.time_s = self._times(timer, t0, t_first)
+        stats.target_calls = target.calls
+        stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
+        stats.engine_s = target.engine_s - prefill_engine_s + (
+            drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
 
     @staticmethod
     def _times(timer: Timer, t0: float, t_first: float) -> dict:

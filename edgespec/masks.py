@@ -102,3 +102,20 @@ def step_inputs(manifest, lengths: np.ndarray, seq: int, rows: int, valid: np.nd
                 C.TOTAL_SEQUENCE_LENGTH: np.array(total.max(), dtype=np.int32)}
     pos = lengths[:, None] + np.arange(seq, dtype=np.int64)[None, :]  # (B, S)
     return {C.POSITION_IDS: pos, C.ATTENTION_BIAS: causal_bias(lengths, seq, rows, manifest.sliding_window, valid)}
+
+
+def step_inputs_into(manifest, lengths: np.ndarray, seq: int, rows: int, valid: np.ndarray | None,
+                     out: dict) -> None:
+    """step_inputs written in place into `out`'s arrays (the decoder's bound inputs, shaped as step_inputs
+    returns them). The common call, an ort-flavour engine with every new token real, is three small writes;
+    every other call copies step_inputs' result (the reference: tests compare the two)."""
+    if manifest.flavor == "ort" and valid is None:
+        top = int(lengths.max())
+        if top + seq > rows:
+            _check(lengths, seq, rows)
+        np.add(lengths, seq - 1, out=out[C.SEQLENS_K], casting="unsafe")
+        out[C.QUERY_SEQLENS].fill(seq)
+        out[C.TOTAL_SEQUENCE_LENGTH].fill(top + seq)
+        return
+    for name, value in step_inputs(manifest, lengths, seq, rows, valid).items():
+        out[name][...] = value

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 
 from edgespec.contract import MASKED
-from edgespec.masks import causal_bias, causal_bias_reference
+from types import SimpleNamespace
+
+from edgespec.masks import causal_bias, causal_bias_reference, step_inputs, step_inputs_into
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -42,3 +44,26 @@ def test_rows_too_few_for_the_new_tokens_are_refused():
         causal_bias(np.array([3]), 2, 4)
     with pytest.raises(ValueError, match="exceed the bound cache rows"):
         causal_bias_reference(np.array([3]), 2, 4)
+
+
+@pytest.mark.parametrize("flavor", ["ort", "portable"])
+@pytest.mark.parametrize("seed", range(8))
+def test_inputs_written_in_place_equal_step_inputs(flavor, seed):
+    """The decoder writes each call's small inputs into its bound arrays (step_inputs_into): the same values
+    as step_inputs, over repeated calls into the same arrays, with and without padding."""
+    rng = np.random.default_rng(seed)
+    m = SimpleNamespace(flavor=flavor, sliding_window=None)
+    b, s = int(rng.integers(1, 4)), int(rng.integers(1, 7))
+    rows = 40
+    out = {n: np.full_like(v, 7) for n, v in step_inputs(m, np.zeros(b, np.int64), s, rows).items()}
+    for _ in range(3):
+        lengths = rng.integers(1, 30, b)
+        valid = None if rng.random() < 0.5 else np.arange(s)[None] < rng.integers(1, s + 1, b)[:, None]
+        step_inputs_into(m, lengths, s, rows, valid, out)
+        want = step_inputs(m, lengths, s, rows, valid)
+        assert want.keys() == out.keys()
+        for name, value in want.items():
+            assert out[name].dtype == value.dtype and out[name].shape == value.shape, name
+            np.testing.assert_array_equal(out[name], value, err_msg=name)
+    with pytest.raises(ValueError, match="exceed the bound cache rows"):
+        step_inputs_into(m, np.full(b, rows - s + 1), s, rows, None, out)
