@@ -5,15 +5,24 @@
 Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has two phases,
 one process schedule, and nothing from any other run:
 
-  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its n-gram γ × max_ngram; GenAI's k,
-     adaptive k, n-gram size, chained lookup, and both its default threading and edgespec's threads; HF's
-     draft lengths and prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts),
-     configurations interleaved across systems;
+  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ × lookup, its
+     n-gram γ × max_ngram; GenAI's k, adaptive k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and
+     an int8 draft model, and both its default threading and edgespec's threads; HF's draft lengths and
+     prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts), configurations
+     interleaved across systems;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat.
 
-The defaults (129 sweep configurations on 6 prompts, then 12 rows × 3 repeats on 24 prompts × 128 tokens)
-take about 30 minutes on the 2-core CPU; the script prints its estimate first and a progress bar after.
+The defaults (173 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
+take about 24 minutes on the 2-core CPU (the 129 configurations and 12 rows before edgespec draft+lookup and
+GenAI's int8 draft and adaptive-k settings took 20.6); the script prints its estimate first and a progress bar
+after.
+
+Draft models: edgespec's demo draft is its int8 weight-only engine (MatMulNBits, blocks of 32, accuracy level
+4). GenAI's draft is swept at fp32 and int8 (--genai-draft-precisions), each built by GenAI's own model builder
+with that recipe where the builder takes it (bench/peers/genai_runner.py QUANT_OPTIONS); both targets are fp32.
+A draft's precision cannot change the output (the target verifies every token), so each side may use its
+fastest draft. The configuration column names the draft precision and, for GenAI, fixed or adaptive k.
 
 Every system runs in its own process (so peak RSS is its own): edgespec through this script's
 `--edgespec-runner` mode, the peers through bench/peers/*_runner.py in their virtual environments. Greedy
@@ -27,7 +36,8 @@ Smoke test (2 prompts, 16 tokens, small sweeps; 4-8 minutes, mostly process star
 
     python bench/bench_peers.py --out .cache/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
         --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
-        --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2
+        --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2 --lookup-gammas 4 --lookups 2 \
+        --genai-draft-ks 4 --genai-adaptive-ks 4 --genai-min-adaptive-k 2
 """
 from __future__ import annotations
 
@@ -74,8 +84,10 @@ def _ints(s: str) -> list[int]:
 
 def plan(args) -> list[Mode]:
     """Every mode and every configuration the sweep tries, from the command's sweep settings."""
+    from edgespec.cli import DEMO_ENGINES
     from edgespec.generate import DRAFT_THREADS
     es_threads = int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1  # edgespec's target
+    es_draft = f"{DEMO_ENGINES['demo-draft'][1]} draft"  # edgespec's demo draft engine: "int8 draft"
     g, kmax = _ints(args.gammas), max(_ints(args.gammas))
     gg = [str(x) for x in g] + ["auto"]
     chained = {"off": False, "on": True}
@@ -86,10 +98,19 @@ def plan(args) -> list[Mode]:
                        ("--threads", str(es_threads), "--draft-threads", str(DRAFT_THREADS))}
     k_opts = [(f"k={k}", ("--gamma", str(k))) for k in g] + \
              [(f"adaptive k 1..{kmax}", ("--gamma", str(kmax), "--min-adaptive-k", "1"))]
+    # GenAI's draft: fixed k, adaptive k (min_adaptive_k..K), each with every draft precision (built separately
+    # from the fp32 target; the target verifies every token, so the precision changes speed, never the output)
+    draft_k = [(f"k={k}", ("--gamma", str(k))) for k in _ints(args.genai_draft_ks)] + \
+              [(f"adaptive k {m}..{k}", ("--gamma", str(k), "--min-adaptive-k", str(m)))
+               for m in _ints(args.genai_min_adaptive_k) for k in _ints(args.genai_adaptive_ks) if m < k]
+    draft_prec = [(f"{p} draft", ("--draft-precision", p)) for p in args.genai_draft_precisions.split(",") if p]
     modes = [
         Mode("edgespec plain", "edgespec", "edgespec", (Config("threads: edgespec default", ("--mode", "plain")),)),
         Mode("edgespec draft", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}", ("--mode", "draft", "--gamma", x)) for x in gg)),
+             tuple(Config(f"γ={x}, {es_draft}", ("--mode", "draft", "--gamma", x)) for x in gg)),
+        Mode("edgespec draft+lookup", "edgespec", "edgespec",
+             tuple(Config(f"γ={x}, lookup={n}, {es_draft}", ("--mode", "draft", "--gamma", str(x), "--lookup", str(n)))
+                   for n in _ints(args.lookups) for x in _ints(args.lookup_gammas))),
         Mode("edgespec ngram", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, max_ngram={n}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)))
                    for n in _ints(args.max_ngrams) for x in gg)),
@@ -98,7 +119,8 @@ def plan(args) -> list[Mode]:
     ]
     for tlab, targs in genai_draft.items():
         modes.append(Mode(f"ORT GenAI draft ({tlab.split(':')[0]})", "ORT GenAI", "genai",
-                          tuple(Config(f"{klab}, {tlab}", ("--mode", "draft") + ka + targs) for klab, ka in k_opts)))
+                          tuple(Config(f"{klab}, {plab}, {tlab}", ("--mode", "draft") + ka + pa + targs)
+                                for plab, pa in draft_prec for klab, ka in draft_k)))
     ngram = [(f", ngram_size={n}" + (", chained" if chained[c] else ""),
               ("--ngram-size", str(n)) + (("--ngram-chained",) if chained[c] else ()))
              for c in args.genai_chained.split(",") for n in _ints(args.genai_ngram_sizes)]
@@ -138,7 +160,17 @@ def edgespec_runner(args) -> None:
     d = {"plain": None, "draft": draft, "ngram": "ngram"}[args.mode]
     gamma = "auto" if args.gamma in (None, "auto") else int(args.gamma)
     ngram = {"max_ngram": args.max_ngram} if args.mode == "ngram" and args.max_ngram else {}
-    gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", **ngram)
+    if args.lookup and args.mode != "draft":
+        raise SystemExit("--lookup goes with --mode draft (prompt lookup tried before the draft model)")
+    lookup = {"lookup": args.lookup} if args.lookup else {}
+    try:
+        gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", **ngram, **lookup)
+    except TypeError as e:  # an edgespec without load(lookup=): the mode fails with the reason, the run goes on
+        if not lookup or "lookup" not in str(e):
+            raise
+        print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": "draft+lookup",
+                          "error": f"edgespec.load() does not take lookup= here: {e}"}))
+        return
     kw = dict(max_new_tokens=args.max_new_tokens)
     if args.temperature:
         kw.update(temperature=args.temperature, seed=0, acceptance="rejection")
@@ -154,13 +186,14 @@ def edgespec_runner(args) -> None:
                             "decode_s": st.time_s["decode"], "ttft_s": st.time_s["prefill"],
                             "tokens_per_s": st.tokens_per_second, "drafted": st.drafted, "accepted": st.accepted,
                             "rounds": st.rounds, "rejections": st.rejections, "host_fraction": st.host_fraction})
-    if args.mode == "draft" and gen.cost is None:
+    if args.mode == "draft" and not args.lookup and gen.cost is None:
         gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
-              "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
+              "lookup": args.lookup, "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
               "draft_threads": DRAFT_THREADS if args.mode == "draft" else None}
-    print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": args.mode, "config": config,
+    mode = "draft+lookup" if args.lookup else args.mode
+    print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
                       "results": results, "cost_model": cost,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 
@@ -311,14 +344,37 @@ def mode_ratios(systems: dict) -> dict:
     """Within each system (speculative / plain) and like for like across systems, best configs throughout."""
     t = {n: _tps(s) for n, s in systems.items() if _tps(s)}
     genai_draft = max((n for n in t if n.startswith("ORT GenAI draft")), key=t.get, default=None)
-    pairs = [("edgespec draft", "edgespec plain"), ("edgespec ngram", "edgespec plain"),
+    pairs = [("edgespec draft", "edgespec plain"), ("edgespec draft+lookup", "edgespec plain"),
+             ("edgespec draft+lookup", "edgespec draft"), ("edgespec ngram", "edgespec plain"),
              ("ORT GenAI ngram", "ORT GenAI plain"), ("HF assisted", "HF plain"), ("HF prompt lookup", "HF plain"),
              ("edgespec plain", "ORT GenAI plain"), ("edgespec ngram", "ORT GenAI ngram"),
              ("edgespec draft", "HF assisted"), ("edgespec ngram", "HF prompt lookup")]
     pairs += [(n, "ORT GenAI plain") for n in t if n.startswith("ORT GenAI draft")]
     if genai_draft:
-        pairs.append(("edgespec draft", genai_draft))
+        pairs += [("edgespec draft", genai_draft), ("edgespec draft+lookup", genai_draft)]
     return {f"{a} / {b}": t[a] / t[b] for a, b in pairs if a in t and b in t}
+
+
+def _rel(s: str) -> str:
+    """A command with the repository's absolute path taken out: relative to the repository root."""
+    return s.replace(str(ROOT) + os.sep, "")
+
+
+def _builds(out: dict) -> dict | None:
+    """A GenAI row's model builds, {role: the exact builder command (repository-relative)}; None for others."""
+    b = (out.get("config") or {}).get("builds") if "error" not in out else None
+    return {role: _rel(r["builder_command"]) for role, r in b.items()} if b else None
+
+
+CONFIGURATIONS = (
+    "edgespec draft: its demo draft engine (int8 weight-only: MatMulNBits, blocks of 32, accuracy level 4), γ and "
+    "auto-γ; edgespec draft+lookup: the same draft with prompt-lookup proposals tried first (edgespec.load(lookup=N), "
+    "N the shortest n-gram match), γ × N. ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
+    "set_speculative_options), each with an fp32 and an int8 draft built by GenAI's model builder with edgespec's "
+    "recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
+    "the target stays fp32 like edgespec's, and the target verifies every token, so the draft's precision changes "
+    "speed, never the output); the exact builder commands of each selected GenAI row are in its `builds`. "
+    "Nothing is dropped as dominated: every configuration listed in the sweep ran.")
 
 
 # ---- the run -------------------------------------------------------------------------------------------------
@@ -366,6 +422,14 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-ngram-sizes", default="2,3,4", help="GenAI speculative.ngram_size")
     ap.add_argument("--genai-chained", default="off,on", help="GenAI speculative.ngram_chained_lookup")
     ap.add_argument("--hf-lookup-ngrams", default="2,3", help="HF prompt lookup: max_matching_ngram_size")
+    ap.add_argument("--lookup-gammas", default="4,5,6,8", help="edgespec draft+lookup: γ")
+    ap.add_argument("--lookups", default="2,3", help="edgespec draft+lookup: load(lookup=N), the shortest n-gram "
+                                                     "match for a prompt-lookup proposal (tried before the draft)")
+    ap.add_argument("--genai-draft-ks", default="2,3,4,5,6,8", help="GenAI draft: fixed k (max_draft_tokens)")
+    ap.add_argument("--genai-adaptive-ks", default="4,6,8", help="GenAI draft: K of adaptive k (min..K)")
+    ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
+    ap.add_argument("--genai-draft-precisions", default="fp32,int8",
+                    help="GenAI draft: the draft model's build (fp32, int8, int4; the target stays fp32)")
     ap.add_argument("--modes", default=None, help="comma-separated modes to run (edgespec plain always runs); "
                                                   "the rest are absent from the table, never taken from elsewhere")
     ap.add_argument("--timeout", type=int, default=900, help="per runner process, seconds")
@@ -373,6 +437,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="plain", help=argparse.SUPPRESS)
     ap.add_argument("--gamma", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--max-ngram", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lookup", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -465,6 +530,8 @@ def main(argv=None) -> int:
             systems[name] = dict(s, config=(sampled_cfg if name == SAMPLED else best[name]).label, run_id=run["id"],
                                  started=out["started"], ended=out["ended"],
                                  selected_from=len(by_name[name].configs) if name in by_name else 1)
+            if _builds(out):
+                systems[name]["builds"] = _builds(out)
         elif name in by_name:  # a mode none of whose configurations ran: failed, with the sweep's first error
             err = next((t["error"] for t in sweep.get(name, []) if t["status"] != "ok"), "no configuration ran")
             systems[name] = {"status": "failed", "error": f"every configuration failed in the sweep; first: {err}",
@@ -484,7 +551,8 @@ def main(argv=None) -> int:
                          "selection": "fastest configuration (median tok/s on the sweep prompts) whose tokens were "
                                       "identical to edgespec plain on every sweep prompt",
                          "schedule": "sweep: configurations interleaved across modes; final: one process per "
-                                     "(mode, repeat), modes rotated each repeat"},
+                                     "(mode, repeat), modes rotated each repeat",
+                         "configurations": CONFIGURATIONS},
               "sweep": {"modes": sweep},
               "systems": systems, "system_of": system_of,
               "best_vs_best": best_vs_best(systems, system_of), "ratios": mode_ratios(systems),
@@ -577,6 +645,10 @@ def markdown(r: dict) -> str:
         cfg = s.get("config", "") + (f" (best of {s['selected_from']})" if s.get("selected_from", 1) > 1 else "")
         rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | {s['ttft_ms_median']:.1f} | "
                     f"{acc} | {apr} | {s.get('identical_prompts', '–')} | {s['peak_rss_mib']:.0f} | {cfg} |")
+    builds = [(n, s["builds"]) for n, s in r["systems"].items() if s.get("builds")]
+    if builds:
+        rows += ["", "GenAI model builds of the rows above (exact builder commands):", ""]
+        rows += [f"- {n}: " + "; ".join(f"{role} `{cmd}`" for role, cmd in b.items()) for n, b in builds]
     rows += ["", "| ratio (best configuration of each) | value |", "|---|---|"] + \
         [f"| {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
     rf = r["roofline"]
@@ -592,8 +664,10 @@ def markdown(r: dict) -> str:
     if sweep:
         m = r["method"]
         rows += ["", f"Every configuration tried (sweep: prompts {m['sweep_prompt_indices']} of {r['prompts']['count']}"
-                     f", once each; {m['selection']}):", "",
-                 "| mode | configuration | tok/s | acceptance | identical prompts | |", "|---|---|---|---|---|---|"]
+                     f", once each; {m['selection']}).", ""]
+        if m.get("configurations"):
+            rows += [m["configurations"], ""]
+        rows += ["| mode | configuration | tok/s | acceptance | identical prompts | |", "|---|---|---|---|---|---|"]
         for name, tried in sweep.items():
             chosen = r["systems"].get(name, {}).get("config")
             for t in tried:

@@ -3,6 +3,7 @@
 Fast and peer-free: these build the harness's dicts by hand; no runner or peer environment is started.
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -10,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from bench_peers import (SAMPLED, MixedRunsError, best_vs_best, check_same_run, markdown, plan,  # noqa: E402
-                         select_best, write_report)
+from bench_peers import (ROOT, SAMPLED, MixedRunsError, _builds, best_vs_best, check_same_run,  # noqa: E402
+                         edgespec_runner, markdown, mode_ratios, plan, select_best, write_report)
 
 RUN = "run-a"
 T0, T1 = 1000.0, 2000.0
@@ -123,17 +124,151 @@ def test_a_faster_peer_mode_gives_a_ratio_below_one():
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
-def test_genai_draft_is_tried_with_its_default_threads_and_with_edgespecs(monkeypatch):
+SWEEP = dict(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4", genai_chained="off,on",
+             hf_lookup_ngrams="2,3", modes=None, lookup_gammas="4,5,6,8", lookups="2,3",
+             genai_draft_ks="2,3,4,5,6,8", genai_adaptive_ks="4,6,8", genai_min_adaptive_k="1,2",
+             genai_draft_precisions="fp32,int8")  # bench_peers.py's defaults
+
+
+def _plan(monkeypatch, **over):
     pytest.importorskip("onnxruntime", reason="edgespec.generate needs onnxruntime (a runtime dependency)")
-    from edgespec.generate import DRAFT_THREADS
     monkeypatch.setenv("EDGESPEC_THREADS", "2")  # edgespec's target threads (conftest pins 1 for the tests)
-    args = argparse.Namespace(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4",
-                              genai_chained="off,on", hf_lookup_ngrams="2,3", modes=None)
-    modes = {m.name: m for m in plan(args)}
+    return {m.name: m for m in plan(argparse.Namespace(**{**SWEEP, **over}))}
+
+
+def _opt(c, flag, default=None):
+    return c.argv[c.argv.index(flag) + 1] if flag in c.argv else default
+
+
+def test_genai_draft_is_tried_with_its_default_threads_and_with_edgespecs(monkeypatch):
+    from edgespec.generate import DRAFT_THREADS
+    modes = _plan(monkeypatch)
     default = modes["ORT GenAI draft (GenAI's default threads)"].configs
     ours = modes["ORT GenAI draft (edgespec's threads)"].configs
-    assert [c.argv[c.argv.index("--gamma") + 1] for c in default] == ["2", "3", "4", "5", "6", "6"]
+    per_precision = ["2", "3", "4", "5", "6", "8"] + ["4", "6", "8"] * 2  # fixed k, then adaptive 1..K, 2..K
+    assert [_opt(c, "--gamma") for c in default] == per_precision * 2
     assert all(c.argv[-4:] == ("--threads", "0", "--draft-threads", "0") for c in default)
     assert all(c.argv[-4:] == ("--threads", "2", "--draft-threads", str(DRAFT_THREADS)) for c in ours)
-    assert [c.label for c in modes["edgespec draft"].configs] == ["γ=2", "γ=3", "γ=4", "γ=5", "γ=6", "γ=auto"]
+    assert [c.label for c in modes["edgespec draft"].configs] == [f"γ={g}, int8 draft" for g in
+                                                                  ("2", "3", "4", "5", "6", "auto")]
     assert len(modes["edgespec ngram"].configs) == 18 and len(modes["ORT GenAI ngram"].configs) == 72
+
+
+def test_genai_draft_is_swept_over_draft_precision_and_adaptive_k_and_its_label_says_both(monkeypatch):
+    ours = _plan(monkeypatch)["ORT GenAI draft (edgespec's threads)"].configs
+    got = {(_opt(c, "--draft-precision"), _opt(c, "--gamma"), _opt(c, "--min-adaptive-k", "0")) for c in ours}
+    assert got == {(p, k, "0") for p in ("fp32", "int8") for k in ("2", "3", "4", "5", "6", "8")} | \
+        {(p, k, m) for p in ("fp32", "int8") for k in ("4", "6", "8") for m in ("1", "2")}
+    assert len(ours) == len(got) == 24
+    for c in ours:  # the configuration column names the draft precision and fixed or adaptive k
+        p, k, m = _opt(c, "--draft-precision"), _opt(c, "--gamma"), _opt(c, "--min-adaptive-k")
+        assert f"{p} draft" in c.label
+        assert (f"adaptive k {m}..{k}" if m else f"k={k},") in c.label
+    assert "k=6, int8 draft, edgespec's threads: target 2, draft 1" in [c.label for c in ours]
+    # min_adaptive_k must be below K: no "adaptive k 4..4"
+    narrow = _plan(monkeypatch, genai_adaptive_ks="4", genai_min_adaptive_k="4,2")
+    assert [c.label.split(",")[0] for c in narrow["ORT GenAI draft (edgespec's threads)"].configs
+            if "adaptive" in c.label] == ["adaptive k 2..4"] * 2
+
+
+def test_edgespec_draft_plus_lookup_sweeps_gamma_by_lookup(monkeypatch):
+    modes = _plan(monkeypatch)
+    cfgs = modes["edgespec draft+lookup"].configs
+    assert modes["edgespec draft+lookup"].system == "edgespec" and modes["edgespec draft+lookup"].runner == "edgespec"
+    assert [(_opt(c, "--gamma"), _opt(c, "--lookup")) for c in cfgs] == \
+        [(g, n) for n in ("2", "3") for g in ("4", "5", "6", "8")]
+    assert all(c.argv[:2] == ("--mode", "draft") for c in cfgs)
+    assert cfgs[0].label == "γ=4, lookup=2, int8 draft"
+    assert not any("--lookup" in c.argv for n, m in modes.items() if n != "edgespec draft+lookup" for c in m.configs)
+    assert "edgespec draft+lookup" in _plan(monkeypatch, modes="edgespec draft+lookup")
+
+
+# ---- the edgespec runner ---------------------------------------------------------------------------------------
+class _Stats:
+    new_tokens, drafted, accepted, rounds, rejections, host_fraction = 3, 4, 3, 1, 1, 0.1
+    time_s = {"decode": 0.01, "prefill": 0.002}
+    tokens_per_second = 300.0
+
+
+class _Gen:
+    cost = None
+
+    def generate(self, prompt, **kw):
+        return argparse.Namespace(token_ids=[5, 6, 7], stats=_Stats())
+
+    def measure_costs(self):
+        pass
+
+
+def _run_edgespec(monkeypatch, capsys, tmp_path, load, **over):
+    pytest.importorskip("onnxruntime", reason="edgespec.cli needs onnxruntime (a runtime dependency)")
+    import edgespec
+    import edgespec.cli
+    monkeypatch.setattr(edgespec.cli, "ensure_demo_engines", lambda models, engines: ("TARGET", "DRAFT"))
+    monkeypatch.setattr(edgespec, "load", load)
+    (tmp_path / "p.json").write_text(json.dumps(["a", "b"]))
+    args = argparse.Namespace(**{**dict(engines=tmp_path, prompts=tmp_path / "p.json", mode="draft", gamma="5",
+                                        max_ngram=None, lookup=None, max_new_tokens=8, temperature=0.0, repeats=1),
+                                 **over})
+    edgespec_runner(args)
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_the_edgespec_runner_passes_lookup_to_load_only_when_asked(monkeypatch, capsys, tmp_path):
+    calls = []
+
+    def load(target, draft=None, gamma="auto", **kw):
+        calls.append(dict(target=target, draft=draft, gamma=gamma, **kw))
+        return _Gen()
+
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=3)
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3}
+    assert out["mode"] == "draft+lookup" and out["config"]["lookup"] == 3 and len(out["results"]) == 2
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load)  # plain draft mode: no lookup keyword at all
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5}
+    assert out["mode"] == "draft" and out["config"]["lookup"] is None
+
+
+def test_an_edgespec_without_load_lookup_fails_the_mode_with_the_reason(monkeypatch, capsys, tmp_path):
+    def load(target, draft=None, gamma="auto", max_ngram=None):  # the signature before lookup= existed
+        return _Gen()
+
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=2)
+    assert "does not take lookup=" in out["error"] and "lookup" in out["error"]
+    assert out["mode"] == "draft+lookup"
+
+
+# ---- the report names the new mode, the draft builds and the configurations -----------------------------------
+def test_draft_plus_lookup_is_in_the_ratios_the_table_and_best_against_best():
+    systems = {"edgespec plain": row(250.0, "threads: edgespec default"),
+               "edgespec draft": row(513.0, "γ=5, int8 draft"),
+               "edgespec draft+lookup": row(560.0, "γ=6, lookup=2, int8 draft"),
+               "ORT GenAI plain": row(317.0, "threads 2"),
+               "ORT GenAI draft (edgespec's threads)": dict(
+                   row(550.0, "adaptive k 2..8, int8 draft, edgespec's threads: target 2, draft 1"),
+                   builds={"target": ".venv-genai/bin/python -m onnxruntime_genai.models.builder -p fp32",
+                           "draft": ".venv-genai/bin/python -m onnxruntime_genai.models.builder -p int8 "
+                                    "--extra_options block_size=32 accuracy_level=4 is_symmetric=false"})}
+    r = report(systems)
+    (b,) = r["best_vs_best"]
+    assert b["edgespec"] == "edgespec draft+lookup" and b["peer_config"].startswith("adaptive k 2..8, int8 draft")
+    r["method"] = {"sweep_prompt_indices": [0], "selection": "fastest", "configurations": "GenAI: fp32 and int8 drafts"}
+    r["prompts"] = {"count": 24}
+    r["sweep"] = {"modes": {"edgespec draft+lookup": [tried("γ=6, lookup=2, int8 draft", 560.0)]}}
+    md = markdown(r)
+    assert "| edgespec draft+lookup | 560.0" in md and "γ=6, lookup=2, int8 draft" in md
+    assert "draft `.venv-genai/bin/python -m onnxruntime_genai.models.builder -p int8 --extra_options" in md
+    assert "GenAI: fp32 and int8 drafts" in md
+    ratios = mode_ratios(systems)
+    assert ratios["edgespec draft+lookup / edgespec plain"] == pytest.approx(560 / 250)
+    assert ratios["edgespec draft+lookup / ORT GenAI draft (edgespec's threads)"] == pytest.approx(560 / 550)
+
+
+def test_a_genai_rows_builds_are_its_exact_builder_commands_without_machine_paths():
+    cmd = (f"{ROOT}/.venv-genai/bin/python -m onnxruntime_genai.models.builder -i {ROOT}/models/demo-draft "
+           f"-o {ROOT}/.cache/peers/genai/demo-draft-int8-abc.partial -p int8 -e cpu -c {ROOT}/.cache/peers/genai/"
+           "builder_cache --extra_options block_size=32 accuracy_level=4 is_symmetric=false")
+    out = {"config": {"builds": {"draft": {"builder_command": cmd}}}, "results": []}
+    assert _builds(out) == {"draft": cmd.replace(f"{ROOT}/", "")}
+    assert str(ROOT) not in _builds(out)["draft"]
+    assert _builds({"results": []}) is None and _builds({"error": "x", "config": out["config"]}) is None

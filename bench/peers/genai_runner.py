@@ -4,7 +4,7 @@ Runs inside .venv-genai (see bench/setup_peers.sh), as a subprocess of the bench
 
     .venv-genai/bin/python bench/peers/genai_runner.py --target models/demo-target \
         --draft models/demo-draft --prompts prompts.json --max-new-tokens 128 --repeats 3 \
-        --work .cache/peers/genai --mode draft --gamma 4 --threads 2 --draft-threads 1
+        --work .cache/peers/genai --mode draft --gamma 4 --threads 2 --draft-threads 1 --draft-precision int8
 
 Prints exactly ONE JSON object on stdout (everything else goes to stderr):
 
@@ -14,8 +14,15 @@ Prints exactly ONE JSON object on stdout (everything else goes to stderr):
      "speculative_stats": {...summed over the timed runs...} | null, "peak_rss_bytes": ...}
 
 Models: each Hugging Face folder is converted once with GenAI's own model builder
-(`python -m onnxruntime_genai.models.builder -i HF -o OUT -p fp32 -e cpu`) into --work, keyed by
-the folder's path, file sizes and mtimes and the GenAI version; a finished build is reused.
+(`python -m onnxruntime_genai.models.builder -i HF -o OUT -p PRECISION -e cpu [--extra_options ...]`) into
+--work, keyed by the folder's path, file sizes and mtimes, the GenAI version, the precision and the builder's
+extra options; a finished build is reused. The target is built at --precision, the draft at --draft-precision
+(default: the same), each separately: a draft's precision never changes the output (the target verifies every
+token), only its speed and acceptance. An integer precision gets edgespec's weight-only recipe
+(export/quantize.py WEIGHT_ONLY), as far as the builder takes it (QUANT_OPTIONS): every MatMul (lm_head
+included) as MatMulNBits in blocks of 32 along K, accuracy level 4 (int8 activations in the kernel), asymmetric
+(a zero point per block); int4 keeps the lm_head at 8 bits. The int8 build keeps the embedding Gather fp32,
+as edgespec does (see QUANT_OPTIONS for int4). `config.builds` records each model's exact builder command.
 
 Speculative API of onnxruntime-genai 0.18 (verified against the installed package):
   * the draft model is a `model.draft` section of the target's genai_config.json, shaped like
@@ -56,6 +63,7 @@ import hashlib
 import json
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -64,6 +72,19 @@ import traceback
 from pathlib import Path
 
 MODES = ("plain", "draft", "ngram")
+PRECISIONS = ("fp32", "int8", "int4")
+# The builder's --extra_options per integer precision: edgespec's recipe (export/quantize.py WEIGHT_ONLY). Given
+# explicitly, not left to the builder's defaults (block 32 and accuracy level 4 on the CPU today, symmetric).
+# int4: the lm_head at 8 bits needs algo_config=rtn (with the builder's default algorithm and
+# matmul_mixed_precision, 0.18 writes a graph ORT refuses to load: "lm_head.MatMul.weight_Q8G32 is not a graph
+# input"); with tied embeddings the builder then reads the embedding from that 8-bit lm_head weight
+# (GatherBlockQuantized), where edgespec keeps an fp32 table.
+QUANT_OPTIONS = {
+    "fp32": (),
+    "int8": ("block_size=32", "accuracy_level=4", "is_symmetric=false"),
+    "int4": ("block_size=32", "accuracy_level=4", "is_symmetric=false", "algo_config=rtn",
+             "matmul_mixed_precision=last_matmul:int8"),
+}
 
 
 def log(*a):
@@ -93,8 +114,8 @@ class BuildError(RuntimeError):
         self.log_tail = log_tail
 
 
-def folder_key(hf_dir: Path, version: str) -> str:
-    h = hashlib.sha1(f"{hf_dir.resolve()}|{version}".encode())
+def folder_key(hf_dir: Path, version: str, extra: tuple = ()) -> str:
+    h = hashlib.sha1(f"{hf_dir.resolve()}|{version}".encode() + "".join(f"|{o}" for o in extra).encode())
     for p in sorted(hf_dir.iterdir()):
         if p.is_file():
             st = p.stat()
@@ -102,18 +123,29 @@ def folder_key(hf_dir: Path, version: str) -> str:
     return h.hexdigest()[:12]
 
 
-def build(hf_dir: Path, work: Path, version: str, precision: str) -> Path:
-    """GenAI model builder on one HF folder; reuses a finished build."""
-    out = work / f"{hf_dir.resolve().name}-{precision}-{folder_key(hf_dir, version)}"
+def builder_command(hf_dir: Path, out: Path, work: Path, precision: str) -> list[str]:
+    """The exact model-builder command for one HF folder at one precision."""
+    extra = QUANT_OPTIONS[precision]
+    return [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(out),
+            "-p", precision, "-e", "cpu", "-c", str(work / "builder_cache")] + \
+        (["--extra_options", *extra] if extra else [])
+
+
+def build(hf_dir: Path, work: Path, version: str, precision: str) -> tuple[Path, dict]:
+    """GenAI model builder on one HF folder; reuses a finished build. Returns the build and its record
+    (precision, builder extra options, the exact command that made it, whether it was reused)."""
+    extra = QUANT_OPTIONS[precision]
+    out = work / f"{hf_dir.resolve().name}-{precision}-{folder_key(hf_dir, version, extra)}"
+    tmp = out.with_name(out.name + ".partial")
+    cmd = builder_command(hf_dir, tmp, work, precision)
+    record = {"path": str(out), "precision": precision, "extra_options": list(extra),
+              "builder_command": shlex.join(cmd), "note": "built into <path>.partial, renamed to <path> when done"}
     if (out / "genai_config.json").is_file():
         log(f"[genai] reusing build {out}")
-        return out
-    tmp = out.with_name(out.name + ".partial")
+        return out, dict(record, reused=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(tmp),
-           "-p", precision, "-e", "cpu", "-c", str(work / "builder_cache")]
-    log("[genai] building: " + " ".join(cmd))
+    log("[genai] building: " + shlex.join(cmd))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     logf = work / f"{out.name}.build.log"
     with open(logf, "w") as f:
@@ -125,7 +157,7 @@ def build(hf_dir: Path, work: Path, version: str, precision: str) -> Path:
         raise BuildError(f"model builder failed (exit {r.returncode}) for {hf_dir}: {last} (full log: {logf})",
                          lines[-25:])
     os.replace(tmp, out)
-    return out
+    return out, dict(record, reused=False)
 
 
 def draft_overlay(target_build: Path, draft_build: Path) -> dict:
@@ -199,7 +231,9 @@ def main(argv=None):
                     help="target (model.decoder) intra-op threads; 0 = GenAI's default")
     ap.add_argument("--draft-threads", type=int, default=0,
                     help="draft (model.draft) intra-op threads; 0 = GenAI's default")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "int8", "int4"])
+    ap.add_argument("--precision", default="fp32", choices=PRECISIONS, help="the target's build")
+    ap.add_argument("--draft-precision", default=None, choices=PRECISIONS,
+                    help="the draft's build (default: --precision); integer precisions: QUANT_OPTIONS")
     ap.add_argument("--warmup", type=int, default=1, help="untimed generations (16 tokens) before timing")
     args = ap.parse_args(argv)
 
@@ -220,17 +254,19 @@ def main(argv=None):
             raise ValueError("--mode draft needs --draft")
         prompts = load_prompts(args.prompts)
         args.work.mkdir(parents=True, exist_ok=True)
-        target_build = build(args.target, args.work, version, args.precision)
-        draft_build = build(args.draft, args.work, version, args.precision) if args.mode == "draft" else None
+        draft_precision = args.draft_precision or args.precision
+        target_build, target_rec = build(args.target, args.work, version, args.precision)
+        draft_build, draft_rec = (build(args.draft, args.work, version, draft_precision) if args.mode == "draft"
+                                  else (None, None))
     except BuildError as e:
         emit({**base, "error": str(e), "stage": "build", "build_log_tail": e.log_tail}, 2)
     except Exception as e:  # noqa: BLE001
         emit({**base, "error": f"{type(e).__name__}: {e}", "stage": "setup"}, 2)
 
     config = {"target_build": str(target_build), "draft_build": str(draft_build) if draft_build else None,
-              "builder_command": f"{sys.executable} -m onnxruntime_genai.models.builder -i <hf folder> "
-                                 f"-o <out> -p {args.precision} -e cpu -c {args.work / 'builder_cache'}",
-              "precision": args.precision, "threads": args.threads or "GenAI default",
+              "builds": {"target": target_rec, **({"draft": draft_rec} if draft_rec else {})},
+              "precision": args.precision, "draft_precision": draft_precision if draft_build else None,
+              "threads": args.threads or "GenAI default",
               "draft_threads": (args.draft_threads or "GenAI default") if draft_build else None,
               "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "warmup": args.warmup, "search": {"do_sample": False, "top_k": 1}}
