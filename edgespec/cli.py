@@ -15,6 +15,8 @@ from pathlib import Path
 from edgespec.costmodel import DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT
 from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
+LOOKUP_DEFAULT = 0  # --lookup: off unless asked for
+
 
 def _need_export_extra():
     try:
@@ -177,7 +179,7 @@ def cmd_generate(args) -> int:
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
     _check_text_args(args)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max)
+                        gamma_max=args.gamma_max, lookup=args.lookup)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
     if args.batch_file is not None:
@@ -212,7 +214,7 @@ def cmd_profile(args) -> int:
 
     _check_text_args(args)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max)
+                        gamma_max=args.gamma_max, lookup=args.lookup)
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
@@ -363,7 +365,7 @@ def cmd_demo(args) -> int:
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
     spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max)
+                        gamma_max=args.gamma_max, lookup=args.lookup)
     kw = dict(max_new_tokens=args.max_new_tokens)
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
     plain.generate(prompts[0], max_new_tokens=8)
@@ -462,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
+    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
+                        "running the draft model (prompt lookup; 0: off)")
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
@@ -476,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
+    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
+                        "running the draft model (prompt lookup; 0: off)")
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.set_defaults(func=cmd_demo)
@@ -489,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
+    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
+                        "running the draft model (prompt lookup; 0: off)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)

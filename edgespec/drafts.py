@@ -205,6 +205,64 @@ class DraftModel(Drafter):
         self._ctx_len[b] = 0
 
 
+class LookupDraft(DraftModel):
+    """Prompt lookup first, the draft model otherwise. When the context's last n tokens (n from max_ngram down
+    to `lookup`) occurred earlier and what followed them gives at least min(lookup, γ) proposals, those are
+    the round's drafts: they cost microseconds and no draft call. Otherwise the draft model drafts as usual.
+
+    A round that drafted by lookup leaves the draft model's cache where it was: its next call catches up on
+    everything the context gained since (one call of several tokens). With sampled acceptance a lookup
+    proposal is a deterministic draft (q one-hot), which keeps the rejection rule exact."""
+
+    def __init__(self, decoder: Decoder, lookup: int, max_ngram: int, stop_below: float = 0.0):
+        super().__init__(decoder, stop_below)
+        self.lookup = lookup
+        self.ngram = NgramDraft(decoder.batch, max_ngram, lookup)  # checks 1 <= lookup <= max_ngram
+        self._hit = np.zeros(decoder.batch, bool)  # (B,) propose(): sequences whose drafts came from lookup
+        self._skipped = False  # draft(): the model did not run this round
+        self.hits = 0  # rounds (per sequence) drafted by lookup
+
+    def _found(self, b: int, ctx: list[int], gamma: int) -> list[int]:
+        got = self.ngram.lookup(b, ctx, gamma)
+        return got if gamma and len(got) >= min(self.lookup, gamma) else []
+
+    def draft(self, ctx, gamma, out) -> int:
+        got = self._found(0, ctx, gamma)
+        self._skipped = bool(got)
+        if not got:
+            return super().draft(ctx, gamma, out)
+        self.hits += 1
+        out[:len(got)] = got
+        return len(got)
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        found = [self._found(i, c, gamma) if a else [] for i, (c, a) in enumerate(zip(contexts, active))]
+        self._hit = np.array([bool(f) for f in found])
+        self.hits += int(self._hit.sum())
+        prop = super().propose(contexts, gamma, pick, active)  # every active sequence: a batch call costs as much
+        for i, got in enumerate(found):
+            if got:
+                prop.tokens[i, :len(got)] = got
+                prop.counts[i] = len(got)
+                if prop.q is not None:  # a deterministic draft
+                    prop.q[i, :len(got)] = 0.0
+                    prop.q[i, np.arange(len(got)), got] = 1.0
+        return prop
+
+    def commit(self, accepted) -> None:
+        if self._skipped:  # draft(): the model's cache is as it was, a prefix of the context
+            self._skipped = False
+            return
+        # propose(): sequences drafted by lookup keep none of the model's rows past the context (its own drafts)
+        super().commit(np.where(self._hit, 0, accepted))
+        self._hit[:] = False
+
+    def reset(self, b) -> None:
+        super().reset(b)
+        self.ngram.reset(b)
+        self._hit[b], self._skipped = False, False
+
+
 class NgramDraft(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest n first)
     and propose what followed it. Costs microseconds, needs no model; pays on repetitive text and code."""

@@ -19,7 +19,7 @@ import numpy as np
 from .contract import EngineError
 from .costmodel import CONTEXT_BUCKETS, DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT, AcceptanceEstimator, CostModel, monotone
 from .decoder import Decoder
-from .drafts import DraftModel, Drafter, NgramDraft, Proposal, greedy_pick
+from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, Proposal, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
@@ -187,7 +187,7 @@ class Generator:
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
                  gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
-                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None):
+                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None, lookup: int = 0):
         if (drafter_kind == "head") != (text_head is not None):
             raise ValueError(f"drafter_kind 'head' goes with a text_head: got kind {drafter_kind!r}")
         if text_head is not None and not target.manifest.has_hidden:
@@ -201,6 +201,13 @@ class Generator:
         self.drafter_factory = drafter_factory
         NgramDraft(1, max_ngram)  # checks it
         self.max_ngram = max_ngram  # the n-gram draft's longest lookup
+        if lookup and drafter_kind != "model":
+            raise ValueError(f"lookup goes before a draft model (a draft engine folder); got draft kind "
+                             f"{drafter_kind!r}")
+        if not (isinstance(lookup, (int, np.integer)) and 0 <= lookup <= max_ngram):
+            raise ValueError(f"lookup must be an int in 0..max_ngram ({max_ngram}): the shortest n-gram whose "
+                             f"earlier continuation is proposed before the draft model runs (0: off); got {lookup!r}")
+        self.lookup = int(lookup)
         self.gamma_max = check_gamma_max(gamma_max)
         if self.gamma_max + 2 > target.manifest.max_context:
             raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
@@ -249,7 +256,8 @@ class Generator:
             return TextHeadDraft(self.text_head, (lambda ctx: target.hidden_at(0, len(ctx) - 2)) if target
                                  else (lambda ctx: zero))
         if self.drafter_kind == "model":
-            return DraftModel(self._decoder(self.draft, batch))
+            dec = self._decoder(self.draft, batch)
+            return LookupDraft(dec, self.lookup, self.max_ngram) if self.lookup else DraftModel(dec)
         if self.drafter_kind == "ngram":
             return NgramDraft(batch, self.max_ngram)
         if self.drafter_kind == "custom":
@@ -329,7 +337,9 @@ class Generator:
         """One draft run over ctx (its last token pending), then the drafter forgets it again, so every run
         does a round's work at the same context: a catch-up of one token and γ proposals."""
         out = np.empty(gamma, np.int64)
-        counts.append(drafter.draft(ctx, gamma, out))
+        # a LookupDraft is timed as its draft model: lookup rounds cost next to nothing, model rounds are priced
+        counts.append((DraftModel.draft if isinstance(drafter, DraftModel) else type(drafter).draft)(
+            drafter, ctx, gamma, out))
         if isinstance(drafter, DraftModel):  # back to ctx[:-1] in its cache
             drafter.dec.cache.rewind_to(np.minimum(drafter.dec.cache.lengths, len(ctx) - 1))
 
@@ -633,10 +643,12 @@ DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread p
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
-         gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX) -> Generator:
+         gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
-    'ngram' draft looks up."""
+    'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
+    the context's last N..max_ngram tokens up earlier in it, and when what followed gives at least min(N, γ)
+    proposals, draft those instead (prompt lookup, no draft call)."""
     gamma_max = check_gamma_max(gamma_max)
     check_gamma(gamma, gamma_max)
     provider = provider or default_provider()
@@ -653,7 +665,10 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
         raise EngineError(f"gamma={gamma} needs a draft (an engine folder or 'ngram')")
-    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head)
+    if lookup and kind != "model":
+        raise ValueError(f"lookup={lookup} goes with a draft engine folder (it drafts before the draft model); "
+                         f"got draft={draft!r}")
+    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head, lookup=lookup)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

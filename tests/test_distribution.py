@@ -119,11 +119,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("draft,acceptance", [("noisy", "rejection"), ("ngram", "rejection"), ("noisy", "coupled")])
+@pytest.mark.parametrize("draft,acceptance", [("noisy", "rejection"), ("ngram", "rejection"), ("noisy", "coupled"),
+                                            ("lookup", "rejection")])
 def test_speculative_sampling_matches_the_target_joint(tiny_engines, case, draft, acceptance):
+    """lookup: the noisy draft model behind prompt lookup (the repetitive prompt gives lookup hits, so a
+    batch mixes lookup drafts, deterministic, with the model's sampled ones)."""
     kw = CASES[case]
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
-    gen = edgespec.load(tiny_engines["target"], draft="ngram" if draft == "ngram" else tiny_engines[draft], gamma=3)
+    draft_kw = {"ngram": dict(draft="ngram"), "lookup": dict(draft=tiny_engines["noisy"], lookup=1)}.get(
+        draft, dict(draft=tiny_engines.get(draft)))
+    gen = edgespec.load(tiny_engines["target"], gamma=3, **draft_kw)
     joint = exact_joint(gen.target, prompt, SamplingConfig(**kw))
     cells = sorted(joint)
     p = np.array([joint[c] for c in cells])
