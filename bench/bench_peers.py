@@ -185,7 +185,8 @@ def edgespec_runner(args) -> None:
             results.append({"prompt_index": i, "repeat": rep, "token_ids": out.token_ids, "new_tokens": st.new_tokens,
                             "decode_s": st.time_s["decode"], "ttft_s": st.time_s["prefill"],
                             "tokens_per_s": st.tokens_per_second, "drafted": st.drafted, "accepted": st.accepted,
-                            "rounds": st.rounds, "rejections": st.rejections, "host_fraction": st.host_fraction})
+                            "rounds": st.rounds, "rejections": st.rejections, "host_fraction": st.host_fraction,
+                            "draft_calls": getattr(st, "draft_calls", None)})  # lookup rounds call no draft
     if args.mode == "draft" and not args.lookup and gen.cost is None:
         gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
