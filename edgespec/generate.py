@@ -502,7 +502,8 @@ class Generator:
                 timer.events.append(("round", t_fr, time.perf_counter()))
             stats.rounds += 1
             stats.add_round(k, c)
-            est.update(k, c, g)
+            if auto:  # only auto γ reads the estimate
+                est.update(k, c, g)
             stats.new_tokens += self._append(s, new, max_new_tokens, stop)
             if s.finish is None and len(ctx) > cap:
                 s.finish = "capacity"
