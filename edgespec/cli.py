@@ -16,6 +16,7 @@ from edgespec.costmodel import DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT
 from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
 LOOKUP_DEFAULT = 0  # --lookup: off unless asked for
+DEMO_LOOKUP = 3  # edgespec demo: prompt lookup before the draft model (the fastest mode in bench_peers)
 
 
 def _need_export_extra():
@@ -481,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
+    p.add_argument("--lookup", type=int, default=DEMO_LOOKUP, metavar="N",
                    help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
                         "running the draft model (prompt lookup; 0: off)")
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,

@@ -58,6 +58,7 @@ from pathlib import Path
 
 CONTRACT_VERSION = 2  # 2: cache written in place (ScatterND into the bound buffer), next_ids output
 MANIFEST_FILE = "engine.json"
+TEXT_HEAD_FILE = "text_head.npz"  # draft="head": a text draft head in the target's engine folder (--hidden)
 NONFINITE_ID = -1  # next_ids where a row's logits are not all finite (argmax of NaN means nothing)
 MASKED = -1e30  # additive bias of a masked key: exp underflows to 0 in fp32; becomes -inf in fp16
 

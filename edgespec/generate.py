@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import contract as C
 from .contract import EngineError
 from .costmodel import CONTEXT_BUCKETS, DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT, AcceptanceEstimator, CostModel, monotone
 from .decoder import Decoder
@@ -27,7 +28,6 @@ from .speculative import fast_round, speculative_round
 from .text_head import TextHead, TextHeadDraft
 from .tokenizer import TextTokenizer, check_pair
 
-TEXT_HEAD_FILE = "text_head.npz"  # draft="head": the text draft head in the target's engine folder
 NGRAM_MAX = 4  # the n-gram draft's longest lookup, unless load(max_ngram=) says otherwise
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
 MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
@@ -659,7 +659,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if draft is not None and str(draft) == "ngram":
         kind = "ngram"
     elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
-        kind, head = "head", TextHead.load(tgt.dir / TEXT_HEAD_FILE if str(draft) == "head" else draft)
+        kind, head = "head", TextHead.load(tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else draft)
     elif draft is not None:
         dft = open_engine(draft, provider, draft_threads or threads)
         check_pair(tgt.manifest, dft.manifest, target, draft)

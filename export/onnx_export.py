@@ -13,7 +13,8 @@ What `export_engine` writes, in order, into a hidden staging folder beside OUT (
 every gate passed, so a failed or interrupted export never leaves a folder that loads):
   1) model.onnx (fp32): portable from `ContractDecoder` (torch.onnx, opset 17, dynamic batch/seq/past), or the
      ort flavour from ort_graph.build_ort_graph
-  2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present)
+  2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present), and with --hidden its
+     text draft head (text_head.npz, export/train_text_head.py), if present
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference (1e-4), verify vs single steps (1e-4)
   5) the precision variant (fp16; int8, int4 or int8-dynamic from quantize.py) replacing model.onnx, with its
@@ -205,6 +206,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             manifest.tokenizer_sha256 = C.file_sha256(stage / "tokenizer.json")
         else:
             manifest.tokenizer_file = None
+        if hidden and (ckpt_dir / C.TEXT_HEAD_FILE).is_file():  # the checkpoint's text draft head reads this output
+            shutil.copy2(ckpt_dir / C.TEXT_HEAD_FILE, stage / C.TEXT_HEAD_FILE)
         # 3) embedding table for inputs_embeds engines
         embed = None
         if input_mode == "embeds":

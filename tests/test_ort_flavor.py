@@ -234,9 +234,15 @@ def _random_text_head(e: int, v: int, seed: int = 0):
 
 @pytest.mark.parametrize("gamma", [3, "auto"])
 def test_text_head_drafts_from_the_engines_hidden_state_and_greedy_output_is_plain(engines, tmp_path, gamma):
-    eng = tmp_path / "h"
-    m = export_engine(engines["llama", "ckpt"], eng, max_context=96, hidden=True, progress=False)
-    _random_text_head(m.hidden_size, m.vocab_size).save(eng / "text_head.npz")
+    """The head saved beside the checkpoint travels into the --hidden engine folder, where draft="head" finds it."""
+    ckpt, eng = tmp_path / "ckpt", tmp_path / "h"
+    shutil.copytree(engines["llama", "ckpt"], ckpt)
+    spec = json.loads((ckpt / "config.json").read_text())
+    _random_text_head(spec["hidden_size"], spec["vocab_size"]).save(ckpt / "text_head.npz")
+    export_engine(ckpt, tmp_path / "no-hidden", max_context=96, progress=False)
+    assert not (tmp_path / "no-hidden" / "text_head.npz").exists()  # only an engine with the hidden output
+    export_engine(ckpt, eng, max_context=96, hidden=True, progress=False)
+    assert (eng / "text_head.npz").read_bytes() == (ckpt / "text_head.npz").read_bytes()
     plain, head = edgespec.load(eng), edgespec.load(eng, draft="head", gamma=gamma)
     drafted = 0
     for p in ([1, 2, 3], [7, 7, 7, 7, 9], list(range(20, 40))):
