@@ -338,8 +338,8 @@ class Generator:
         does a round's work at the same context: a catch-up of one token and γ proposals."""
         out = np.empty(gamma, np.int64)
         # a LookupDraft is timed as its draft model: lookup rounds cost next to nothing, model rounds are priced
-        counts.append((DraftModel.draft if isinstance(drafter, DraftModel) else type(drafter).draft)(
-            drafter, ctx, gamma, out))
+        draft = DraftModel.draft if isinstance(drafter, LookupDraft) else type(drafter).draft
+        counts.append(draft(drafter, ctx, gamma, out))
         if isinstance(drafter, DraftModel):  # back to ctx[:-1] in its cache
             drafter.dec.cache.rewind_to(np.minimum(drafter.dec.cache.lengths, len(ctx) - 1))
 

@@ -11,7 +11,7 @@ import pytest
 import edgespec
 from edgespec import cli
 from edgespec.costmodel import AcceptanceEstimator, CostModel, expected_tokens, monotone
-from edgespec.drafts import DraftModel, Drafter, Proposal
+from edgespec.drafts import DraftModel, Drafter, LookupDraft, Proposal
 from edgespec.generate import Generator, Stats
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -287,3 +287,14 @@ def test_costs_are_measured_within_the_smaller_engine_capacity(tiny_engines):
     assert gen.cost.contexts.tolist() == [48 - 16 - 2]
     plain = edgespec.load(tiny_engines["target"]).generate(PROMPT, max_new_tokens=60)
     assert gen.generate(PROMPT, max_new_tokens=60).token_ids == plain.token_ids
+
+
+def test_lookup_draft_is_priced_as_its_draft_model(tiny_engines, monkeypatch):
+    """Auto γ with lookup before the draft model: the load-time draft probes time the model (their contexts
+    repeat, so lookup would find every continuation and price proposals as free)."""
+    def never(*a, **k):
+        raise AssertionError("the cost probe drafted by lookup")
+    monkeypatch.setattr(LookupDraft, "_found", never)
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3, lookup=2)
+    cm = gen.measure_costs(budget_s=0.0)
+    assert cm.t_draft > 0
