@@ -34,6 +34,10 @@ class Proposal:
 class Drafter(ABC):
     """Proposes up to gamma tokens per sequence for the target to verify (speculative_round)."""
 
+    # the last draft() skipped what this drafter's costs are measured on (a LookupDraft round drafted by
+    # lookup): its time says nothing about a proposal's cost, so auto γ does not learn from it
+    last_draft_unpriced = False
+
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
 
@@ -228,7 +232,7 @@ class LookupDraft(DraftModel):
 
     def draft(self, ctx, gamma, out) -> int:
         got = self._found(0, ctx, gamma)
-        self._skipped = bool(got)
+        self._skipped = self.last_draft_unpriced = bool(got)
         if not got:
             return super().draft(ctx, gamma, out)
         self.hits += 1

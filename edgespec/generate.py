@@ -513,7 +513,8 @@ class Generator:
                 if log is not None:
                     log.append((g, c, draft_s, verify_s, host_s))
                 if auto and self.cost is not None and self.refine_costs:
-                    self.cost.observe(g, c, draft_s, verify_s, n, host_s)
+                    priced_s = 0.0 if drafter is not None and drafter.last_draft_unpriced else draft_s
+                    self.cost.observe(g, c, priced_s, verify_s, n, host_s)  # draft 0 s: not learned from
             if s.finish is not None:
                 break
             yield [s], stats

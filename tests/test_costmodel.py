@@ -298,3 +298,29 @@ def test_lookup_draft_is_priced_as_its_draft_model(tiny_engines, monkeypatch):
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=3, lookup=2)
     cm = gen.measure_costs(budget_s=0.0)
     assert cm.t_draft > 0
+
+
+def test_rounds_drafted_by_lookup_do_not_teach_auto_the_draft_cost(tiny_engines, monkeypatch):
+    """Auto γ refines its costs from real rounds; a round drafted by lookup ran no draft model, so its
+    draft time (microseconds) is not blended into the model's per-proposal cost, while model rounds are."""
+    seen = []  # (the round drafted by lookup, draft seconds passed to observe)
+    real_draft, real_observe = LookupDraft.draft, CostModel.observe
+
+    def draft(self, ctx, gamma, out):
+        c = real_draft(self, ctx, gamma, out)
+        seen.append([self.last_draft_unpriced, None])
+        return c
+
+    def observe(self, asked, proposed, draft_s, *a, **k):
+        if asked:
+            seen[-1][1] = draft_s
+        return real_observe(self, asked, proposed, draft_s, *a, **k)
+    monkeypatch.setattr(LookupDraft, "draft", draft)
+    monkeypatch.setattr(CostModel, "observe", observe)
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], lookup=1)
+    gen.cost = CostModel([1e-3] * 9, t_draft=1e-4)  # cheap drafts: auto keeps drafting
+    gen.generate([5, 6, 7, 8] * 4, max_new_tokens=40)
+    by_lookup = [s for unpriced, s in seen if unpriced]
+    by_model = [s for unpriced, s in seen if not unpriced and s is not None]
+    assert by_lookup and by_model
+    assert all(s == 0.0 for s in by_lookup) and all(s > 0 for s in by_model)
