@@ -5,7 +5,7 @@
 Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has two phases,
 one process schedule, and nothing from any other run:
 
-  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ × lookup, its
+  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup, its
      n-gram γ × max_ngram; GenAI's k, adaptive k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and
      an int8 draft model, and both its default threading and edgespec's threads; HF's draft lengths and
      prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts), configurations
@@ -82,6 +82,15 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _gammas(s: str) -> list[str]:
+    """A γ list: integers and 'auto' (edgespec's cost model), in the order given."""
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in out if x != "auto" and not x.isdigit()]
+    if bad:
+        raise ValueError(f"γ values must be integers or 'auto', got {bad}")
+    return out
+
+
 def plan(args) -> list[Mode]:
     """Every mode and every configuration the sweep tries, from the command's sweep settings."""
     from edgespec.cli import DEMO_ENGINES
@@ -109,8 +118,8 @@ def plan(args) -> list[Mode]:
         Mode("edgespec draft", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, {es_draft}", ("--mode", "draft", "--gamma", x)) for x in gg)),
         Mode("edgespec draft+lookup", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}, lookup={n}, {es_draft}", ("--mode", "draft", "--gamma", str(x), "--lookup", str(n)))
-                   for n in _ints(args.lookups) for x in _ints(args.lookup_gammas))),
+             tuple(Config(f"γ={x}, lookup={n}, {es_draft}", ("--mode", "draft", "--gamma", x, "--lookup", str(n)))
+                   for n in _ints(args.lookups) for x in _gammas(args.lookup_gammas))),
         Mode("edgespec ngram", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, max_ngram={n}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)))
                    for n in _ints(args.max_ngrams) for x in gg)),
@@ -370,7 +379,7 @@ def _builds(out: dict) -> dict | None:
 CONFIGURATIONS = (
     "edgespec draft: its demo draft engine (int8 weight-only: MatMulNBits, blocks of 32, accuracy level 4), γ and "
     "auto-γ; edgespec draft+lookup: the same draft with prompt-lookup proposals tried first (edgespec.load(lookup=N), "
-    "N the shortest n-gram match), γ × N. ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
+    "N the shortest n-gram match), γ (integers and auto) × N. ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
     "set_speculative_options), each with an fp32 and an int8 draft built by GenAI's model builder with edgespec's "
     "recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
     "the target stays fp32 like edgespec's, and the target verifies every token, so the draft's precision changes "
@@ -423,7 +432,7 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-ngram-sizes", default="2,3,4", help="GenAI speculative.ngram_size")
     ap.add_argument("--genai-chained", default="off,on", help="GenAI speculative.ngram_chained_lookup")
     ap.add_argument("--hf-lookup-ngrams", default="2,3", help="HF prompt lookup: max_matching_ngram_size")
-    ap.add_argument("--lookup-gammas", default="4,5,6,8", help="edgespec draft+lookup: γ")
+    ap.add_argument("--lookup-gammas", default="4,5,6,8,auto", help="edgespec draft+lookup: γ (integers, auto)")
     ap.add_argument("--lookups", default="2,3", help="edgespec draft+lookup: load(lookup=N), the shortest n-gram "
                                                      "match for a prompt-lookup proposal (tried before the draft)")
     ap.add_argument("--genai-draft-ks", default="2,3,4,5,6,8", help="GenAI draft: fixed k (max_draft_tokens)")

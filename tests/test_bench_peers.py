@@ -125,7 +125,7 @@ def test_a_faster_peer_mode_gives_a_ratio_below_one():
 
 # ---- the plan ------------------------------------------------------------------------------------------------
 SWEEP = dict(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4", genai_chained="off,on",
-             hf_lookup_ngrams="2,3", modes=None, lookup_gammas="4,5,6,8", lookups="2,3",
+             hf_lookup_ngrams="2,3", modes=None, lookup_gammas="4,5,6,8,auto", lookups="2,3",
              genai_draft_ks="2,3,4,5,6,8", genai_adaptive_ks="4,6,8", genai_min_adaptive_k="1,2",
              genai_draft_precisions="fp32,int8")  # bench_peers.py's defaults
 
@@ -176,7 +176,7 @@ def test_edgespec_draft_plus_lookup_sweeps_gamma_by_lookup(monkeypatch):
     cfgs = modes["edgespec draft+lookup"].configs
     assert modes["edgespec draft+lookup"].system == "edgespec" and modes["edgespec draft+lookup"].runner == "edgespec"
     assert [(_opt(c, "--gamma"), _opt(c, "--lookup")) for c in cfgs] == \
-        [(g, n) for n in ("2", "3") for g in ("4", "5", "6", "8")]
+        [(g, n) for n in ("2", "3") for g in ("4", "5", "6", "8", "auto")]
     assert all(c.argv[:2] == ("--mode", "draft") for c in cfgs)
     assert cfgs[0].label == "γ=4, lookup=2, int8 draft"
     assert not any("--lookup" in c.argv for n, m in modes.items() if n != "edgespec draft+lookup" for c in m.configs)
