@@ -1,12 +1,16 @@
 """Acceptance by position of the feature-level text draft head (edgespec/text_head.py) against the bundled
 2.6M draft model and n-gram prompt lookup, greedy, on the held-out code prompts of bench_speculative.py.
 
-    python bench/bench_text_head.py --head .cache/text-head/text_head.npz --out bench/results/text-head.json
+    python bench/bench_text_head.py --head models/demo-target/text_head.npz --out bench/results/text-head.json
+    python bench/bench_text_head.py --engine engines/demo-target-hidden --head engines/demo-target-hidden/text_head.npz \
+        --gammas 4,6,8,auto --repeats 2 --out bench/results/text-head-timed.json
 
-The head needs the target's final hidden state at the position that emitted the pending token. The target
-engines do not output it yet, so here it comes from the torch reference of the same checkpoint (which the
-engine matches within its parity gate), recomputed over the whole context each round. Acceptance, tokens
-per target call and exactness are measured; the head's speed is not (only its proposal cost, alone).
+The head needs the target's final hidden state at the position that emitted the pending token. Without
+--engine it comes from the torch reference of the same checkpoint (which the engine matches within its
+parity gate), recomputed over the whole context each round: acceptance, tokens per target call and
+exactness are measured, the head's speed is not (only its proposal cost, alone). With --engine (a target
+exported with --hidden, which also copies the checkpoint's head into it) the head reads the engine's own
+hidden-state output and is timed against plain decoding and the draft model, interleaved.
 """
 from __future__ import annotations
 
