@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .decoder import Decoder
 from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, Proposal, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
+from .remote import RemoteConfig, RemoteTarget, is_url
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import fast_round, speculative_round
 from .text_head import TextHead, TextHeadDraft
@@ -51,6 +53,7 @@ class Stats:
     target_calls: int = 0
     draft_calls: int = 0
     engine_s: float = 0.0  # time inside engine runs (target + draft) while decoding
+    fallbacks: int = 0  # remote target: verify calls that ran on the local target instead (remote.py)
 
     def __post_init__(self):
         self._grow(self.gamma_max)
@@ -529,6 +532,7 @@ class Generator:
         t0, t_first, prefill_engine_s = clock
         stats.time_s = self._times(timer, t0, t_first)
         stats.target_calls = target.calls
+        stats.fallbacks = getattr(target, "fallbacks", 0)
         stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
         stats.engine_s = target.engine_s - prefill_engine_s + (
             drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
@@ -645,16 +649,26 @@ DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread p
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
-         gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0) -> Generator:
+         gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
+         local: str | Path | None = None, remote: RemoteConfig | None = None) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
     the context's last N..max_ngram tokens up earlier in it, and when what followed gives at least min(N, γ)
-    proposals, draft those instead (prompt lookup, no draft call)."""
+    proposals, draft those instead (prompt lookup, no draft call).
+
+    A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
+    local: a target engine folder of the same model, for the calls the server misses (exact fallback);
+    remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`)."""
     gamma_max = check_gamma_max(gamma_max)
     check_gamma(gamma, gamma_max)
     provider = provider or default_provider()
-    tgt = open_engine(target, provider, threads)
+    if is_url(target):
+        tgt = _remote_target(target, draft, local, remote, provider, threads)
+    elif local is not None or remote is not None:
+        raise ValueError(f"local= and remote= go with a target URL (a vLLM server), got target={target!r}")
+    else:
+        tgt = open_engine(target, provider, threads)
     tok = TextTokenizer.from_engine(tgt.dir, tgt.manifest)
     dft, kind, head = None, None, None
     if draft is not None and str(draft) == "ngram":
@@ -674,3 +688,20 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen
+
+
+def _remote_target(url: str, draft, local, remote: RemoteConfig | None, provider: str, threads) -> RemoteTarget:
+    """A vLLM server as the target; its vocabulary side (tokenizer, EOS) comes from the local target engine, or
+    else from the draft engine."""
+    config = dataclasses.replace(remote, url=url) if remote is not None else RemoteConfig(url)
+    loc = open_engine(local, provider, threads) if local is not None else None
+    side = loc.dir if loc is not None else (Path(draft) if draft is not None and str(draft) not in ("ngram", "head")
+                                            and not str(draft).endswith(".npz") else None)
+    if str(draft) == "head":
+        raise ValueError("the text draft head reads the target's hidden state, which a remote target does not "
+                         "return; use a draft engine folder or 'ngram'")
+    if side is None:
+        raise ValueError(f"a remote target needs a local engine folder for its vocabulary and tokenizer: pass "
+                         f"local=TARGET_ENGINE_DIR (also the fallback) or a draft engine folder; got draft={draft!r}")
+    m = loc.manifest if loc is not None else C.Manifest.read(side)
+    return RemoteTarget(config, m, side, TextTokenizer.from_engine(side, m), loc)

@@ -1,0 +1,68 @@
+"""A vLLM general plugin (entry point `vllm.general_plugins`): verify calls that read vLLM's prefix cache.
+
+edgespec verifies drafts on a vLLM server with one completion call per round: prompt = context + drafts,
+`prompt_logprobs` gives the target's top token at every draft position (remote.py). vLLM skips its prefix
+cache for every request that asks for prompt logprobs, because a cached position has no logits to return:
+each verify would recompute the whole context. This plugin, loaded by vLLM in each of its processes,
+changes two things, and only for requests that opt in with `vllm_xargs: {"edgespec_verify": 1}`:
+
+- the request reads the prefix cache (`SamplingParams.skip_reading_prefix_cache = False`), so a verify
+  computes the positions after the longest cached block prefix, not the whole context;
+- the prompt-logprob rows of the positions the cache skipped are a sentinel, not uninitialised memory (for
+  every request: vLLM fills each row it computes, so this changes nothing else): token 0 with logprob
+  SKIPPED_LOGPROB = +1.0, which no computed row can hold (a log-probability is <= 0). The client never
+  reads a skipped row as a result (remote.py checks every row it reads).
+
+The client also sends a cache salt per generation, so the only cached blocks a verify can hit are its own
+generation's earlier calls, which end before the current call's first draft position.
+
+Nothing in edgespec's runtime imports this module; vLLM does, in the server's environment, when edgespec is
+installed there (`pip install 'edgespec[fleet]'`; `EDGESPEC_VLLM_PLUGIN=0` turns it off).
+"""
+from __future__ import annotations
+
+import os
+
+FLAG = "edgespec_verify"  # the vllm_xargs key a verify call sets
+SKIPPED_LOGPROB = 1.0  # the logprob of a prompt-logprob row the prefix cache skipped (never computed)
+
+
+def _opted_in(params) -> bool:
+    extra = getattr(params, "extra_args", None) or {}
+    return bool(extra.get(FLAG))
+
+
+def register() -> None:
+    if os.environ.get("EDGESPEC_VLLM_PLUGIN", "1") == "0":
+        return
+    try:
+        import torch
+        from vllm.entrypoints.openai.completion import protocol
+        from vllm.v1.outputs import LogprobsTensors
+    except ImportError as e:  # another vLLM layout: say so in the server log, change nothing
+        print(f"edgespec vLLM plugin: not applied ({e}); verify calls will recompute the whole context")
+        return
+    if getattr(LogprobsTensors, "_edgespec_patched", False):
+        return
+    empty_cpu = LogprobsTensors.empty_cpu
+
+    def zeroed_cpu(num_positions: int, num_tokens_per_position: int):
+        t = empty_cpu(num_positions, num_tokens_per_position)
+        t.logprob_token_ids.zero_()
+        t.selected_token_ranks.zero_()
+        t.logprobs.fill_(SKIPPED_LOGPROB)
+        return t
+
+    LogprobsTensors.empty_cpu = staticmethod(zeroed_cpu)
+    LogprobsTensors._edgespec_patched = True
+
+    to_sampling_params = protocol.CompletionRequest.to_sampling_params
+
+    def verify_reads_cache(self, *args, **kwargs):
+        params = to_sampling_params(self, *args, **kwargs)
+        if _opted_in(params) and params.prompt_logprobs is not None:
+            params.skip_reading_prefix_cache = False
+        return params
+
+    protocol.CompletionRequest.to_sampling_params = verify_reads_cache
+    del torch  # imported only to fail early where vLLM's torch is missing
