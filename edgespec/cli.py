@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -179,8 +181,12 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.batch_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
     _check_text_args(args)
+    remote = None
+    if args.deadline is not None:
+        from .remote import RemoteConfig
+        remote = RemoteConfig(args.target, deadline_s=args.deadline)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup)
+                        gamma_max=args.gamma_max, lookup=args.lookup, local=args.local, remote=remote)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
     if args.batch_file is not None:
@@ -207,6 +213,25 @@ def cmd_generate(args) -> int:
     print()
     print(_stats_line(gen.last_stats), file=sys.stderr)
     return 0
+
+
+def cmd_serve_target(args) -> int:
+    from . import serve
+    if args.setup:
+        py = serve.setup_env()
+        print(f"vLLM and the edgespec plugin are ready in {py}")
+        return 0
+    if args.model is None:
+        raise ValueError("give the model folder to serve (e.g. models/demo-target), or --setup")
+    argv, plain = serve.command(args.model, args.host, args.port, args.name, args.max_model_len, args.device,
+                                args.memory_fraction, args.python)
+    print(f"edgespec: serving {args.model} at http://{args.host}:{args.port} (model name "
+          f"{args.name or args.model.name!r}); the same server with plain vLLM:\n  {plain}", flush=True)
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    serve.check_env(argv[0])
+    os.execv(argv[0], argv)  # the server replaces this process: signals and exit codes are vLLM's
 
 
 def cmd_profile(args) -> int:
@@ -458,7 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
 
     p = sub.add_parser("generate", help="generate text with a target engine and an optional draft")
-    p.add_argument("--target", type=Path, required=True, help="target engine folder")
+    p.add_argument("--target", required=True,
+                   help="target engine folder, or http://HOST:PORT of a vLLM server (edgespec serve-target)")
+    p.add_argument("--local", type=Path, default=None,
+                   help="with a server target: a local target engine folder for the calls the server misses")
+    p.add_argument("--deadline", type=float, default=None, metavar="S",
+                   help="with a server target: seconds a verify may take before it falls back (default 2)")
     p.add_argument("--draft", default=None, help="draft engine folder, or 'ngram' (prompt lookup)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
@@ -511,6 +541,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lossless-check", type=int, default=0, metavar="N",
                    help="shadow-decode N prompts without speculation and report the divergence rate")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("serve-target", help="start a vLLM server with the flags remote targets need")
+    p.add_argument("model", type=Path, nargs="?", help="Hugging Face model folder, e.g. models/demo-target")
+    p.add_argument("--setup", action="store_true",
+                   help="make .venv-vllm: vLLM's CPU build (the fleet extra) and edgespec's plugin, then exit")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--name", default=None, help="served model name (default: the folder's name)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="vLLM's --gpu-memory-utilization (on the CPU: the share of RAM for its cache; default 0.2)")
+    p.add_argument("--python", default=None, help="the interpreter with vllm (default: this one, else .venv-vllm)")
+    p.add_argument("--dry-run", action="store_true", help="print the command, do not start it")
+    p.set_defaults(func=cmd_serve_target)
 
     p = sub.add_parser("inspect", help="print an engine's manifest and check its files against it")
     p.add_argument("engine_dir", type=Path)
