@@ -300,6 +300,8 @@ class RemoteTarget:
             if full:
                 last = {int(k.split(":")[1]): x for k, x in ch["logprobs"]["top_logprobs"][0].items()}
                 dist = np.empty((n, v), np.float32)
+                if any(rw is None for rw in rows):
+                    return None
                 for i, row in enumerate([{int(k): e["logprob"] for k, e in rw.items()} for rw in rows] + [last]):
                     if len(row) != v:
                         raise RemoteError(f"{self.config.url}: sampled acceptance needs the target's full "
@@ -312,6 +314,8 @@ class RemoteTarget:
                 continue
             ids = np.empty(n, np.int64)
             for i, row in enumerate(rows):
+                if row is None:  # the cache skipped this row (vllm_plugin): never a result
+                    return None
                 best = [(int(k), e["logprob"]) for k, e in row.items() if e["rank"] == 1]
                 if len(best) != 1:
                     raise ValueError(f"prompt-logprob row {s + 1 + i} has no single rank-1 token: {row}")

@@ -11,7 +11,9 @@ changes two things, and only for requests that opt in with `vllm_xargs: {"edgesp
 - the prompt-logprob rows of the positions the cache skipped are a sentinel, not uninitialised memory (for
   every request: vLLM fills each row it computes, so this changes nothing else): token 0 with logprob
   SKIPPED_LOGPROB = +1.0, which no computed row can hold (a log-probability is <= 0). The client never
-  reads a skipped row as a result (remote.py checks every row it reads).
+  reads a skipped row as a result (remote.py checks every row it reads);
+- the server turns the leading skipped rows into None (as vLLM does for position 0) instead of detokenizing
+  them and building a dict per row: a verify's reply costs its computed rows, not its whole context.
 
 The client also sends a cache salt per generation, so the only cached blocks a verify can hit are its own
 generation's earlier calls, which end before the current call's first draft position.
@@ -65,4 +67,27 @@ def register() -> None:
         return params
 
     protocol.CompletionRequest.to_sampling_params = verify_reads_cache
+
+    try:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+    except ImportError:
+        return
+    update = LogprobsProcessor._update_prompt_logprobs
+
+    def skipped_rows_are_none(self, tensors):
+        """Leading rows the prefix cache skipped become None (as position 0 is), with no detokenizing and
+        no per-row dicts: a verify's reply then costs its computed rows, not its whole context."""
+        if not isinstance(self.prompt_logprobs, list):
+            return update(self, tensors)
+        lp = tensors.logprobs[:, 0]
+        first = int((lp != SKIPPED_LOGPROB).int().argmax()) if bool((lp != SKIPPED_LOGPROB).any()) else len(lp)
+        if first == 0:
+            return update(self, tensors)
+        self.prompt_logprobs.extend([None] * first)
+        if first < len(lp):
+            update(self, tensors._replace(logprob_token_ids=tensors.logprob_token_ids[first:],
+                                          logprobs=tensors.logprobs[first:],
+                                          selected_token_ranks=tensors.selected_token_ranks[first:]))
+
+    LogprobsProcessor._update_prompt_logprobs = skipped_rows_are_none
     del torch  # imported only to fail early where vLLM's torch is missing
