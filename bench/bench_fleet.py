@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         command="python bench/bench_fleet.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         date=dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"), wall_s=time.time() - t_start,
         machine=dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
-        server=dict(model="models/demo-target", ready_s=ready_s, flags=serve.command(model.relative_to(ROOT), port=port)[1]),
+        server=dict(model="models/demo-target", ready_s=ready_s, flags=serve.command(model, port=port)[1].replace(f"{ROOT}/", "")),
         settings=dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup=args.lookup,
                       deadline_s=args.deadline),
         rows=rows, capacity_ratio_speculative_over_plain={str(n): r for n, r in ratios.items()},

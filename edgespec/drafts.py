@@ -202,6 +202,12 @@ class DraftModel(Drafter):
         c = self.dec.cache
         c.rewind_to(np.minimum(c.lengths, self._ctx_len + accepted))
 
+    def rewind(self, n: int) -> None:
+        """Keep at most the first n rows of every sequence's cache: after drafting ahead of what the target
+        has verified (pipelined rounds), back to what it kept. The next draft() catches up from there."""
+        c = self.dec.cache
+        c.rewind_to(np.minimum(c.lengths, n))
+
     def reset(self, b) -> None:
         lengths = self.dec.cache.lengths.copy()
         lengths[b] = 0

@@ -24,7 +24,8 @@ from .decoder import Decoder
 from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, Proposal, greedy_pick
 from .engine import OrtEngine, default_provider, open_engine
 from .profiling import Timer
-from .remote import RemoteConfig, RemoteTarget, is_url
+from .pipeline import PipelinedRounds
+from .remote import RemoteConfig, RemoteDecoder, RemoteTarget, is_url
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculative import fast_round, speculative_round
 from .text_head import TextHead, TextHeadDraft
@@ -490,6 +491,9 @@ class Generator:
         auto = gamma == "auto" and self.drafter_kind is not None
         fixed = gamma if self.drafter_kind is not None and not auto else 0
         one = np.ones(1, bool)
+        pipelined = isinstance(target, RemoteDecoder) and target.engine.config.pipeline and \
+            isinstance(drafter, DraftModel)
+        round_fn = PipelinedRounds() if pipelined else fast_round
         while s.finish is None:
             t_round0 = time.perf_counter()
             n = len(ctx)
@@ -500,7 +504,7 @@ class Generator:
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             t_fr = time.perf_counter()
-            new, k, c = fast_round(target, drafter if g else None, ctx, g, timer=timer)
+            new, k, c = round_fn(target, drafter if g or pipelined else None, ctx, g, timer=timer)
             if timer.events is not None:  # the profiler's per-round lane
                 timer.events.append(("round", t_fr, time.perf_counter()))
             stats.rounds += 1

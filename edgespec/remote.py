@@ -30,8 +30,10 @@ import dataclasses
 import http.client
 import json
 import socket
+import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -70,6 +72,8 @@ class RemoteConfig:
     backoff_s: float = 0.25  # first wait before retrying a failed server; doubles per failure ...
     backoff_max_s: float = 4.0  # ... up to this
     on_failure: str = "local"  # "local": the call runs on the local target; "raise": RemoteUnavailable
+    pipeline: bool = False  # one greedy sequence: while a verify is out, draft and send the next round's,
+    #                         betting that every draft is accepted (pipeline.py); costs server work on a miss
 
     def __post_init__(self):
         parts = urlsplit(self.url)
@@ -137,6 +141,8 @@ class Counters:
     failures: dict = field(default_factory=dict)  # kind -> count: deadline, connection, http, malformed
     reconnects: int = 0  # identity checks passed after a failure
     recomputes: int = 0  # calls asked again without the prefix cache (a skipped row came back)
+    prefetched: int = 0  # pipelined: verifies sent for the all-accepted branch before the current one returned
+    prefetch_hits: int = 0  # ... of which the bet won: the round found its verify already sent
     prompt_tokens: int = 0  # tokens sent in verify prompts
     cached_tokens: int = 0  # of those, how many the server's prefix cache held
     server_s: float = 0.0  # wall time waiting on the server
@@ -144,6 +150,7 @@ class Counters:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["cached_share"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        d["prefetch_hit_rate"] = self.prefetch_hits / self.prefetched if self.prefetched else 0.0
         return d
 
 
@@ -160,7 +167,11 @@ class RemoteTarget:
         self.config, self.tok, self.local = config, tokenizer, local
         self.dir = manifest_dir  # where the vocabulary side came from (errors name it)
         self.counters = Counters()
-        self.http = _Http(config.url)
+        self.lock = threading.Lock()  # counters, from the pipelined verifies' threads too
+        self.http = _Http(config.url)  # this thread's connection; pipelined verifies use their thread's own
+        self._tls = threading.local()
+        self._tls.http = self.http
+        self._pool: ThreadPoolExecutor | None = None
         self.model: str | None = None  # the served name, once checked
         self.full_distribution: bool | None = None  # the server returns all V logprobs (sampled acceptance)
         self._trusted = False
@@ -245,7 +256,8 @@ class RemoteTarget:
 
     def _failed(self, e: _Failure) -> None:
         c = self.counters
-        c.failures[e.kind] = c.failures.get(e.kind, 0) + 1
+        with self.lock:
+            c.failures[e.kind] = c.failures.get(e.kind, 0) + 1
         self._trusted = False
         self.http.close()
         self._retry_at = time.monotonic() + self._backoff
@@ -258,7 +270,8 @@ class RemoteTarget:
         log-probabilities (n, V) there (full=True). Raises _Failure."""
         out = self._complete(prompts, starts, salt, full, cached=True)
         if out is None:  # a skipped row came back: ask again, computing everything
-            self.counters.recomputes += 1
+            with self.lock:
+                self.counters.recomputes += 1
             out = self._complete(prompts, starts, salt, full, cached=False)
             if out is None:
                 raise _Failure("malformed", f"{self.config.url}: a prompt-logprob row was not computed even "
@@ -275,8 +288,9 @@ class RemoteTarget:
         if cached:
             body["vllm_xargs"] = VERIFY_FLAG
         t0 = time.perf_counter()
-        r = self.http.request("POST", "/v1/completions", body, self.config.deadline_s)
-        self.counters.server_s += time.perf_counter() - t0
+        r = self._http().request("POST", "/v1/completions", body, self.config.deadline_s)
+        with self.lock:
+            self.counters.server_s += time.perf_counter() - t0
         try:
             return self._parse(r, prompts, starts, full)
         except (KeyError, IndexError, TypeError, ValueError) as e:
@@ -327,10 +341,24 @@ class RemoteTarget:
                 raise ValueError(f"token ids outside the vocabulary [0, {v}): {ids.tolist()}")
             out.append(ids)
         usage = r.get("usage") or {}
-        self.counters.prompt_tokens += sum(map(len, prompts))
-        self.counters.cached_tokens += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-        self.counters.requests += 1
+        with self.lock:
+            self.counters.prompt_tokens += sum(map(len, prompts))
+            self.counters.cached_tokens += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+            self.counters.requests += 1
         return out
+
+    def _http(self) -> _Http:
+        """The calling thread's connection (one request at a time per connection)."""
+        conn = getattr(self._tls, "http", None)
+        if conn is None:
+            conn = self._tls.http = _Http(self.config.url)
+        return conn
+
+    def submit(self, prompt: list[int], start: int, salt: str) -> Future:
+        """verify([prompt], [start], salt, False) on a worker thread: returns at once (pipelined rounds)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edgespec-verify")
+        return self._pool.submit(lambda: self.verify([prompt], [start], salt, False)[0])
 
     def decoder(self, batch: int = 1, embedding=None) -> "RemoteDecoder":
         if embedding is not None:
@@ -339,6 +367,18 @@ class RemoteTarget:
 
     def close(self) -> None:
         self.http.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Pending:
+    """A verify in flight: its new tokens, how many tokens it was sent after, its future (None: run it
+    locally when its result is asked for) and when it was sent."""
+    new: list[int]
+    base: int
+    future: Future | None
+    t0: float
 
 
 class TokenCache:
@@ -444,6 +484,41 @@ class RemoteDecoder:
 
     def last_ids(self) -> np.ndarray:
         return self._last_ids
+
+    # -- pipelined calls (one sequence, greedy): pipeline.py ----------------------------------------
+    def submit(self, new: list[int], ahead: list[int] = ()) -> "Pending":
+        """Send the verify of `new` after the committed tokens and `ahead` (tokens not committed yet that the
+        call bets will be); returns at once. `result()` waits for it and writes it as a call would. Without
+        the server (back-off), the call will run on the local target at result()."""
+        prefix = self.cache.tokens[0] + list(ahead)
+        fut = None
+        if self.engine.available():
+            fut = self.engine.submit(prefix + list(new), len(prefix), self.salt)
+        return Pending(list(new), len(prefix), fut, time.perf_counter())
+
+    def result(self, p: "Pending") -> np.ndarray:
+        """(len(new),) the target's argmax ids of a submitted call, whose base must now be exactly the
+        committed tokens; its rows are written (commit what is kept)."""
+        if p.base != len(self.cache.tokens[0]):
+            raise ValueError(f"this verify was sent after {p.base} tokens, but {len(self.cache.tokens[0])} are "
+                             f"committed")
+        got, where = None, "remote"
+        if p.future is not None:
+            try:
+                got = p.future.result()
+            except _Failure as e:
+                self.engine._failed(e)
+        if got is None:
+            got, where = self._local(np.array([p.new], np.int64), None, False)[0], "local"
+        t1 = time.perf_counter()
+        self.cache.write([p.new])
+        self.cache.follower = self.local.cache if where == "local" else None
+        self.calls += 1
+        self.engine_s += t1 - p.t0
+        if self.trace is not None:
+            self.trace.append((f"{self.trace_name}.{where} S={len(p.new)}", p.t0, t1))
+        self._last_ids = got[None]
+        return got
 
     def hidden_at(self, b: int, position: int):
         raise RemoteError("a remote target does not return its hidden state (the text draft head needs it)")

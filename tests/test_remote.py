@@ -142,6 +142,19 @@ def test_greedy_remote_equals_vllm_greedy_and_reads_the_prefix_cache(server, eng
     assert c.recomputes == 0
 
 
+def test_pipelined_rounds_equal_vllm_greedy_and_some_bets_win(server, engines):
+    url, _ = server
+    target, draft = engines
+    for lookup in (0, 3):
+        gen = edgespec.load(url, draft=draft, local=target, gamma=4, lookup=lookup,
+                            remote=RemoteConfig(url, pipeline=True))
+        for p in PROMPTS:
+            out = gen.generate(p, max_new_tokens=48)
+            assert out.token_ids == _vllm_greedy(url, gen.encode(p), len(out.token_ids)), (lookup, p)
+        c = gen.target.counters
+        assert c.prefetched > 0 and 0 < c.prefetch_hits <= c.prefetched and c.fallbacks == 0, c
+
+
 def test_batch_and_plain_remote_equal_local_plain(server, engines):
     url, _ = server
     target, draft = engines
@@ -226,7 +239,8 @@ def test_killed_server_falls_back_with_no_token_lost(server, engines):
     url, proc = server
     target, draft = engines
     plain = edgespec.load(target).generate(PROMPTS[0], max_new_tokens=96)
-    gen = edgespec.load(url, draft=draft, local=target, gamma=4, remote=RemoteConfig(url, deadline_s=5.0))
+    gen = edgespec.load(url, draft=draft, local=target, gamma=4,
+                        remote=RemoteConfig(url, deadline_s=5.0, pipeline=True))
     strict = edgespec.load(url, draft=draft, local=target, gamma=4,
                            remote=RemoteConfig(url, on_failure="raise"))
     pieces = []
