@@ -6,13 +6,15 @@ Starts one vLLM server (`edgespec serve-target models/demo-target`, in .venv-vll
 (separate processes, started together):
 - remote speculative: each device drafts with the bundled draft (γ, prompt lookup) and verifies on the
   server (edgespec.load(URL, draft=..., local=...));
+- remote speculative, pipelined: the same with RemoteConfig(pipeline=True) (pipeline.py): a second verify
+  for the all-accepted branch goes out while the first is in flight;
 - remote plain: each device sends its prompts to the same server as ordinary greedy completion requests
   (streamed, one token per chunk), as a device without a draft would.
-Both decode the same prompts (device i gets prompts i, i+N, ...), greedy, --max-new-tokens each. Reported per
+All decode the same prompts (device i gets prompts i, i+N, ...), greedy, --max-new-tokens each. Reported per
 run: the server's delivered tokens/s over the fleet's wall time (capacity), tokens/s per device, p50/p99
 round latency (speculative: one draft + verify round; plain: the gap between streamed tokens), acceptance,
-fallbacks, the share of verify prompt tokens the prefix cache held, and whether each output equals the other
-mode's.
+fallbacks, the share of verify prompt tokens the prefix cache held, the pipelined bets sent and won, and
+whether each output equals remote plain's. The capacity ratio is the faster speculative mode over plain.
 
 Then the kill run: N = --kill-devices speculative devices decode in a loop; the server is killed
 (SIGKILL, all its processes) after --kill-at seconds and restarted at once; the devices fall back to their
@@ -62,7 +64,8 @@ def device_speculative(i: int, url: str, prompts: list[str], args: dict, start, 
     import edgespec
     from edgespec.remote import RemoteConfig
     gen = edgespec.load(url, draft=args["draft"], local=args["target"], gamma=args["gamma"], lookup=args["lookup"],
-                        threads=1, remote=RemoteConfig(url, deadline_s=args["deadline"], backoff_max_s=2.0))
+                        threads=1, remote=RemoteConfig(url, deadline_s=args["deadline"], backoff_max_s=2.0,
+                                                       pipeline=args.get("pipeline", False)))
     results, rounds, calls = [], [], []
     out.put(("ready", i))
     start.wait()
@@ -128,7 +131,8 @@ def run_fleet(mode: str, n: int, url: str, prompts: list[str], args: dict, event
     """n device processes of `mode`, started together; event(stop) runs in this process meanwhile."""
     ctx = mp.get_context("spawn")
     start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    fn = device_speculative if mode == "speculative" else device_plain
+    fn = device_plain if mode == "plain" else device_speculative
+    args = dict(args, pipeline=mode == "pipelined")
     procs = [ctx.Process(target=fn, args=(i, url, prompts[i::n] if not args["loop"] else prompts, args, start, stop, out))
              for i in range(n)]
     for p in procs:
@@ -145,15 +149,18 @@ def run_fleet(mode: str, n: int, url: str, prompts: list[str], args: dict, event
     return sorted(got, key=lambda d: d["device"])
 
 
+MODES = {"speculative": "speculative", "pipelined": "speculative, pipelined", "plain": "plain"}
+
+
 def summarize(mode: str, n: int, devs: list[dict]) -> dict:
     t0, t1 = min(d["t_begin"] for d in devs), max(d["t_end"] for d in devs)
     tokens = sum(len(r["ids"]) for d in devs for r in d["results"])
     rounds = [x for d in devs for x in d["rounds"]]
-    row = dict(mode=f"remote {mode}", devices=n, tokens=tokens, wall_s=t1 - t0, capacity_tok_s=tokens / (t1 - t0),
+    row = dict(mode=f"remote {MODES[mode]}", devices=n, tokens=tokens, wall_s=t1 - t0, capacity_tok_s=tokens / (t1 - t0),
                per_device_tok_s=[sum(len(r["ids"]) for r in d["results"]) / (d["t_end"] - d["t_begin"]) for d in devs],
                round_ms_p50=_pct(rounds, 50) * 1e3 if rounds else None,
                round_ms_p99=_pct(rounds, 99) * 1e3 if rounds else None, rounds=len(rounds))
-    if mode == "speculative":
+    if mode != "plain":
         drafted = sum(r["drafted"] for d in devs for r in d["results"])
         accepted = sum(r["accepted"] for d in devs for r in d["results"])
         c = [d["counters"] for d in devs]
@@ -161,6 +168,7 @@ def summarize(mode: str, n: int, devs: list[dict]) -> dict:
                    fallbacks=sum(x["fallbacks"] for x in c), requests=sum(x["requests"] for x in c),
                    failures={k: sum(x["failures"].get(k, 0) for x in c) for k in {k for x in c for k in x["failures"]}},
                    reconnects=sum(x["reconnects"] for x in c),
+                   prefetched=sum(x["prefetched"] for x in c), prefetch_hits=sum(x["prefetch_hits"] for x in c),
                    cached_share=sum(x["cached_tokens"] for x in c) / max(1, sum(x["prompt_tokens"] for x in c)))
     row["per_device_tok_s_mean"] = float(np.mean(row["per_device_tok_s"]))
     return row
@@ -207,24 +215,28 @@ def main(argv=None) -> int:
         rows, same = [], {}
         for n in ns:
             outs = {}
-            for mode in ("speculative", "plain"):
+            for mode in ("speculative", "pipelined", "plain"):
                 devs = run_fleet(mode, n, url, prompts, common)
                 rows.append(summarize(mode, n, devs))
                 outs[mode] = {(d["device"], k): r["ids"] for d in devs for k, r in enumerate(d["results"])}
                 r = rows[-1]
-                print(f"N={n} {r['mode']:<18} capacity {r['capacity_tok_s']:6.1f} tok/s, per device "
+                print(f"N={n} {r['mode']:<30} capacity {r['capacity_tok_s']:6.1f} tok/s, per device "
                       f"{r['per_device_tok_s_mean']:6.1f}, round p50 {r['round_ms_p50']:.1f} ms p99 "
                       f"{r['round_ms_p99']:.1f} ms" + (f", acceptance {r['acceptance']:.2f}, fallbacks "
-                                                        f"{r['fallbacks']}, cached {r['cached_share']:.2f}"
+                                                        f"{r['fallbacks']}, cached {r['cached_share']:.2f}, "
+                                                        f"bets won {r['prefetch_hits']}/{r['prefetched']}"
                                                         if 'acceptance' in r else ""), flush=True)
-            same[n] = sum(outs["speculative"][k] == outs["plain"][k] for k in outs["plain"])
+            same[n] = {m: f"{sum(outs[m][k] == outs['plain'][k] for k in outs['plain'])}/{len(outs['plain'])}"
+                       for m in ("speculative", "pipelined")}
         kill = None
         if args.kill_devices:
             proc, kill = kill_run(args, url, port, model, log, proc, prompts, common, target)
     finally:
         serve.stop(proc)
     by = {(r["mode"], r["devices"]): r for r in rows}
-    ratios = {n: by[("remote speculative", n)]["capacity_tok_s"] / by[("remote plain", n)]["capacity_tok_s"] for n in ns}
+    best = {n: max(("remote speculative", "remote speculative, pipelined"), key=lambda m: by[(m, n)]["capacity_tok_s"])
+            for n in ns}
+    ratios = {n: by[(best[n], n)]["capacity_tok_s"] / by[("remote plain", n)]["capacity_tok_s"] for n in ns}
     report = dict(
         command="python bench/bench_fleet.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         date=dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"), wall_s=time.time() - t_start,
@@ -233,7 +245,8 @@ def main(argv=None) -> int:
         settings=dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup=args.lookup,
                       deadline_s=args.deadline),
         rows=rows, capacity_ratio_speculative_over_plain={str(n): r for n, r in ratios.items()},
-        identical_outputs={str(n): f"{same[n]}/{len(prompts)}" for n in ns}, kill_run=kill)
+        ratio_modes={str(n): f"{best[n]} / remote plain" for n in ns},
+        identical_to_plain={str(n): same[n] for n in ns}, kill_run=kill)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     plot(report, args.out.with_suffix(".png"))
@@ -300,7 +313,8 @@ def plot(report: dict, path: Path) -> None:
     kill = report.get("kill_run")
     fig, axes = plt.subplots(1, 2 if kill else 1, figsize=(12 if kill else 6, 4.2), squeeze=False)
     ax = axes[0][0]
-    for mode, style in (("remote speculative", "o-"), ("remote plain", "s--")):
+    for mode, style in (("remote speculative", "o-"), ("remote speculative, pipelined", "^-"),
+                        ("remote plain", "s--")):
         rs = [r for r in report["rows"] if r["mode"] == mode]
         ax.plot([r["devices"] for r in rs], [r["capacity_tok_s"] for r in rs], style, label=mode)
     ax.set_xlabel("devices")

@@ -15,6 +15,8 @@ __version__ = "0.1.0"
 from .contract import EngineError  # noqa: E402
 from .generate import GenerationResult, Generator, Stats, load  # noqa: E402
 from .policy import Policy, load_policy  # noqa: E402
+from .remote import RemoteConfig, RemoteUnavailable  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
 
-__all__ = ["load", "load_policy", "Policy", "Generator", "GenerationResult", "Stats", "SamplingConfig", "EngineError", "__version__"]
+__all__ = ["load", "load_policy", "Policy", "Generator", "GenerationResult", "Stats", "SamplingConfig", "EngineError",
+           "RemoteConfig", "RemoteUnavailable", "__version__"]

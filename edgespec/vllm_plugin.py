@@ -38,10 +38,9 @@ def register() -> None:
     if os.environ.get("EDGESPEC_VLLM_PLUGIN", "1") == "0":
         return
     try:
-        import torch
         from vllm.entrypoints.openai.completion import protocol
         from vllm.v1.outputs import LogprobsTensors
-    except ImportError as e:  # another vLLM layout: say so in the server log, change nothing
+    except ImportError as e:  # no vLLM here, or another layout: say so in the server log, change nothing
         print(f"edgespec vLLM plugin: not applied ({e}); verify calls will recompute the whole context")
         return
     if getattr(LogprobsTensors, "_edgespec_patched", False):
@@ -90,4 +89,3 @@ def register() -> None:
                                           selected_token_ranks=tensors.selected_token_ranks[first:]))
 
     LogprobsProcessor._update_prompt_logprobs = skipped_rows_are_none
-    del torch  # imported only to fail early where vLLM's torch is missing
