@@ -181,10 +181,11 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.batch_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
     _check_text_args(args)
-    remote = None
-    if args.deadline is not None:
-        from .remote import RemoteConfig
-        remote = RemoteConfig(args.target, deadline_s=args.deadline)
+    from .remote import RemoteConfig, is_url
+    if (args.deadline is not None or args.local is not None) and not is_url(args.target):
+        raise ValueError(f"--deadline and --local go with a server target (--target http://HOST:PORT), got "
+                         f"--target {args.target}")
+    remote = RemoteConfig(args.target, deadline_s=args.deadline) if args.deadline is not None else None
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
                         gamma_max=args.gamma_max, lookup=args.lookup, local=args.local, remote=remote)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

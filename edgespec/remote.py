@@ -108,17 +108,35 @@ class _Http:
             self.conn = None
 
     def request(self, method: str, path: str, body: dict | None, timeout: float) -> dict:
+        """One request; `timeout` bounds the whole exchange (connect, send, the reply's arrival and its
+        reading), each socket wait getting what is left of it."""
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        end = time.monotonic() + timeout
+
+        def left() -> float:
+            t = end - time.monotonic()
+            if t <= 0:
+                raise TimeoutError("deadline passed")
+            return t
         try:
             if self.conn is None:
                 self.conn = cls(self.host, self.port, timeout=timeout)
             self.conn.timeout = timeout
             if self.conn.sock is not None:
-                self.conn.sock.settimeout(timeout)
+                self.conn.sock.settimeout(left())
             data = json.dumps(body).encode() if body is not None else None
             self.conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+            self.conn.sock.settimeout(left())
             resp = self.conn.getresponse()
-            raw = resp.read()
+            chunks = []
+            while True:  # read in pieces, so a reply that trickles in cannot outlast the deadline
+                if self.conn.sock is not None:
+                    self.conn.sock.settimeout(left())
+                piece = resp.read1(1 << 16)
+                if not piece:
+                    break
+                chunks.append(piece)
+            raw = b"".join(chunks)
         except (TimeoutError, socket.timeout) as e:
             self.close()
             raise _Failure("deadline", f"{self.url}{path}: no answer within {timeout:g} s ({e})") from None

@@ -90,6 +90,11 @@ def test_onnx_runtime_error_is_one_error_line(engine, tmp_path, capsys):
     (["export", "{tmp}", "--out", "{engine}"], "already exists"),
     (["export-policy", "{tmp}/missing", "--out", "{tmp}/out"], "not a VLA policy folder"),
     (["demo", "--engines", "{tmp}", "--models", "{tmp}"], "neither"),
+    (["generate", "--target", "{engine}", "--deadline", "1", "--prompt", "x"], "go with a server target"),
+    (["generate", "--target", "http://127.0.0.1:9", "--draft", "{engine}", "--gamma", "2", "--prompt", "x"],
+     "cannot reach the server at load"),
+    (["serve-target"], "give the model folder to serve"),
+    (["serve-target", "{tmp}", "--dry-run", "--python", "python3"], "not a Hugging Face model folder"),
 ])
 def test_expected_errors_of_every_command_are_one_line(engine, tmp_path, capsys, command, said):
     argv = [a.format(engine=engine, tmp=tmp_path) for a in command]
