@@ -136,6 +136,7 @@ class _Http:
                 if not piece:
                     break
                 chunks.append(piece)
+            resp.close()  # the reply is read: the connection can take the next request
             raw = b"".join(chunks)
         except (TimeoutError, socket.timeout) as e:
             self.close()

@@ -155,6 +155,16 @@ def test_pipelined_rounds_equal_vllm_greedy_and_some_bets_win(server, engines):
         assert c.prefetched > 0 and 0 < c.prefetch_hits <= c.prefetched and c.fallbacks == 0, c
 
 
+def test_auto_gamma_measures_the_remote_costs(server, engines):
+    url, _ = server
+    target, draft = engines
+    gen = edgespec.load(url, draft=draft, local=target, gamma="auto", lookup=3)
+    assert gen.cost is not None and gen.target.counters.requests > 0  # the load-time probes ran on the server
+    out = gen.generate(PROMPTS[2], max_new_tokens=32)
+    assert out.token_ids == _vllm_greedy(url, gen.encode(PROMPTS[2]), len(out.token_ids))
+    assert out.stats.drafted > 0 and out.stats.fallbacks == 0
+
+
 def test_batch_and_plain_remote_equal_local_plain(server, engines):
     url, _ = server
     target, draft = engines
