@@ -78,12 +78,13 @@ def register() -> None:
         no per-row dicts: a verify's reply then costs its computed rows, not its whole context."""
         if not isinstance(self.prompt_logprobs, list):
             return update(self, tensors)
-        lp = tensors.logprobs[:, 0]
-        first = int((lp != SKIPPED_LOGPROB).int().argmax()) if bool((lp != SKIPPED_LOGPROB).any()) else len(lp)
+        # a skipped row: the sentinel logprob and rank 0 (a computed row's selected token has rank >= 1)
+        computed = (tensors.logprobs[:, 0] != SKIPPED_LOGPROB) | (tensors.selected_token_ranks != 0)
+        first = int(computed.int().argmax()) if bool(computed.any()) else len(computed)
         if first == 0:
             return update(self, tensors)
         self.prompt_logprobs.extend([None] * first)
-        if first < len(lp):
+        if first < len(computed):
             update(self, tensors._replace(logprob_token_ids=tensors.logprob_token_ids[first:],
                                           logprobs=tensors.logprobs[first:],
                                           selected_token_ranks=tensors.selected_token_ranks[first:]))

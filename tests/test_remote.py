@@ -140,6 +140,16 @@ def test_greedy_remote_equals_vllm_greedy_and_reads_the_prefix_cache(server, eng
     assert c.requests > 0 and c.fallbacks == 0 and not c.failures
     assert c.cached_tokens > 0, "verify calls never read the prefix cache (is the edgespec plugin loaded?)"
     assert c.recomputes == 0
+    # the plugin's rows: a cached prefix comes back as null rows, the new positions as computed ones
+    eng, ids = gen.target, list(range(1, 70))
+    body = {"model": "demo-target", "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1, "return_token_ids": True,
+            "cache_salt": "rows", "vllm_xargs": {"edgespec_verify": 1}}
+    eng.http.request("POST", "/v1/completions", dict(body, prompt=ids), 60)
+    r = eng.http.request("POST", "/v1/completions", dict(body, prompt=ids + [5, 6, 7]), 60)
+    rows = r["choices"][0]["prompt_logprobs"]
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert rows[:65] == [None] * 65 and all(row is not None for row in rows[65:])
+    assert eng._parse(r, [ids + [5, 6, 7]], [69], False)[0].shape == (3,)
 
 
 def test_pipelined_rounds_equal_vllm_greedy_and_some_bets_win(server, engines):
