@@ -133,8 +133,8 @@ def run_fleet(mode: str, n: int, url: str, prompts: list[str], args: dict, event
     start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     fn = device_plain if mode == "plain" else device_speculative
     args = dict(args, pipeline=mode == "pipelined")
-    procs = [ctx.Process(target=fn, args=(i, url, prompts[i::n] if not args["loop"] else prompts, args, start, stop, out))
-             for i in range(n)]
+    share = (lambda i: prompts) if args["loop"] else (lambda i: prompts[i::n])  # device i's prompts
+    procs = [ctx.Process(target=fn, args=(i, url, share(i), args, start, stop, out)) for i in range(n)]
     for p in procs:
         p.start()
     for _ in procs:  # every device has loaded its engines before the clock starts
@@ -156,7 +156,8 @@ def summarize(mode: str, n: int, devs: list[dict]) -> dict:
     t0, t1 = min(d["t_begin"] for d in devs), max(d["t_end"] for d in devs)
     tokens = sum(len(r["ids"]) for d in devs for r in d["results"])
     rounds = [x for d in devs for x in d["rounds"]]
-    row = dict(mode=f"remote {MODES[mode]}", devices=n, tokens=tokens, wall_s=t1 - t0, capacity_tok_s=tokens / (t1 - t0),
+    row = dict(mode=f"remote {MODES[mode]}", devices=n, tokens=tokens, wall_s=t1 - t0,
+               capacity_tok_s=tokens / (t1 - t0),
                per_device_tok_s=[sum(len(r["ids"]) for r in d["results"]) / (d["t_end"] - d["t_begin"]) for d in devs],
                round_ms_p50=_pct(rounds, 50) * 1e3 if rounds else None,
                round_ms_p99=_pct(rounds, 99) * 1e3 if rounds else None, rounds=len(rounds))
@@ -241,7 +242,8 @@ def main(argv=None) -> int:
         command="python bench/bench_fleet.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         date=dt.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"), wall_s=time.time() - t_start,
         machine=dict(cpus=os.cpu_count(), platform=platform.platform(), python=platform.python_version()),
-        server=dict(model="models/demo-target", ready_s=ready_s, flags=serve.command(model, port=port)[1].replace(f"{ROOT}/", "")),
+        server=dict(model="models/demo-target", ready_s=ready_s,
+                    flags=serve.command(model, port=port)[1].replace(f"{ROOT}/", "")),
         settings=dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, gamma=args.gamma, lookup=args.lookup,
                       deadline_s=args.deadline),
         rows=rows, capacity_ratio_speculative_over_plain={str(n): r for n, r in ratios.items()},
