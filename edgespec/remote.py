@@ -22,7 +22,8 @@ Failure (deadline, refused, reset, HTTP error, malformed reply): the call runs o
 (`local=`), which first catches up on the committed tokens; the output stays exact. Without a local target
 the call raises `RemoteUnavailable` (a robot's control loop then holds, then stops). Either way it is
 counted. The server is retried after a back-off that doubles up to `backoff_max_s`; a server is trusted only
-after its identity check (served model, tokenizer, vocabulary), at load and after every reconnect.
+after its identity check (served model, tokenizer, vocabulary), at load and after every failure (then on a
+thread of its own, so a server that hangs never stalls decoding).
 """
 from __future__ import annotations
 
@@ -196,6 +197,8 @@ class RemoteTarget:
         self._trusted = False
         self._retry_at = 0.0
         self._backoff = config.backoff_s
+        self._recheck: threading.Thread | None = None  # the identity check in flight after a failure
+        self._recheck_error: RemoteError | None = None
         self.manifest = manifest
         try:
             self._check_identity()
@@ -207,10 +210,10 @@ class RemoteTarget:
             self._failed(e)  # start on the local target; the server is retried after the back-off
 
     # -- the server's identity ------------------------------------------------------------------------
-    def _check_identity(self) -> None:
+    def _check_identity(self, http: _Http | None = None) -> None:
         """Trust the server only if it serves the expected model with this tokenizer and vocabulary."""
-        cfg, timeout = self.config, self.config.connect_timeout_s
-        models = self.http.request("GET", "/v1/models", None, timeout)
+        cfg, timeout, http = self.config, self.config.connect_timeout_s, http or self.http
+        models = http.request("GET", "/v1/models", None, timeout)
         try:
             served = {m["id"]: m for m in models["data"]}
         except (KeyError, TypeError):
@@ -222,14 +225,14 @@ class RemoteTarget:
         if name not in served:
             raise RemoteError(f"{cfg.url} does not serve model {name!r} (it serves {sorted(served)}): "
                               f"wrong server, or start it with `edgespec serve-target` for that model")
-        got = self.http.request("POST", "/tokenize", {"model": name, "prompt": PROBE_TEXT,
-                                                      "add_special_tokens": False}, timeout)
+        got = http.request("POST", "/tokenize", {"model": name, "prompt": PROBE_TEXT,
+                                                 "add_special_tokens": False}, timeout)
         want = self.tok.encode(PROBE_TEXT) if self.tok is not None else None
         if want is not None and got.get("tokens") != want:
             raise RemoteError(f"{cfg.url} model {name!r} tokenizes differently from {self.dir} (probe text: "
                               f"{str(got.get('tokens'))[:80]} vs {str(want)[:80]}): a different vocabulary; "
                               f"the draft and the server's target must share one tokenizer")
-        vocab = self._served_vocab(name, timeout)
+        vocab = self._served_vocab(name, timeout, http)
         if vocab is not None and vocab != self.manifest.vocab_size:
             raise RemoteError(f"{cfg.url} model {name!r} has a vocabulary of {vocab} tokens, {self.dir} has "
                               f"{self.manifest.vocab_size}: not the same target")
@@ -240,11 +243,11 @@ class RemoteTarget:
         self.model = name
         self._trusted = True
 
-    def _served_vocab(self, name: str, timeout: float) -> int | None:
+    def _served_vocab(self, name: str, timeout: float, http: _Http) -> int | None:
         """The server's vocabulary size from one full next-token distribution, or None when it does not
         return full distributions (its max-logprobs is below the vocabulary)."""
         try:
-            r = self.http.request("POST", "/v1/completions", {
+            r = http.request("POST", "/v1/completions", {
                 "model": name, "prompt": [0], "max_tokens": 1, "temperature": 0.0, "logprobs": -1,
                 "return_tokens_as_token_ids": True}, timeout)
         except _Failure as e:
@@ -259,19 +262,39 @@ class RemoteTarget:
     # -- availability and back-off --------------------------------------------------------------------
     def available(self) -> bool:
         """May the next call go to the server? After a failure: once the back-off has passed and the server
-        passes its identity check again."""
+        has passed its identity check again. That check runs on a thread of its own, so a server that hangs
+        never stalls decoding (the calls run locally meanwhile); a server that answers as another model
+        raises its RemoteError here."""
         if self._trusted:
             return True
-        if time.monotonic() < self._retry_at:
-            return False
+        if self._recheck is not None and not self._recheck.is_alive():
+            self._recheck = None
+            if self._recheck_error is not None:
+                e, self._recheck_error = self._recheck_error, None
+                raise e
+            if self._trusted:
+                return True
+        if self._recheck is None and time.monotonic() >= self._retry_at:
+            self._recheck = threading.Thread(target=self._reconnect, name="edgespec-reconnect", daemon=True)
+            self._recheck.start()
+        return False
+
+    def _reconnect(self) -> None:
+        """The identity check after a failure, on its own thread and connection."""
+        http = _Http(self.config.url)
         try:
-            self._check_identity()
+            self._check_identity(http)
         except _Failure as e:
             self._failed(e)
-            return False
-        self.counters.reconnects += 1
+            return
+        except RemoteError as e:
+            self._recheck_error = e
+            return
+        finally:
+            http.close()
+        with self.lock:
+            self.counters.reconnects += 1
         self._backoff = self.config.backoff_s
-        return True
 
     def _failed(self, e: _Failure) -> None:
         c = self.counters

@@ -5,7 +5,10 @@ duplicated; a server with the wrong model or vocabulary is refused at connect; m
 The server is killed by the last test of this module."""
 import dataclasses
 import json
+import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -249,7 +252,10 @@ def test_deadline_miss_falls_back_then_reconnects(server, engines):
     c = gen.target.counters
     assert out.token_ids == plain and out.stats.fallbacks > 0 and c.failures.get("deadline", 0) > 0
     gen.target.config = dataclasses.replace(cfg, deadline_s=30.0)  # the network recovers
-    gen.target._retry_at = 0.0
+    t0 = time.monotonic()
+    while not gen.target.available():  # the identity check runs on its own thread: decoding never waits
+        assert time.monotonic() - t0 < 30, "no reconnect within 30 s"
+        time.sleep(0.01)
     out = gen.generate(PROMPTS[1], max_new_tokens=32)
     assert out.token_ids == plain and out.stats.fallbacks == 0 and c.reconnects >= 1
 
@@ -263,6 +269,19 @@ def test_killed_server_falls_back_with_no_token_lost(server, engines):
                         remote=RemoteConfig(url, deadline_s=5.0, pipeline=True))
     strict = edgespec.load(url, draft=draft, local=target, gamma=4,
                            remote=RemoteConfig(url, on_failure="raise"))
+    # first the server hangs (SIGSTOP: it accepts connections and never answers): the verify misses its
+    # deadline, decoding goes on locally, and the identity check that follows hangs on its own thread
+    hung = edgespec.load(url, draft=draft, local=target, gamma=4,
+                         remote=RemoteConfig(url, deadline_s=0.5, connect_timeout_s=60, backoff_s=0.01))
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        out = hung.generate(PROMPTS[0], max_new_tokens=48)
+        assert out.token_ids == plain.token_ids[:48] and out.stats.fallbacks > 0
+        assert hung.target.counters.failures.get("deadline", 0) >= 1
+        assert hung.target._recheck is not None and hung.target._recheck.is_alive(), \
+            "the identity check of a hanging server ended (or never started) before decoding did"
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
     pieces = []
     for i, piece in enumerate(gen.stream(PROMPTS[0], max_new_tokens=96)):
         pieces.append(piece)
