@@ -697,15 +697,14 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
 def _remote_target(url: str, draft, local, remote: RemoteConfig | None, provider: str, threads) -> RemoteTarget:
     """A vLLM server as the target; its vocabulary side (tokenizer, EOS) comes from the local target engine, or
     else from the draft engine."""
-    config = dataclasses.replace(remote, url=url) if remote is not None else RemoteConfig(url)
-    loc = open_engine(local, provider, threads) if local is not None else None
-    side = loc.dir if loc is not None else (Path(draft) if draft is not None and str(draft) not in ("ngram", "head")
-                                            and not str(draft).endswith(".npz") else None)
-    if str(draft) == "head":
+    if str(draft) == "head" or str(draft).endswith(".npz"):
         raise ValueError("the text draft head reads the target's hidden state, which a remote target does not "
                          "return; use a draft engine folder or 'ngram'")
-    if side is None:
+    if local is None and (draft is None or str(draft) == "ngram"):
         raise ValueError(f"a remote target needs a local engine folder for its vocabulary and tokenizer: pass "
                          f"local=TARGET_ENGINE_DIR (also the fallback) or a draft engine folder; got draft={draft!r}")
+    config = dataclasses.replace(remote, url=url) if remote is not None else RemoteConfig(url)
+    loc = open_engine(local, provider, threads) if local is not None else None
+    side = loc.dir if loc is not None else Path(draft)
     m = loc.manifest if loc is not None else C.Manifest.read(side)
     return RemoteTarget(config, m, side, TextTokenizer.from_engine(side, m), loc)

@@ -355,9 +355,9 @@ class RemoteTarget:
                 raise ValueError(f"{len(ch['prompt_logprobs'])} prompt-logprob rows for a {len(p)}-token prompt")
             if full:
                 last = {int(k.split(":")[1]): x for k, x in ch["logprobs"]["top_logprobs"][0].items()}
-                dist = np.empty((n, v), np.float32)
                 if any(rw is None for rw in rows):
                     return None
+                dist = np.empty((n, v), np.float32)
                 for i, row in enumerate([{int(k): e["logprob"] for k, e in rw.items()} for rw in rows] + [last]):
                     if len(row) != v:
                         raise RemoteError(f"{self.config.url}: sampled acceptance needs the target's full "
@@ -552,15 +552,20 @@ class RemoteDecoder:
                 self.engine._failed(e)
         if got is None:
             got, where = self._local(np.array([p.new], np.int64), None, False)[0], "local"
-        t1 = time.perf_counter()
-        self.cache.write([p.new])
-        self.cache.follower = self.local.cache if where == "local" else None
-        self.calls += 1
-        self.engine_s += t1 - p.t0
-        if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.{where} S={len(p.new)}", p.t0, t1))
+        self._wrote([p.new], where, p.t0)
         self._last_ids = got[None]
         return got
+
+    def _wrote(self, rows: list[list[int]], where: str, t0: float) -> None:
+        """A call's bookkeeping: its rows written (uncommitted) into the token cache, and into the local
+        cache's commits when it ran there; counters and the trace event."""
+        t1 = time.perf_counter()
+        self.cache.write(rows)
+        self.cache.follower = self.local.cache if where == "local" else None
+        self.calls += 1
+        self.engine_s += t1 - t0
+        if self.trace is not None:
+            self.trace.append((f"{self.trace_name}.{where} S={len(rows[0])}", t0, t1))
 
     def hidden_at(self, b: int, position: int):
         raise RemoteError("a remote target does not return its hidden state (the text draft head needs it)")
@@ -586,17 +591,11 @@ class RemoteDecoder:
                 eng._failed(e)
         if got is None:
             got, where = self._local(tokens, valid, full), "local"
-        t1 = time.perf_counter()
         # rows past a sequence's count are padding: they are written (as KVCache's are) but never kept
-        self.cache.write([tokens[i].tolist() for i in range(b)])
-        self.cache.follower = self.local.cache if where == "local" else None
+        self._wrote(tokens.tolist(), where, t0)
         out = np.zeros((b, s) + ((self.m.vocab_size,) if full else ()), np.float32 if full else np.int64)
         for i in range(b):
             out[i, :counts[i]] = got[i]
-        self.calls += 1
-        self.engine_s += t1 - t0
-        if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.{where} S={s}", t0, t1))
         return out
 
     def _local(self, tokens, valid, full) -> list[np.ndarray]:
@@ -623,7 +622,8 @@ class RemoteDecoder:
         if full:  # logits -> log-probabilities, as the server returns them
             out = out - np.logaddexp.reduce(out, axis=-1, keepdims=True)
         self.fallbacks += 1
-        eng.counters.fallbacks += 1
+        with eng.lock:
+            eng.counters.fallbacks += 1
         counts = valid.sum(1) if valid is not None else np.full(self.batch, tokens.shape[1])
         return [out[i, :counts[i]] for i in range(self.batch)]
 
