@@ -207,8 +207,10 @@ class Decoder:
         return self.last_logits()
 
     def ids(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
-            embeds: np.ndarray | None = None) -> np.ndarray:
-        """run(), then only the argmax ids (B, S) come back to the host (greedy and relaxed decoding)."""
+            embeds: np.ndarray | None = None, last: int | None = None) -> np.ndarray:
+        """run(), then only the argmax ids (B, S) come back to the host (greedy and relaxed decoding).
+        last: the caller reads only the last `last` positions' ids (a remote target computes only those and
+        returns -1 before them; an engine computes every position anyway)."""
         if self.m.kind == "optimum":
             lo, hi = self.m.argmax_range
             return compat_call(self, tokens, valid)[..., lo:hi].argmax(-1) + lo

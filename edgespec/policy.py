@@ -47,6 +47,7 @@ from .draft_head import DraftHead, HeadDraft
 from .drafts import DraftModel, Drafter
 from .engine import open_engine, session_options
 from .masks import step_inputs
+from .remote import RemoteConfig, RemoteTarget
 from .speculative import RelaxedRule, fast_round, greedy_rule, reference_round
 
 MODES = ("greedy", "relaxed")
@@ -93,7 +94,8 @@ class PolicyConfig:
 
 class Policy:
     def __init__(self, policy_dir: str | Path, draft: bool | str | Path = False, cfg: PolicyConfig | None = None,
-                 provider: str = "cpu", threads: int | None = 1, check_hashes: bool = True):
+                 provider: str = "cpu", threads: int | None = 1, check_hashes: bool = True,
+                 remote: "str | RemoteConfig | None" = None):
         import onnxruntime as ort
 
         self.dir = Path(policy_dir)
@@ -128,7 +130,15 @@ class Policy:
             raise C.EngineError(f"{enc_path} does not match the sha256 in {path}")
         self.encoder = ort.InferenceSession(str(enc_path), sess_options=session_options(threads),
                                             providers=["CPUExecutionProvider"])
-        self.target = self._decoder(open_engine(self.dir / "target", provider, threads, check_hashes))
+        local = open_engine(self.dir / "target", provider, threads, check_hashes)
+        self.remote: RemoteTarget | None = None
+        if remote is not None:  # the server verifies; the folder's target is the identity probe and the fallback
+            rc = RemoteConfig(remote) if isinstance(remote, str) else remote
+            if not isinstance(rc, RemoteConfig):
+                raise TypeError(f"remote must be a URL or a RemoteConfig, got {type(remote).__name__}")
+            self.remote = RemoteTarget(rc, local.manifest, local.dir, None, local,
+                                       np.load(local.dir / local.manifest.embedding_file))
+        self.target = self._decoder(self.remote or local)
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head, self._head_draft = None, None, None
         if draft == "head":
@@ -230,6 +240,7 @@ class Policy:
     def act(self, image, state, instruction: str) -> np.ndarray:
         """-> (H, D) continuous actions in robot units (the reacher: fingertip position targets, m)."""
         with self._lock:  # threads wait here: a call is never interleaved with another
+            self.last_info = {}  # a call that raises leaves no numbers of an earlier one behind
             t0 = time.perf_counter()
             prefix = self.encode(image, state, instruction)  # (1, P, E)
             t1 = time.perf_counter()
@@ -279,6 +290,7 @@ class Policy:
             RelaxedRule(self.tok.first_id, self.tok.vocab_end, self._radius, p)
         round_ = reference_round if reference else fast_round
         info = {"rounds": 0, "drafted": 0, "accepted": 0, "target_calls": 0, "draft_calls": 0, "max_dev_bins": 0}
+        fallbacks0 = getattr(target, "fallbacks", 0)  # a remote target's calls that ran on the local one
         ctx = [0] * p  # placeholder ids for the prefix rows, then the chunk's ids
         while len(ctx) < p + n:
             first = len(ctx) == p
@@ -294,6 +306,8 @@ class Policy:
             info["draft_calls"] = counter.calls - calls0
         info["max_dev_bins"] = getattr(rule, "max_dev_bins", 0)
         info["tokens_per_round"] = n / info["target_calls"]  # emitted tokens per target call
+        if self.remote is not None:
+            info["fallbacks"] = target.fallbacks - fallbacks0
         return ctx[p:p + n], info
 
     def worst_case_deviation(self) -> np.ndarray:
@@ -325,8 +339,15 @@ class Policy:
 
 def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: str = "greedy", radius: int = 5,
                 gamma: int | None = None, stop_below: float | None = None, provider: str = "cpu",
-                threads: int | None = 1) -> Policy:
+                threads: int | None = 1, remote: str | RemoteConfig | None = None) -> Policy:
     """Load an exported VLA policy folder. draft="head" decodes speculatively with the folder's numpy draft
     head (the fastest here), draft=True with its draft/ decoder engine, a path with that draft engine folder.
-    gamma / stop_below default per draft kind (DRAFT_DEFAULTS)."""
-    return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma, stop_below), provider, threads)
+    gamma / stop_below default per draft kind (DRAFT_DEFAULTS).
+
+    remote: a vLLM server serving the policy's target checkpoint (`edgespec serve-target
+    models/vla-reacher/target`), as a URL or a RemoteConfig. The drafts stay on the device and the server
+    verifies them; a verify that fails runs on the folder's own target (on_failure "local", exact), or
+    raises RemoteUnavailable (on_failure "raise": in the control loop the robot holds, then stops).
+    last_info["fallbacks"] counts the chunk's calls that ran locally."""
+    return Policy(policy_dir, draft, PolicyConfig(mode, radius, gamma, stop_below), provider, threads,
+                  remote=remote)

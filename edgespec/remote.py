@@ -27,6 +27,7 @@ thread of its own, so a server that hangs never stalls decoding).
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.client
 import json
@@ -42,8 +43,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .contract import EngineError, Manifest
+from .tensorfile import torch_bytes
 
 VERIFY_FLAG = {"edgespec_verify": 1}  # vllm_xargs: this call may read the prefix cache (vllm_plugin.py)
+FINGERPRINT_TV = 0.1  # the most the server's probe distribution may differ from the local target's
 PROBE_TEXT = "def read_config(path):\n    return {'größe': 1, \"naïve\": [0.5, -2]}  # ✓ done\n"
 ON_FAILURE = ("local", "raise")
 
@@ -57,11 +60,11 @@ class RemoteUnavailable(RuntimeError):
 
 
 class _Failure(Exception):
-    """One failed call; kind is what the counters file it under."""
+    """One failed call; kind is what the counters file it under (status: the HTTP status, for kind "http")."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, status: int | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.status = kind, status
 
 
 @dataclass
@@ -146,7 +149,8 @@ class _Http:
             self.close()
             raise _Failure("connection", f"{self.url}{path}: {type(e).__name__}: {e}") from None
         if resp.status != 200:
-            raise _Failure("http", f"{self.url}{path}: HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
+            raise _Failure("http", f"{self.url}{path}: HTTP {resp.status}: {raw[:300].decode(errors='replace')}",
+                           resp.status)
         try:
             return json.loads(raw)
         except ValueError:
@@ -177,14 +181,22 @@ class Counters:
 class RemoteTarget:
     """A vLLM server as a target "engine". manifest: the vocabulary side (a local target's or the draft's
     manifest: vocabulary, tokenizer, EOS), its max context capped at the server's. local: an engine of the
-    same target to fall back on (on_failure "local"), or None."""
+    same target to fall back on (on_failure "local"), or None. An inputs_embeds target (a VLA policy's)
+    needs `embedding` (V, E), the table its action ids are embedded with, and has no tokenizer."""
 
     provider = "remote"
 
-    def __init__(self, config: RemoteConfig, manifest: Manifest, manifest_dir: Path, tokenizer, local=None):
+    def __init__(self, config: RemoteConfig, manifest: Manifest, manifest_dir: Path, tokenizer, local=None,
+                 embedding: np.ndarray | None = None):
         if config.on_failure == "local" and local is None:
             config = dataclasses.replace(config, on_failure="raise")
-        self.config, self.tok, self.local = config, tokenizer, local
+        if manifest.input_mode == "embeds":
+            want = (manifest.vocab_size, manifest.hidden_size)
+            if embedding is None or embedding.shape != want:
+                raise ValueError(f"{manifest_dir}: an inputs_embeds target needs its embedding table {want}, got "
+                                 f"{None if embedding is None else embedding.shape}")
+            embedding = np.ascontiguousarray(embedding, np.float32)
+        self.config, self.tok, self.local, self.embedding = config, tokenizer, local, embedding
         self.dir = manifest_dir  # where the vocabulary side came from (errors name it)
         self.counters = Counters()
         self.lock = threading.Lock()  # counters, from the pipelined verifies' threads too
@@ -203,10 +215,10 @@ class RemoteTarget:
         try:
             self._check_identity()
         except _Failure as e:
-            if local is None:
+            if local is None or config.on_failure == "raise":
                 raise RemoteUnavailable(f"{config.url}: cannot reach the server at load ({e}); start it "
-                                        f"(`edgespec serve-target MODEL`) or pass local= a target engine folder "
-                                        f"to decode without it") from None
+                                        f"(`edgespec serve-target MODEL`), or pass local= a target engine folder "
+                                        f"and on_failure='local' to decode without it") from None
             self._failed(e)  # start on the local target; the server is retried after the back-off
 
     # -- the server's identity ------------------------------------------------------------------------
@@ -225,23 +237,76 @@ class RemoteTarget:
         if name not in served:
             raise RemoteError(f"{cfg.url} does not serve model {name!r} (it serves {sorted(served)}): "
                               f"wrong server, or start it with `edgespec serve-target` for that model")
-        got = http.request("POST", "/tokenize", {"model": name, "prompt": PROBE_TEXT,
-                                                 "add_special_tokens": False}, timeout)
-        want = self.tok.encode(PROBE_TEXT) if self.tok is not None else None
-        if want is not None and got.get("tokens") != want:
-            raise RemoteError(f"{cfg.url} model {name!r} tokenizes differently from {self.dir} (probe text: "
-                              f"{str(got.get('tokens'))[:80]} vs {str(want)[:80]}): a different vocabulary; "
-                              f"the draft and the server's target must share one tokenizer")
+        if self.tok is not None:
+            try:
+                got = http.request("POST", "/tokenize", {"model": name, "prompt": PROBE_TEXT,
+                                                         "add_special_tokens": False}, timeout)
+            except _Failure as e:
+                if e.status is not None and 400 <= e.status < 500:
+                    raise RemoteError(f"{cfg.url} model {name!r} does not tokenize text ({e}): it is not a text "
+                                      f"target with {self.dir}'s tokenizer") from None
+                raise
+            want = self.tok.encode(PROBE_TEXT)
+            if got.get("tokens") != want:
+                raise RemoteError(f"{cfg.url} model {name!r} tokenizes differently from {self.dir} (probe text: "
+                                  f"{str(got.get('tokens'))[:80]} vs {str(want)[:80]}): a different vocabulary; "
+                                  f"the draft and the server's target must share one tokenizer")
         vocab = self._served_vocab(name, timeout, http)
         if vocab is not None and vocab != self.manifest.vocab_size:
             raise RemoteError(f"{cfg.url} model {name!r} has a vocabulary of {vocab} tokens, {self.dir} has "
                               f"{self.manifest.vocab_size}: not the same target")
+        self._fingerprint(name, timeout, http, full=vocab is not None)
         max_len = served[name].get("max_model_len")
         if isinstance(max_len, int) and max_len < self.manifest.max_context:
             self.manifest = dataclasses.replace(self.manifest, max_context=max_len)
         self.full_distribution = vocab is not None
         self.model = name
         self._trusted = True
+
+    def _probe(self) -> tuple[list[int], dict]:
+        """The probe sequence's ids and how a request sends it (ids, or their embeddings for embeds targets)."""
+        v = self.manifest.vocab_size
+        if self.embedding is not None:
+            ids = [(7 * i + 3) % v for i in range(8)]
+            return ids, {"prompt_embeds": [_embeds_b64(self.embedding[ids])]}
+        ids = self.tok.encode(PROBE_TEXT)[:16] if self.tok is not None else [(7 * i + 3) % v for i in range(8)]
+        return ids, {"prompt": ids}
+
+    def _fingerprint(self, name: str, timeout: float, http: _Http, full: bool) -> None:
+        """The server's next-token distribution after a probe sequence against the local target's, when there
+        is a local target and the server returns full distributions: a different model served under the
+        expected name (or the same name after a restart) is refused. An embeds target's probe also checks
+        that the server takes embeddings of this width."""
+        ids, prompt = self._probe()
+        if not full and self.embedding is None:
+            return
+        body = {"model": name, **prompt, "max_tokens": 1, "temperature": 0.0, "return_tokens_as_token_ids": True,
+                "logprobs": -1 if full else 1}
+        try:
+            r = http.request("POST", "/v1/completions", body, timeout)
+        except _Failure as e:
+            if e.status is not None and 400 <= e.status < 500:
+                raise RemoteError(f"{self.config.url} model {name!r} refused a probe of {len(ids)} embeddings of "
+                                  f"width {self.manifest.hidden_size} ({e}); serve {self.dir}'s checkpoint with "
+                                  f"--enable-prompt-embeds (edgespec serve-target does)") from None
+            raise
+        if not full or self.local is None:
+            return
+        try:
+            served = {int(k.split(":")[1]): x for k, x in r["choices"][0]["logprobs"]["top_logprobs"][0].items()}
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _Failure("malformed", f"{self.config.url}: a probe reply without top_logprobs") from None
+        p = np.full(self.manifest.vocab_size, -np.inf)
+        p[list(served)] = list(served.values())
+        dec = self.local.decoder(1, self.embedding)
+        logits = (dec(None, embeds=self.embedding[ids][None]) if self.embedding is not None
+                  else dec(np.asarray([ids], np.int64)))[0, -1].astype(np.float64)
+        q = logits - np.logaddexp.reduce(logits)
+        tv = 0.5 * float(np.abs(np.exp(p) - np.exp(q)).sum())
+        if not tv <= FINGERPRINT_TV:
+            raise RemoteError(f"{self.config.url} model {name!r} is not the target in {self.local.dir}: after a "
+                              f"probe sequence their next-token distributions differ by {tv:.3f} in total "
+                              f"variation (at most {FINGERPRINT_TV} between precisions of one model)")
 
     def _served_vocab(self, name: str, timeout: float, http: _Http) -> int | None:
         """The server's vocabulary size from one full next-token distribution, or None when it does not
@@ -389,6 +454,39 @@ class RemoteTarget:
             self.counters.requests += 1
         return out
 
+    def verify_embeds(self, rows: np.ndarray, n: int, salt: str) -> np.ndarray:
+        """rows (L, E): a sequence's committed rows, then its new ones. Returns the target's argmax ids (n,)
+        (within the manifest's argmax range) after each of the last n rows. vLLM returns no prompt
+        log-probabilities for embedding prompts, so each of those positions is a prompt of its own (the rows
+        up to it, one generated token), all n in one call, batched by the server. Raises _Failure."""
+        lo, hi = self.manifest.argmax_range
+        ends = range(len(rows) - n + 1, len(rows) + 1)
+        body = {"model": self.model, "prompt_embeds": [_embeds_b64(rows[:e]) for e in ends], "max_tokens": 1,
+                "temperature": 0.0, "return_token_ids": True, "cache_salt": salt, "ignore_eos": True}
+        if (lo, hi) != (0, self.manifest.vocab_size):
+            body["allowed_token_ids"] = list(range(lo, hi))  # the constrained argmax, as the engine's next_ids
+        t0 = time.perf_counter()
+        r = self._http().request("POST", "/v1/completions", body, self.config.deadline_s)
+        with self.lock:
+            self.counters.server_s += time.perf_counter() - t0
+        try:
+            choices = sorted(r["choices"], key=lambda c: c["index"])
+            if len(choices) != n or any(len(c["token_ids"]) != 1 for c in choices):
+                raise ValueError(f"expected {n} choices of 1 generated token, got "
+                                 f"{[len(c['token_ids']) for c in choices]}")
+            ids = np.array([c["token_ids"][0] for c in choices], np.int64)
+            if ids.min() < lo or ids.max() >= hi:
+                raise ValueError(f"token ids outside the argmax range [{lo}, {hi}): {ids.tolist()}")
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise _Failure("malformed", f"{self.config.url}/v1/completions: unexpected reply "
+                                        f"({type(e).__name__}: {e}): {str(r)[:200]}") from None
+        usage = r.get("usage") or {}
+        with self.lock:
+            self.counters.prompt_tokens += sum(ends)
+            self.counters.cached_tokens += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+            self.counters.requests += 1
+        return ids
+
     def _http(self) -> _Http:
         """The calling thread's connection (one request at a time per connection)."""
         conn = getattr(self._tls, "http", None)
@@ -403,14 +501,26 @@ class RemoteTarget:
         return self._pool.submit(lambda: self.verify([prompt], [start], salt, False)[0])
 
     def decoder(self, batch: int = 1, embedding=None) -> "RemoteDecoder":
-        if embedding is not None:
-            raise RemoteError("a remote target takes token ids (an inputs_embeds engine cannot be served)")
+        """A decoder of `batch` sequences (an inputs_embeds target: one; `embedding`, if given, must be the
+        table the target was made with)."""
+        if self.embedding is None and embedding is not None:
+            raise RemoteError(f"{self.dir} takes token ids; an embedding table is for inputs_embeds targets")
+        if self.embedding is not None:
+            if batch != 1:
+                raise ValueError(f"a remote inputs_embeds target decodes one sequence at a time, got batch {batch}")
+            if embedding is not None and not np.array_equal(np.asarray(embedding, np.float32), self.embedding):
+                raise ValueError("the embedding table differs from the one this remote target was made with")
         return RemoteDecoder(self, batch)
 
     def close(self) -> None:
         self.http.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _embeds_b64(rows: np.ndarray) -> str:
+    """(L, E) float32 rows as vLLM's prompt_embeds takes them: base64 of a torch.save file."""
+    return base64.b64encode(torch_bytes(rows)).decode("ascii")
 
 
 @dataclass
@@ -425,12 +535,16 @@ class Pending:
 
 class TokenCache:
     """A remote decoder's cache: the committed token ids per sequence (their K/V live in the server's
-    prefix cache), with KVCache's verbs: reserve, wrote, commit, rewind_to."""
+    prefix cache), with KVCache's verbs: reserve, wrote, commit, rewind_to. An inputs_embeds target's also
+    keeps the committed rows' embeddings (`rows`, (L, E) per sequence; ids -1 where a row came as an
+    embedding, e.g. a VLA prefix)."""
 
-    def __init__(self, batch: int, max_context: int):
+    def __init__(self, batch: int, max_context: int, width: int | None = None):
         self.max_context = max_context
         self.tokens: list[list[int]] = [[] for _ in range(batch)]  # committed
         self.pending: list[list[int]] = [[] for _ in range(batch)]  # written by the last call, not committed
+        self.rows = [np.zeros((0, width), np.float32) for _ in range(batch)] if width else None  # committed
+        self.pending_rows = [r[:0] for r in self.rows] if width else None
         self._lengths = np.zeros(batch, np.int64)
         self._view = self._lengths.view()
         self._view.flags.writeable = False
@@ -453,12 +567,16 @@ class TokenCache:
         if rows > self.max_context:
             raise ValueError(f"the remote target needs {rows} positions but its max context is {self.max_context}")
 
-    def write(self, rows: list[list[int]]) -> None:
+    def write(self, rows: list[list[int]], embeds: list[np.ndarray] | None = None) -> None:
         self.pending = [list(r) for r in rows]
+        if self.rows is not None:
+            self.pending_rows = list(embeds)
 
     def wrote(self, s: int) -> None:
         """S rows per sequence of unknown tokens (zeros): for timing only, as KVCache.wrote."""
         self.pending = [[0] * s for _ in self.tokens]
+        if self.rows is not None:
+            self.pending_rows = [np.zeros((s, r.shape[1]), np.float32) for r in self.rows]
 
     def commit(self, n) -> None:
         n = np.broadcast_to(np.asarray(n, np.int64), self._lengths.shape)
@@ -468,6 +586,9 @@ class TokenCache:
             self.tokens[b].extend(self.pending[b][:k])
             self.pending[b] = self.pending[b][k:]
             self._lengths[b] = len(self.tokens[b])
+            if self.rows is not None:
+                self.rows[b] = np.concatenate([self.rows[b], self.pending_rows[b][:k]])
+                self.pending_rows[b] = self.pending_rows[b][k:]
         if self.follower is not None:
             self.follower.commit(n)
 
@@ -479,6 +600,9 @@ class TokenCache:
             del self.tokens[b][k:]
             self.pending[b] = []
             self._lengths[b] = k
+            if self.rows is not None:
+                self.rows[b] = self.rows[b][:k]
+                self.pending_rows[b] = self.rows[b][:0]
         self.follower = None
         if self.local is not None:  # the local cache may lag behind (it catches up when it is next used)
             self.local.rewind_to(np.minimum(self.local.lengths, new))
@@ -490,7 +614,8 @@ class RemoteDecoder:
 
     def __init__(self, engine: RemoteTarget, batch: int):
         self.engine, self.m, self.batch = engine, engine.manifest, batch
-        self.cache = TokenCache(batch, self.m.max_context)
+        self.embedding = engine.embedding  # (V, E) for an inputs_embeds target, else None
+        self.cache = TokenCache(batch, self.m.max_context, None if self.embedding is None else self.m.hidden_size)
         self.local = None  # the local target's Decoder, made at the first fallback
         self.salt = uuid.uuid4().hex  # per generation: the prefix cache only serves this one's own calls
         self.calls, self.engine_s, self.fallbacks = 0, 0.0, 0
@@ -509,14 +634,25 @@ class RemoteDecoder:
         self.calls, self.engine_s, self.fallbacks, self.trace, self.trace_name = 0, 0.0, 0, None, "engine"
 
     # -- the calls ----------------------------------------------------------------------------------
-    def ids(self, tokens: np.ndarray, valid: np.ndarray | None = None, embeds=None) -> np.ndarray:
-        """(B, S) the target's argmax ids at the S new positions (rows past a sequence's valid count: 0)."""
-        self._last_ids = self._call(tokens, valid, full=False)
+    def ids(self, tokens: np.ndarray | None, valid: np.ndarray | None = None, embeds=None,
+            last: int | None = None) -> np.ndarray:
+        """(B, S) the target's argmax ids at the S new positions (rows past a sequence's valid count: 0).
+        An inputs_embeds target takes ids (embedded with its table) or `embeds` (1, S, E), and computes only
+        the `last` positions the caller reads (-1 before them)."""
+        if self.embedding is not None:
+            self._last_ids = self._call_embeds(tokens, valid, embeds, last)
+        elif embeds is not None:
+            raise RemoteError(f"{self.engine.dir} takes token ids, not embeddings")
+        else:
+            self._last_ids = self._call(tokens, valid, full=False)
         return self._last_ids
 
     def __call__(self, tokens: np.ndarray, valid: np.ndarray | None = None, embeds=None) -> np.ndarray:
         """(B, S, V) the target's log-probabilities at the S new positions (as logits: softmax gives the
         target's distribution). Needs a server that returns full distributions."""
+        if self.embedding is not None:
+            raise RemoteError("a remote inputs_embeds target verifies by ids only (greedy or relaxed acceptance): "
+                              "vLLM returns no per-position distributions for embedding prompts")
         if self.engine.full_distribution is False:
             raise RemoteError(f"{self.engine.config.url}: sampled acceptance needs the target's full "
                               f"distribution at every verified position, and this server returns fewer "
@@ -532,6 +668,8 @@ class RemoteDecoder:
         """Send the verify of `new` after the committed tokens and `ahead` (tokens not committed yet that the
         call bets will be); returns at once. `result()` waits for it and writes it as a call would. Without
         the server (back-off), the call will run on the local target at result()."""
+        if self.embedding is not None:
+            raise RemoteError("pipelined rounds take token ids; this remote target is an inputs_embeds one")
         prefix = self.cache.tokens[0] + list(ahead)
         fut = None
         if self.engine.available():
@@ -556,11 +694,11 @@ class RemoteDecoder:
         self._last_ids = got[None]
         return got
 
-    def _wrote(self, rows: list[list[int]], where: str, t0: float) -> None:
+    def _wrote(self, rows: list[list[int]], where: str, t0: float, embeds: list[np.ndarray] | None = None) -> None:
         """A call's bookkeeping: its rows written (uncommitted) into the token cache, and into the local
         cache's commits when it ran there; counters and the trace event."""
         t1 = time.perf_counter()
-        self.cache.write(rows)
+        self.cache.write(rows, embeds)
         self.cache.follower = self.local.cache if where == "local" else None
         self.calls += 1
         self.engine_s += t1 - t0
@@ -598,16 +736,73 @@ class RemoteDecoder:
             out[i, :counts[i]] = got[i]
         return out
 
-    def _local(self, tokens, valid, full) -> list[np.ndarray]:
-        """The call on the local target, after catching up on the committed tokens it has not seen."""
+    def _call_embeds(self, tokens, valid, embeds, last) -> np.ndarray:
+        """ids() on an inputs_embeds target (one sequence): the new rows are `embeds` (1, S, E), or the
+        embeddings of `tokens` (1, S)."""
+        if valid is not None:
+            raise ValueError("a remote inputs_embeds target takes one sequence: no valid mask")
+        if embeds is not None:
+            x = np.asarray(embeds, np.float32)
+            if x.ndim != 3 or x.shape[0] != 1 or x.shape[2] != self.m.hidden_size:
+                raise ValueError(f"embeds must be (1, S, {self.m.hidden_size}), got shape {x.shape}")
+            ids = [-1] * x.shape[1]
+        else:
+            t = np.asarray(tokens, np.int64)
+            if t.ndim != 2 or t.shape[0] != 1:
+                raise ValueError(f"tokens must be (1, S) ids, got shape {t.shape}")
+            if t.size and (t.min() < 0 or t.max() >= self.m.vocab_size):
+                raise ValueError(f"token ids must be in [0, {self.m.vocab_size}), got {t.tolist()}")
+            x, ids = self.embedding[t], t[0].tolist()
+        s = x.shape[1]
+        n = s if last is None else last
+        if not 1 <= n <= s:
+            raise ValueError(f"last must be in 1..{s} (the call's new rows), got {last}")
+        self.cache.reserve(int(self.cache.lengths[0]) + s)
+        eng, t0 = self.engine, time.perf_counter()
+        got, where = None, "remote"
+        if eng.available():
+            try:
+                got = eng.verify_embeds(np.concatenate([self.cache.rows[0], x[0]]), n, self.salt)
+            except _Failure as e:
+                eng._failed(e)
+        if got is None:
+            got, where = self._local_embeds(x, n), "local"
+        self._wrote([ids], where, t0, [x[0]])
+        out = np.full((1, s), -1, np.int64)
+        out[0, s - n:] = got
+        return out
+
+    def _local_embeds(self, x: np.ndarray, n: int) -> np.ndarray:
+        """_call_embeds on the local target, after catching up on the committed rows it has not seen."""
+        loc = self._local_decoder()
+        have = int(loc.cache.lengths[0])
+        missing = self.cache.rows[0][have:]
+        if len(missing):
+            loc.run(None, embeds=missing[None])
+            loc.cache.commit(len(missing))
+        out = loc.ids(None, embeds=x)[0, -n:]
+        self._count_fallback()
+        return out
+
+    def _local_decoder(self):
+        """The local target's decoder (made at the first fallback); raises RemoteUnavailable without one."""
         eng = self.engine
         if eng.config.on_failure == "raise":
             raise RemoteUnavailable(f"{eng.config.url}: the verify failed ({_last_failure(eng)}) and "
                                     f"on_failure is 'raise' (no local target: load with local=ENGINE_DIR)")
         if self.local is None:
-            self.local = eng.local.decoder(self.batch)
+            self.local = eng.local.decoder(self.batch, self.embedding)
             self.cache.local = self.local.cache
-        loc = self.local
+        return self.local
+
+    def _count_fallback(self) -> None:
+        self.fallbacks += 1
+        with self.engine.lock:
+            self.engine.counters.fallbacks += 1
+
+    def _local(self, tokens, valid, full) -> list[np.ndarray]:
+        """The call on the local target, after catching up on the committed tokens it has not seen."""
+        loc = self._local_decoder()
         have = loc.cache.lengths
         missing = [self.cache.tokens[i][int(have[i]):] for i in range(self.batch)]
         if any(missing):
@@ -621,9 +816,7 @@ class RemoteDecoder:
         out = loc(tokens, valid) if full else loc.ids(tokens, valid)
         if full:  # logits -> log-probabilities, as the server returns them
             out = out - np.logaddexp.reduce(out, axis=-1, keepdims=True)
-        self.fallbacks += 1
-        with eng.lock:
-            eng.counters.fallbacks += 1
+        self._count_fallback()
         counts = valid.sum(1) if valid is not None else np.full(self.batch, tokens.shape[1])
         return [out[i, :counts[i]] for i in range(self.batch)]
 

@@ -7,6 +7,9 @@ server. What the protocol (remote.py) needs from the server:
     --max-logprobs -1                the full distribution, for sampled acceptance (greedy reads top-1 only)
     --enable-prompt-tokens-details   replies say how many prompt tokens the cache held (RemoteTarget.counters)
     --block-size 32                  on the CPU: cache hits at 32-token granularity (vLLM's CPU default is 128)
+A checkpoint without a tokenizer (a VLA policy's target, models/vla-reacher/target) is verified through its
+embeddings: --skip-tokenizer-init --enable-prompt-embeds, and a max model length no longer than its
+config's max_position_embeddings.
 vLLM runs in its own environment (it pins its own torch and transformers): `--python`, else this
 interpreter if it has vllm, else `.venv-vllm/bin/python` (made by `python3 -m venv .venv-vllm &&
 .venv-vllm/bin/pip install -e '.[fleet]'`).
@@ -85,6 +88,11 @@ def vllm_args(model: Path, host: str, port: int, name: str, max_model_len: int |
     args = ["--model", str(model), "--served-model-name", name, "--host", host, "--port", str(port),
             "--dtype", model_dtype(model, device), "--enable-prefix-caching", "--max-logprobs", "-1",
             "--enable-prompt-tokens-details"]
+    if not any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        args += ["--skip-tokenizer-init", "--enable-prompt-embeds"]  # ids and embeddings in, ids out
+    longest = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    if max_model_len and isinstance(longest, int):
+        max_model_len = min(max_model_len, longest)
     if max_model_len:
         args += ["--max-model-len", str(max_model_len)]
     if device == "cpu":

@@ -116,7 +116,7 @@ def fast_round(target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: 
         rows = 1
     else:  # prefix rows 0..P-1, then the drafts: row P-1 predicts the first id
         x = np.concatenate([prefix, target.embedding[drafts][None]], 1) if c else prefix
-        t = target.ids(None, embeds=x)[0, -(c + 1):]
+        t = target.ids(None, embeds=x, last=c + 1)[0, -(c + 1):]
         rows = prefix.shape[1]
     t2 = time.perf_counter()
     check_ids(t, "target", len(ctx))
@@ -169,7 +169,7 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
     with timer("verify"):  # [b, i] predicts position len(contexts[b]) + i
         if prefix is not None:
             x = np.concatenate([prefix, target.embedding[feed[:, 1:]]], 1)
-            verified = target.ids(None, embeds=x)[:, -s:]  # (1, s)
+            verified = target.ids(None, embeds=x, last=s)[:, -s:]  # (1, s)
             rows = prefix.shape[1]
         else:
             verified = target.ids(feed, valid) if by_ids else target(feed, valid)  # ids (B, s) | logits (B, s, V)

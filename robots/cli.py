@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.policy import load_policy
+from edgespec.remote import RemoteConfig
 
 from .inference import InferenceProcess
 from .reacher import COLORS, SUCCESS_RADIUS
@@ -51,6 +52,14 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
                         "or in the loop's worker thread")
     p.add_argument("--policy-cpus", type=cpu_set, default=None,
                    help="CPUs for the policy process, e.g. 1 (with --inference process; default: any)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="verify on a vLLM server serving the policy's target checkpoint (edgespec serve-target "
+                        "models/vla-reacher/target); drafts stay here")
+    p.add_argument("--remote-fallback", choices=["local", "hold"], default="local",
+                   help="when a verify fails: run it on the policy's own target (local, exact) or raise, so the "
+                        "loop holds the last action, then stops (hold)")
+    p.add_argument("--remote-deadline", type=positive_seconds, default=2.0,
+                   help="seconds a verify may take before it counts as failed")
 
 
 def positive_int(text: str) -> int:
@@ -112,6 +121,9 @@ def make_policy(args, instruction: str | None = None):
     its own copy in a child process."""
     kw = dict(policy_dir=args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
               stop_below=args.stop_below, threads=args.threads)
+    if getattr(args, "remote", None):
+        kw["remote"] = RemoteConfig(args.remote, deadline_s=args.remote_deadline,
+                                    on_failure="raise" if args.remote_fallback == "hold" else "local")
     pol = load_policy(**kw)
     if instruction:
         pol.instruction_ids(instruction)  # unknown words: fail now
@@ -275,6 +287,10 @@ def _run(p, args, color: str, cfg, stop: SignalStop) -> int:
     print(summary(prof, args.hz))
     if prof["faults"]:
         print("faults:", *prof["faults"], sep="\n  ")
+    if getattr(args, "remote", None):
+        r = prof["remote"]
+        print(f"remote target {args.remote}: {r['fallbacks']} verifies ran on the local target, "
+              f"{r['unavailable']} policy calls found it unavailable (the loop held)")
     if rep.stop_requested:
         print(f"stopped by {rep.stop_requested} after {rep.ticks} ticks")
     print(f"robot.safe_stop() calls: {stops}" + (f", {rep.safe_stop_failures} raised" if rep.safe_stop_failures

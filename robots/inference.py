@@ -70,9 +70,17 @@ def _serve(factory: Callable, conn, nice: int | None, cpus) -> None:
         try:
             out = policy(msg[1])
         except Exception as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}", {}))
+            conn.send(("error", f"{type(e).__name__}: {e}", {"raised": type(e).__name__}))
         else:
             conn.send(("ok", np.asarray(out), dict(getattr(policy, "last_info", {}) or {})))
+
+
+class PolicyProcessError(RuntimeError):
+    """The policy raised in the child process; type_name is its exception's class name."""
+
+    def __init__(self, message: str, type_name: str):
+        super().__init__(message)
+        self.type_name = type_name
 
 
 class InferenceProcess:
@@ -124,7 +132,8 @@ class InferenceProcess:
                 raise RuntimeError(f"the policy process died (exit code {self._proc.exitcode})") from e
             kind, payload, info = self._recv()
         if kind == "error":
-            raise RuntimeError(f"policy process: {payload}")
+            self.last_info = {}  # nothing of an earlier call's numbers stays behind
+            raise PolicyProcessError(f"policy process: {payload}", info.get("raised", "Exception"))
         self.last_info = info
         return payload
 

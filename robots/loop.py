@@ -126,6 +126,8 @@ class LoopReport:
     safe_stop_failures: int = 0  # robot.safe_stop() calls that raised (each episode is also in `faults`)
     stop_requested: str = ""  # why stop() ended the run early ("" when it ran its full duration)
     queue_dropped_stale: int = 0  # chunk actions whose time had passed when they landed or came due
+    remote_fallbacks: int = 0  # remote target: verifies that ran on the policy's local target (last_info)
+    remote_unavailable: int = 0  # remote target: policy calls that raised RemoteUnavailable (the loop held)
     sent_actions: list = field(default_factory=list)  # per send (fresh or held): what send_action says it got
     clipped: int = 0  # sent ticks where that differs from the commanded action (the robot's safety limits)
     max_clip: float = 0.0  # the largest |commanded - sent| over the run, in action units
@@ -304,6 +306,8 @@ class ControlLoop:
         rep.inference_start_s.append(done.start)
         rep.inference_end_s.append(done.end)
         rep.inference_outcome.append(done.outcome)
+        rep.remote_fallbacks += int(done.info.get("fallbacks", 0))
+        rep.remote_unavailable += done.raised == "RemoteUnavailable"
         if done.outcome == "late":  # abandoned by the watchdog: the result is dropped
             return
         if done.error:

@@ -43,6 +43,7 @@ def loop_profile(report: LoopReport, dt: float | None = None) -> dict:
         "inference_ms": _stats(report.inference_ms),
         "inferences": dict(Counter(report.inference_outcome)),
         "queue_dropped_stale": report.queue_dropped_stale,
+        "remote": {"fallbacks": report.remote_fallbacks, "unavailable": report.remote_unavailable},
         "clipped_by_robot": report.clipped, "max_clip": report.max_clip,  # sent actions the robot limited
         "gc_pauses_ms": _stats([ms for _, _, ms in report.gc_pauses]),
         "faults": list(report.faults), "safe_stop_reason": report.safe_stop_reason,

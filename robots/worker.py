@@ -39,6 +39,7 @@ class Inference:
     chunk: np.ndarray | None = None  # (H, D) float64, checked; None when the call failed
     error: str = ""  # why it failed ("policy raised ...", "policy returned a bad chunk: ...")
     outcome: str = "ok"  # "ok" | "raised" | "bad chunk" | "late" (abandoned before it returned)
+    raised: str = ""  # the class name of what the policy raised (in a policy process too), else ""
     info: dict = field(default_factory=dict)  # the numbers in policy.last_info after the call
 
 
@@ -134,7 +135,7 @@ class InferenceWorker:
             out = self.policy(obs)
         except Exception as e:  # noqa: BLE001  (any policy failure is a fault the caller must survive)
             return Inference(job, start, self.clock(), error=f"policy raised {type(e).__name__}: {e}",
-                             outcome="raised", info=self._info())
+                             outcome="raised", raised=getattr(e, "type_name", type(e).__name__), info=self._info())
         try:
             chunk = self.check(out)
         except Exception as e:  # noqa: BLE001

@@ -210,6 +210,11 @@ def test_wrong_model_or_vocabulary_is_refused_at_connect(server, engines, tmp_pa
         RemoteTarget(RemoteConfig(url, model="other"), m, target, tok)
     with pytest.raises(RemoteError, match="vocabulary of 4096 tokens"):
         RemoteTarget(RemoteConfig(url), dataclasses.replace(m, vocab_size=5000), target, tok)
+    # same tokenizer and vocabulary, another model (the draft) as the local target: its outputs give it away
+    from edgespec.engine import open_engine
+    _, draft = engines
+    with pytest.raises(RemoteError, match="is not the target in .*total variation"):
+        RemoteTarget(RemoteConfig(url), m, target, tok, open_engine(draft))
     from conftest import char_tokenizer_json
     char_tokenizer_json(tmp_path / "tokenizer.json")
     with pytest.raises(RemoteError, match="tokenizes differently"):
