@@ -788,8 +788,9 @@ class RemoteDecoder:
         """The local target's decoder (made at the first fallback); raises RemoteUnavailable without one."""
         eng = self.engine
         if eng.config.on_failure == "raise":
-            raise RemoteUnavailable(f"{eng.config.url}: the verify failed ({_last_failure(eng)}) and "
-                                    f"on_failure is 'raise' (no local target: load with local=ENGINE_DIR)")
+            why = "on_failure is 'raise'" if eng.local is not None else \
+                "on_failure is 'raise' (no local target: load with local=ENGINE_DIR)"
+            raise RemoteUnavailable(f"{eng.config.url}: the verify failed ({_last_failure(eng)}) and {why}")
         if self.local is None:
             self.local = eng.local.decoder(self.batch, self.embedding)
             self.cache.local = self.local.cache
