@@ -134,3 +134,15 @@ def test_a_safe_stop_that_raises_on_a_signal_exits_nonzero_without_a_traceback(t
     assert code == 1 and "Traceback" not in err, (code, out, err)
     assert "stopped by SIGTERM" in out and "robot.safe_stop() raised OSError: CAN bus down" in out, out
     assert "error: the robot's safe stop failed 1 time(s)" in err and "CAN bus down" in err, err
+
+
+@pytest.mark.parametrize("flags, match", [(["--remote", "localhost:8000"], "url must be http://HOST:PORT"),
+                                          (["--remote", "http://127.0.0.1:9", "--remote-fallback", "hold"],
+                                           "cannot reach the server at load"),
+                                          (["--remote", "http://127.0.0.1:9", "--remote-deadline", "0"],
+                                           "expected a finite number of seconds > 0")])
+def test_robot_run_refuses_bad_remote_flags_before_the_loop(tiny_reacher_policy, flags, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        edgespec_main(["robot", "run", "--policy", str(tiny_reacher_policy), "--inference", "thread"] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and match in err and "Traceback" not in err
