@@ -5,6 +5,7 @@ tokens with optional speculative decoding.
     actions = policy.act(image, state, "reach the red target")                  # (H, D) float64
     policy.last_info  # encode_ms, decode_ms, rounds, accepted, drafted, tokens_per_round, max_dev_bins, ...
     policy.state_names, policy.action_kind, policy.action_names, policy.action_units  # from policy.json
+    edgespec.load_policy("engines/vla-reacher", draft="head", remote="http://HOST:PORT")  # target on vLLM
 
 A Policy is safe to call from several threads (calls run one at a time). Inputs are checked as the encoder
 sees them (float32 state: a value that overflows to inf is refused, by name), the encoder's prefix must be

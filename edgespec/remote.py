@@ -18,12 +18,18 @@ its own generation's earlier calls, which end before the call's first new positi
 checked (a skipped row holds vllm_plugin.SKIPPED_LOGPROB) and the call is asked again without the cache if
 one ever is. `RemoteTarget.counters` reports the prompt tokens sent and how many the cache held.
 
+An inputs_embeds target (a VLA policy's, `load_policy(..., remote=URL)`) is served with embedding prompts:
+its verify sends the committed rows and the new ones as embeddings (tensorfile.py), and, because vLLM
+returns no prompt log-probabilities for embedding prompts, one prompt per position the caller reads (the
+rows up to it, one generated token), all in one call (`verify_embeds`). Greedy and relaxed acceptance only.
+
 Failure (deadline, refused, reset, HTTP error, malformed reply): the call runs on the local target engine
 (`local=`), which first catches up on the committed tokens; the output stays exact. Without a local target
 the call raises `RemoteUnavailable` (a robot's control loop then holds, then stops). Either way it is
 counted. The server is retried after a back-off that doubles up to `backoff_max_s`; a server is trusted only
-after its identity check (served model, tokenizer, vocabulary), at load and after every failure (then on a
-thread of its own, so a server that hangs never stalls decoding).
+after its identity check (served model, tokenizer, vocabulary, and its next-token distribution after a
+probe against the local target's), at load and after every failure (then on a thread of its own, so a
+server that hangs never stalls decoding).
 """
 from __future__ import annotations
 
