@@ -232,3 +232,30 @@ def assert_a_failed_call_is_scrubbed(engine_dir, rows: int | None = None, nan_lo
         assert np.isfinite(d.cache.host(j)[:, :, :rows]).all()
     np.testing.assert_allclose(d(np.array([[7, 8]])), clean(np.array([[7, 8]])), atol=1e-5)
     return d, clean
+
+
+def vllm_server(tmp_path_factory, model, **kw):
+    """A real vLLM server for `model` on a free 127.0.0.1 port (edgespec serve-target's flags), as a fixture's
+    generator: yields (url, process) and kills it after. Skips where no vLLM environment with the edgespec
+    plugin exists (`edgespec serve-target --setup` makes one; the README's test command runs it)."""
+    import socket
+
+    from edgespec import serve
+    try:
+        serve.check_env(serve.find_python())
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.skip(f"no vLLM environment with the edgespec plugin ({e}); make one with "
+                    f"`edgespec serve-target --setup`")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    proc = serve.start(model, port, log=log, **kw)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve.wait_ready(url, proc, timeout_s=600)
+    except Exception:
+        serve.stop(proc)
+        raise RuntimeError(f"the vLLM server did not start; its log:\n{log.read_text()[-3000:]}")
+    yield url, proc
+    serve.stop(proc)

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -84,12 +83,6 @@ def test_remote_needs_a_local_vocabulary_side():
 
 
 # -- against a real vLLM server ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     from edgespec.export.onnx_export import export_engine
@@ -101,22 +94,8 @@ def engines(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    try:
-        serve.check_env(serve.find_python())
-    except (FileNotFoundError, RuntimeError) as e:
-        pytest.skip(f"no vLLM environment with the edgespec plugin ({e}); make one with "
-                    f"`edgespec serve-target --setup`")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    proc = serve.start(MODELS / "demo-target", port, log=log, max_model_len=1024)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        serve.wait_ready(url, proc, timeout_s=600)
-    except Exception:
-        serve.stop(proc)
-        raise RuntimeError(f"the vLLM server did not start; its log:\n{log.read_text()[-3000:]}")
-    yield url, proc
-    serve.stop(proc)
+    from conftest import vllm_server
+    yield from vllm_server(tmp_path_factory, MODELS / "demo-target", max_model_len=1024)
 
 
 def _vllm_greedy(url: str, ids: list[int], n: int) -> list[int]:

@@ -9,7 +9,6 @@ import base64
 import dataclasses
 import io
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -61,12 +60,6 @@ def test_token_cache_keeps_embedding_rows_with_the_ids():
 
 
 # -- against a real vLLM server ---------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def policy_dir():
     from edgespec.cli import ensure_policy_engines
@@ -75,22 +68,8 @@ def policy_dir():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    try:
-        serve.check_env(serve.find_python())
-    except (FileNotFoundError, RuntimeError) as e:
-        pytest.skip(f"no vLLM environment with the edgespec plugin ({e}); make one with "
-                    f"`edgespec serve-target --setup`")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-vla") / "server.log"
-    proc = serve.start(MODELS / "vla-reacher" / "target", port, log=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        serve.wait_ready(url, proc, timeout_s=600)
-    except Exception:
-        serve.stop(proc)
-        raise RuntimeError(f"the vLLM server did not start; its log:\n{log.read_text()[-3000:]}")
-    yield url, proc
-    serve.stop(proc)
+    from conftest import vllm_server
+    yield from vllm_server(tmp_path_factory, MODELS / "vla-reacher" / "target")
 
 
 def _observations(n: int, seed: int = 0):
