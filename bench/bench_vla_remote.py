@@ -111,20 +111,77 @@ def loop_runs(policy_dir: Path, url: str, proc, seconds: float) -> dict:
                 serve.stop(proc)
             return self.policy(o)
 
+    class Watched(ReacherRobot):  # the reacher, noting the fingertip's distance to the target at each observation
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.seen: list[float] = []
+
+        def get_observation(self):
+            obs = super().get_observation()
+            self.seen.append(self.env.distance())
+            return obs
+
     def run(policy, name):
-        with ReacherRobot(seed=1, color="red") as robot:
+        with Watched(seed=1, color="red") as robot:
             start = robot.env.distance()
             rep = ControlLoop(robot, policy, LoopConfig(hz=20, hold_s=0.5)).run(seconds)
             final = robot.env.distance()
         p = loop_profile(rep)
+        ticks = list(rep.tick_start_s)
         return {"run": name, "ticks": p["ticks"], "sent": p["sent"], "held_ticks": p["held_ticks"],
                 "stopped_ticks": p["stopped_ticks"], "inferences": p["inferences"], "remote": p["remote"],
-                "faults": p["faults"], "safe_stop_reason": p["safe_stop_reason"], "start_distance": start,
-                "final_distance": final, "inference_ms": p["inference_ms"]}
+                "faults": p["faults"], "safe_stop_reason": p["safe_stop_reason"], "safe_stop_s": rep.safe_stop_s,
+                "start_distance": start, "final_distance": final, "inference_ms": p["inference_ms"],
+                "inference_start_s": list(rep.inference_start_s), "tick_s": ticks,
+                "tick_distance_m": robot.seen[-len(ticks):] if ticks else [], "tick_action": list(rep.tick_action)}
     out = [run(KillsTheServer(falls_back), "remote, local fallback; server killed in the 3rd policy call"),
            run(holds, "remote, on_failure raise; server down (the loop holds, then stops)"),
            run(load_policy(policy_dir, draft="head"), "local policy (reference)")]
     return {"runs": out}
+
+
+def plot(report: dict, path: Path) -> None:
+    """Left: act latency, local against remote, per draft. Right: the fingertip's distance to the target at
+    every tick of the three loop runs, the server's kill and the safe stop marked, held and stopped ticks
+    as marks on their curve."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(13, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    rows = report["chunks"]
+    x = np.arange(len(rows))
+    for off, side, color in ((-0.2, "local", "tab:blue"), (0.2, "remote", "tab:orange")):
+        p50 = [r[f"{side}_act_ms"]["p50"] for r in rows]
+        p99 = [r[f"{side}_act_ms"]["p99"] for r in rows]
+        left.bar(x + off, p50, 0.4, color=color, label=f"{side} p50")
+        left.scatter(x + off, p99, marker="_", s=300, color="k", zorder=3)
+    left.set_xticks(x, [f"draft: {r['draft']}\n{r['identical_chunks']}/{r['chunks']} identical" for r in rows])
+    left.set_ylabel("act (ms): bar p50, line p99")
+    left.legend(fontsize=8)
+    colors = ["tab:orange", "tab:red", "tab:blue"]
+    for run, color in zip(report["loop"]["runs"], colors):
+        t, d, acts = np.array(run["tick_s"]), np.array(run["tick_distance_m"]), np.array(run["tick_action"])
+        if not t.size:
+            continue
+        right.plot(t, d, color=color, lw=1.5, label=run["run"])
+        for mode, marker in (("held", "o"), ("stopped", "x")):
+            sel = acts == mode
+            if sel.any():
+                right.scatter(t[sel], d[sel], marker=marker, s=14, color=color, zorder=3)
+        if run["safe_stop_s"] is not None:
+            right.axvline(run["safe_stop_s"], color=color, ls="--", lw=1)
+    killed = report["loop"]["runs"][0]["inference_start_s"]
+    if len(killed) >= 3:
+        right.axvline(killed[2], color="k", ls=":", lw=1, label="server killed (3rd policy call)")
+    right.set_xlabel("loop time (s): o held tick, x stopped tick, dashed: safe stop")
+    right.set_ylabel("fingertip to target (m)")
+    right.legend(fontsize=8)
+    fig.suptitle("VLA policy, target on a vLLM server (loopback, 2-core CPU) against the same policy on the device",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
 
 
 def main(argv=None) -> int:
@@ -163,6 +220,7 @@ def main(argv=None) -> int:
               "chunks": rows, "loop": loops}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
     log.unlink(missing_ok=True)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
