@@ -53,6 +53,39 @@ def test_a_raising_policy_is_a_runtime_error_and_the_process_survives():
         assert pol({"x": 4.0})[0, 0] == 4.0
 
 
+class LosesItsServer(Echo):
+    """Echo until x == 7, then the remote target's failure (what a policy with on_failure "raise" raises)."""
+
+    def __call__(self, obs):
+        if float(obs["x"]) == 7:
+            from edgespec.remote import RemoteUnavailable
+            raise RemoteUnavailable("http://127.0.0.1:9: the verify failed (connection x1)")
+        return super().__call__(obs)
+
+
+def make_loses_its_server():
+    return LosesItsServer(1.0)
+
+
+def test_what_the_child_raised_is_named_and_leaves_no_last_info():
+    from edgespec.robots.worker import InferenceWorker
+    with InferenceProcess(make_loses_its_server) as pol:
+        pol({"x": 1.0})
+        assert pol.last_info["calls"] == 1
+        with pytest.raises(RuntimeError, match="RemoteUnavailable") as e:
+            pol({"x": 7.0})
+        assert e.value.type_name == "RemoteUnavailable" and pol.last_info == {}
+        done = []
+        worker = InferenceWorker(pol, done.append)
+        worker.start()
+        worker.submit("job", {"x": 7.0})
+        t0 = time.monotonic()
+        while not done and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        worker.stop()
+        assert done and done[0].outcome == "raised" and done[0].raised == "RemoteUnavailable" and done[0].info == {}
+
+
 def test_a_factory_that_fails_is_reported_at_start():
     with pytest.raises(RuntimeError, match="failed to start: building the policy failed: FileNotFoundError"):
         InferenceProcess(make_broken)
