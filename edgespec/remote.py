@@ -400,10 +400,7 @@ class RemoteTarget:
             body.update(logprobs=-1, return_tokens_as_token_ids=True)
         if cached:
             body["vllm_xargs"] = VERIFY_FLAG
-        t0 = time.perf_counter()
-        r = self._http().request("POST", "/v1/completions", body, self.config.deadline_s)
-        with self.lock:
-            self.counters.server_s += time.perf_counter() - t0
+        r = self._post(body)
         try:
             return self._parse(r, prompts, starts, full)
         except (KeyError, IndexError, TypeError, ValueError) as e:
@@ -453,11 +450,7 @@ class RemoteTarget:
             if ids.min() < 0 or ids.max() >= v:
                 raise ValueError(f"token ids outside the vocabulary [0, {v}): {ids.tolist()}")
             out.append(ids)
-        usage = r.get("usage") or {}
-        with self.lock:
-            self.counters.prompt_tokens += sum(map(len, prompts))
-            self.counters.cached_tokens += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-            self.counters.requests += 1
+        self._answered(r, sum(map(len, prompts)))
         return out
 
     def verify_embeds(self, rows: np.ndarray, n: int, salt: str) -> np.ndarray:
@@ -471,10 +464,7 @@ class RemoteTarget:
                 "temperature": 0.0, "return_token_ids": True, "cache_salt": salt, "ignore_eos": True}
         if (lo, hi) != (0, self.manifest.vocab_size):
             body["allowed_token_ids"] = list(range(lo, hi))  # the constrained argmax, as the engine's next_ids
-        t0 = time.perf_counter()
-        r = self._http().request("POST", "/v1/completions", body, self.config.deadline_s)
-        with self.lock:
-            self.counters.server_s += time.perf_counter() - t0
+        r = self._post(body)
         try:
             choices = sorted(r["choices"], key=lambda c: c["index"])
             if len(choices) != n or any(len(c["token_ids"]) != 1 for c in choices):
@@ -486,12 +476,25 @@ class RemoteTarget:
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise _Failure("malformed", f"{self.config.url}/v1/completions: unexpected reply "
                                         f"({type(e).__name__}: {e}): {str(r)[:200]}") from None
+        self._answered(r, sum(ends))
+        return ids
+
+    def _post(self, body: dict) -> dict:
+        """One verify call on this thread's connection, its wait counted in server_s. Raises _Failure."""
+        t0 = time.perf_counter()
+        try:
+            return self._http().request("POST", "/v1/completions", body, self.config.deadline_s)
+        finally:
+            with self.lock:
+                self.counters.server_s += time.perf_counter() - t0
+
+    def _answered(self, r: dict, prompt_tokens: int) -> None:
+        """Count a verify the server answered: its prompt tokens, and how many its prefix cache held."""
         usage = r.get("usage") or {}
         with self.lock:
-            self.counters.prompt_tokens += sum(ends)
+            self.counters.prompt_tokens += prompt_tokens
             self.counters.cached_tokens += int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
             self.counters.requests += 1
-        return ids
 
     def _http(self) -> _Http:
         """The calling thread's connection (one request at a time per connection)."""
