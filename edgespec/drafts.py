@@ -41,9 +41,14 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
 
+    def span(self, gamma: int) -> int:
+        """The most proposals a round asked for gamma may get from this drafter (the round sizes its verify
+        call by it): gamma, except where proposals cost no model call (LookupDraft's lookup_gamma)."""
+        return gamma
+
     def draft(self, ctx: list[int], gamma: int, out: np.ndarray) -> int:
         """One greedy sequence: write up to gamma proposals for positions len(ctx).. into out[:gamma] and
-        return how many."""
+        return how many. out may be longer (up to span(gamma)); only a drafter whose span says so fills it."""
         prop = self.propose([ctx], gamma, greedy_pick, np.ones(1, bool))
         c = int(prop.counts[0])
         out[:c] = prop.tokens[0, :c]
@@ -220,24 +225,35 @@ class LookupDraft(DraftModel):
     to `lookup`) occurred earlier and what followed them gives at least min(lookup, γ) proposals, those are
     the round's drafts: they cost microseconds and no draft call. Otherwise the draft model drafts as usual.
 
+    lookup_gamma: the most proposals a lookup round makes (0: γ, as the model). Lookup proposals are free, so
+    a round drafted by lookup may verify more of them than the model's γ: only the verify call grows.
+
     A round that drafted by lookup leaves the draft model's cache where it was: its next call catches up on
     everything the context gained since (one call of several tokens). With sampled acceptance a lookup
     proposal is a deterministic draft (q one-hot), which keeps the rejection rule exact."""
 
-    def __init__(self, decoder: Decoder, lookup: int, max_ngram: int, stop_below: float = 0.0):
+    def __init__(self, decoder: Decoder, lookup: int, max_ngram: int, stop_below: float = 0.0,
+                 lookup_gamma: int = 0):
         super().__init__(decoder, stop_below)
+        if not (isinstance(lookup_gamma, (int, np.integer)) and lookup_gamma >= 0):
+            raise ValueError(f"lookup_gamma must be an int >= 0 (0: the round's γ), got {lookup_gamma!r}")
         self.lookup = lookup
+        self.lookup_gamma = int(lookup_gamma)
         self.ngram = NgramDraft(decoder.batch, max_ngram, lookup)  # checks 1 <= lookup <= max_ngram
         self._hit = np.zeros(decoder.batch, bool)  # (B,) propose(): sequences whose drafts came from lookup
         self._skipped = False  # draft(): the model did not run this round
         self.hits = 0  # rounds (per sequence) drafted by lookup
 
-    def _found(self, b: int, ctx: list[int], gamma: int) -> list[int]:
-        got = self.ngram.lookup(b, ctx, gamma)
+    def span(self, gamma: int) -> int:
+        return max(gamma, self.lookup_gamma) if gamma else 0
+
+    def _found(self, b: int, ctx: list[int], gamma: int, most: int) -> list[int]:
+        """Up to `most` lookup proposals, or none when fewer than min(lookup, gamma) were found."""
+        got = self.ngram.lookup(b, ctx, most)
         return got if gamma and len(got) >= min(self.lookup, gamma) else []
 
     def draft(self, ctx, gamma, out) -> int:
-        got = self._found(0, ctx, gamma)
+        got = self._found(0, ctx, gamma, min(len(out), self.span(gamma)))
         self._skipped = self.last_draft_unpriced = bool(got)
         if not got:
             return super().draft(ctx, gamma, out)
@@ -245,11 +261,18 @@ class LookupDraft(DraftModel):
         out[:len(got)] = got
         return len(got)
 
-    def propose(self, contexts, gamma, pick, active) -> Proposal:
-        found = [self._found(i, c, gamma) if a else [] for i, (c, a) in enumerate(zip(contexts, active))]
+    def propose(self, contexts, gamma, pick, active, span: int | None = None) -> Proposal:
+        """span: the most proposals per sequence (default gamma; up to span(gamma): lookup rounds only)."""
+        most = gamma if span is None else min(span, self.span(gamma))
+        found = [self._found(i, c, gamma, most) if a else [] for i, (c, a) in enumerate(zip(contexts, active))]
         self._hit = np.array([bool(f) for f in found])
         self.hits += int(self._hit.sum())
         prop = super().propose(contexts, gamma, pick, active)  # every active sequence: a batch call costs as much
+        wide = max(map(len, found)) - gamma
+        if wide > 0:  # a lookup round longer than the model's γ: room for it (past counts[b]: padding)
+            prop.tokens = np.pad(prop.tokens, ((0, 0), (0, wide)))
+            if prop.q is not None:
+                prop.q = np.pad(prop.q, ((0, 0), (0, wide), (0, 0)))
         for i, got in enumerate(found):
             if got:
                 prop.tokens[i, :len(got)] = got
@@ -275,7 +298,8 @@ class LookupDraft(DraftModel):
 
 class NgramDraft(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest n first)
-    and propose what followed it. Costs microseconds, needs no model; pays on repetitive text and code."""
+    and propose what followed it (running on into its own proposals at the context's end). Costs
+    microseconds, needs no model; pays on repetitive text and code."""
 
     def __init__(self, batch: int, max_ngram: int = 4, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -292,12 +316,19 @@ class NgramDraft(Drafter):
         self._upto[b] = max(self._upto[b], end)
 
     def lookup(self, b: int, ctx: list[int], gamma: int) -> list[int]:
+        """Up to gamma proposals: what followed the latest earlier occurrence of the context's last n tokens.
+        A continuation that reaches the end of the context goes on with its own proposals (as an LZ77 copy
+        overlaps its source): a span that repeats with period p is proposed for as long as asked, not p."""
         self._extend(b, ctx)
         idx = self._index[b]
         for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
             e = idx.get(tuple(ctx[-n:]))
             if e is not None and e < len(ctx):
-                return ctx[e:e + gamma]
+                got = ctx[e:e + gamma]
+                back = len(ctx) - e  # the period: proposal i repeats proposal i - back
+                while len(got) < gamma:
+                    got.append(got[len(got) - back])
+                return got
         return []
 
     def draft(self, ctx, gamma, out) -> int:

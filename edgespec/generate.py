@@ -163,6 +163,17 @@ def check_gamma_max(gamma_max) -> int:
     return int(gamma_max)
 
 
+def check_lookup_gamma(lookup_gamma, lookup: int, gamma_max: int) -> int:
+    """lookup_gamma: the most proposals a round drafted by prompt lookup makes (0: the round's γ)."""
+    if not (isinstance(lookup_gamma, (int, np.integer)) and 0 <= lookup_gamma <= gamma_max):
+        raise ValueError(f"lookup_gamma must be an int in 0..gamma_max ({gamma_max}; raise gamma_max, up to "
+                         f"{GAMMA_MAX_LIMIT}): the most proposals a round drafted by lookup makes (0: γ); "
+                         f"got {lookup_gamma!r}")
+    if lookup_gamma and not lookup:
+        raise ValueError(f"lookup_gamma={lookup_gamma} goes with lookup= (prompt lookup before the draft model)")
+    return int(lookup_gamma)
+
+
 def _filled(dec: Decoder, n: int) -> Decoder:
     """dec with n committed rows of zeros in its cache: for timing only (a call costs the same whatever the
     rows hold), it saves the prefill of every measured context."""
@@ -191,7 +202,8 @@ class Generator:
     def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
                  gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
-                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None, lookup: int = 0):
+                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None, lookup: int = 0,
+                 lookup_gamma: int = 0):
         if (drafter_kind == "head") != (text_head is not None):
             raise ValueError(f"drafter_kind 'head' goes with a text_head: got kind {drafter_kind!r}")
         if text_head is not None and not target.manifest.has_hidden:
@@ -213,6 +225,7 @@ class Generator:
                              f"earlier continuation is proposed before the draft model runs (0: off); got {lookup!r}")
         self.lookup = int(lookup)
         self.gamma_max = check_gamma_max(gamma_max)
+        self.lookup_gamma = check_lookup_gamma(lookup_gamma, lookup, self.gamma_max)
         if self.gamma_max + 2 > target.manifest.max_context:
             raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
                              f"{target.manifest.max_context} (a verify call needs gamma_max + 1 rows after the prompt)")
@@ -261,7 +274,8 @@ class Generator:
                                  else (lambda ctx: zero))
         if self.drafter_kind == "model":
             dec = self._decoder(self.draft, batch)
-            return LookupDraft(dec, self.lookup, self.max_ngram) if self.lookup else DraftModel(dec)
+            return LookupDraft(dec, self.lookup, self.max_ngram, lookup_gamma=self.lookup_gamma) if self.lookup \
+                else DraftModel(dec)
         if self.drafter_kind == "ngram":
             return NgramDraft(batch, self.max_ngram)
         if self.drafter_kind == "custom":
@@ -451,18 +465,19 @@ class Generator:
             left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
             room = min(cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0)
             g = max(0, min(self._choose_gamma(gamma, est, stats, longest, room), room))
+            span = min(drafter.span(g), room) if drafter else g  # lookup rounds may propose more than g
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             with timer("round"):
                 new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
-                                              noise, pick, timer)
+                                              noise, pick, timer, span=span if span > g else None)
             draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
             stats.rounds += 1
             for i, s in enumerate(seqs):
                 if not active[i]:
                     continue
                 stats.add_round(int(k[i]), int(n[i]))
-                est.update(int(k[i]), int(n[i]), g)
+                est.update(int(k[i]), int(n[i]), max(g, int(n[i])))  # lookup: n may pass g
                 stats.new_tokens += self._append(s, new[i], max_new_tokens, stop)
                 if s.finish is None and len(s.ctx) > cap:
                     s.finish = "capacity"
@@ -476,7 +491,7 @@ class Generator:
             if log is not None:
                 log.append((g, int(n.max()), draft_s, verify_s, host_s))
             if gamma == "auto" and self.cost is not None and self.refine_costs and b == 1:  # batches: not measured
-                self.cost.observe(g, int(n[0]), draft_s, verify_s, longest, host_s)
+                self.cost.observe(max(g, int(n[0])), int(n[0]), draft_s, verify_s, longest, host_s)
             yield seqs, stats
         stats.time_s = self._times(timer, t0, t_first)
         yield seqs, stats
@@ -501,16 +516,18 @@ class Generator:
             if drafter is not None:
                 room = min(room, drafter.room([ctx], one))
             g = max(0, min(self._choose_gamma(gamma, est, stats, n, room) if auto else fixed, room))
+            span = min(drafter.span(g), room) if drafter is not None and not pipelined else g
             stats.gamma_history.append((stats.new_tokens, g))
             t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
             t_fr = time.perf_counter()
-            new, k, c = round_fn(target, drafter if g or pipelined else None, ctx, g, timer=timer)
+            wide = {"span": span} if span > g else {}  # a lookup round may propose more than g
+            new, k, c = round_fn(target, drafter if g or pipelined else None, ctx, g, timer=timer, **wide)
             if timer.events is not None:  # the profiler's per-round lane
                 timer.events.append(("round", t_fr, time.perf_counter()))
             stats.rounds += 1
             stats.add_round(k, c)
             if auto:  # only auto γ reads the estimate
-                est.update(k, c, g)
+                est.update(k, c, max(g, c))  # a lookup round may propose more than g
             stats.new_tokens += self._append(s, new, max_new_tokens, stop)
             if s.finish is None and len(ctx) > cap:
                 s.finish = "capacity"
@@ -521,7 +538,7 @@ class Generator:
                     log.append((g, c, draft_s, verify_s, host_s))
                 if auto and self.cost is not None and self.refine_costs:
                     priced_s = 0.0 if drafter is not None and drafter.last_draft_unpriced else draft_s
-                    self.cost.observe(g, c, priced_s, verify_s, n, host_s)  # draft 0 s: not learned from
+                    self.cost.observe(max(g, c), c, priced_s, verify_s, n, host_s)  # draft 0 s: not learned from
             if s.finish is not None:
                 break
             yield [s], stats
@@ -654,18 +671,20 @@ DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread p
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
          gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
-         local: str | Path | None = None, remote: RemoteConfig | None = None) -> Generator:
+         local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
     the context's last N..max_ngram tokens up earlier in it, and when what followed gives at least min(N, γ)
-    proposals, draft those instead (prompt lookup, no draft call).
+    proposals, draft those instead (prompt lookup, no draft call). lookup_gamma (0..gamma_max): the most
+    proposals such a round makes (0: γ, as the model); lookup proposals are free, so they may run longer.
 
     A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
     local: a target engine folder of the same model, for the calls the server misses (exact fallback);
     remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`)."""
     gamma_max = check_gamma_max(gamma_max)
     check_gamma(gamma, gamma_max)
+    check_lookup_gamma(lookup_gamma, lookup, gamma_max)
     provider = provider or default_provider()
     if is_url(target):
         tgt = _remote_target(target, draft, local, remote, provider, threads)
@@ -688,7 +707,8 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if lookup and kind != "model":
         raise ValueError(f"lookup={lookup} goes with a draft engine folder (it drafts before the draft model); "
                          f"got draft={draft!r}")
-    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head, lookup=lookup)
+    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head, lookup=lookup,
+                    lookup_gamma=lookup_gamma)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

@@ -100,13 +100,18 @@ class RelaxedRule:
 
 
 def fast_round(target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: int, rule: Rule = greedy_rule,
-               prefix: np.ndarray | None = None, timer: Timer | None = None) -> tuple[list[int], int, int]:
+               prefix: np.ndarray | None = None, timer: Timer | None = None,
+               span: int | None = None) -> tuple[list[int], int, int]:
     """One round for one sequence, by ids, with no per-round objects. ctx: the sequence so far; its last id
     is pending (not in the target's cache), or, with `prefix` (1, P, E) and an empty target cache, ctx is P
-    placeholder ids for the prefix rows. Commits the kept rows in the target (and the drafter) and returns
-    (emitted ids, kept drafts k, drafted c); the caller appends the emitted ids to ctx."""
+    placeholder ids for the prefix rows. span (>= gamma, default gamma): the most proposals the round may
+    verify (drafter.span(gamma) within the caller's room). Commits the kept rows in the target (and the
+    drafter) and returns (emitted ids, kept drafts k, drafted c); the caller appends the emitted ids to ctx."""
     t0 = time.perf_counter()
-    feed = np.empty((1, gamma + 1), np.int64)  # pending id, then the drafts
+    span = gamma if span is None else span
+    if span < gamma:
+        raise ValueError(f"span (the most proposals a round verifies) must be >= gamma {gamma}, got {span}")
+    feed = np.empty((1, span + 1), np.int64)  # pending id, then the drafts
     c = drafter.draft(ctx, gamma, feed[0, 1:]) if gamma else 0
     drafts = feed[0, 1:c + 1]
     t1 = time.perf_counter()
@@ -133,17 +138,21 @@ def fast_round(target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: 
 
 
 def reference_round(target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: int, rule: Rule = greedy_rule,
-                    prefix: np.ndarray | None = None, timer: Timer | None = None) -> tuple[list[int], int, int]:
+                    prefix: np.ndarray | None = None, timer: Timer | None = None,
+                    span: int | None = None) -> tuple[list[int], int, int]:
     """fast_round's arguments through the generic speculative_round (slow, obvious): tests compare the two."""
     new, k, c = speculative_round(target, drafter, [ctx], np.ones(1, bool), gamma, "greedy", SamplingConfig(),
-                                  None, None, greedy_pick, timer or Timer(), rule=rule, prefix=prefix)
+                                  None, None, greedy_pick, timer or Timer(), rule=rule, prefix=prefix, span=span)
     return new[0], int(k[0]), int(c[0])
 
 
 def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[list[int]], active: np.ndarray,
                       gamma: int, mode: str, cfg: SamplingConfig, rng, noise, pick, timer: Timer,
-                      rule: Rule | None = None, prefix: np.ndarray | None = None) -> tuple[list, np.ndarray, np.ndarray]:
+                      rule: Rule | None = None, prefix: np.ndarray | None = None,
+                      span: int | None = None) -> tuple[list, np.ndarray, np.ndarray]:
     """One round for every active sequence. Returns (new tokens per sequence, accepted (B,), drafted (B,)).
+    span (> gamma): the most proposals per sequence the round may verify, for a drafter whose span(gamma)
+    exceeds gamma (LookupDraft); None: gamma.
     mode "greedy" brings back only the target's argmax ids and accepts with `rule` (greedy_rule when None);
     "rejection" and "coupled" bring back its logits. `prefix` (1, P, E): the round starts the sequence (B = 1,
     by ids, empty target cache, contexts[0] = P placeholder ids), its verify call reads prefix + drafts."""
@@ -156,7 +165,8 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
     rule = rule or greedy_rule
     # 1) draft: up to γ proposals per sequence, for positions len(contexts[b]) ...
     with timer("draft"):
-        prop: Proposal = drafter.propose(contexts, gamma, pick, active) if gamma else \
+        wide = {"span": span} if gamma and span is not None and span > gamma else {}  # LookupDraft's keyword
+        prop: Proposal = drafter.propose(contexts, gamma, pick, active, **wide) if gamma else \
             Proposal(np.zeros((b, 0), np.int64), np.zeros(b, np.int64))
     n = np.where(active, prop.counts, 0)  # (B,)
     s = int(n.max()) + 1

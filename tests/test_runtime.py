@@ -166,29 +166,34 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
     assert counts == ({False} if stop_below == 0 else {False, True})  # rounds that stopped early, and not
 
 
-@pytest.mark.parametrize("lookup", [1, 2, 3])
-def test_lookup_draft_keeps_its_model_cache_true_on_both_paths(tiny_engines, lookup):
+@pytest.mark.parametrize("lookup, lookup_gamma", [(1, 0), (2, 0), (3, 0), (2, 9)])
+def test_lookup_draft_keeps_its_model_cache_true_on_both_paths(tiny_engines, lookup, lookup_gamma):
     """LookupDraft through fast_round (draft(): the model skips lookup rounds) and through the generic round
     (propose(): the model runs, its rows are dropped): the same ids and counts every round, rounds drafted
     by lookup and by the model, and after every round each draft cache's committed rows are those a fresh
-    draft decoder computes over the same context."""
+    draft decoder computes over the same context. With lookup_gamma 9, lookup rounds propose more than γ
+    (the round's span) on both paths, the model never more than γ."""
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
     rng = np.random.default_rng(lookup)
     prompt = list(rng.integers(0, 95, 4)) * 3 + list(rng.integers(0, 95, 5))
     twins = []
     for _ in range(2):
-        target, drafter = Decoder(gen.target, 1), LookupDraft(Decoder(gen.draft, 1), lookup, max_ngram=4)
+        target = Decoder(gen.target, 1)
+        drafter = LookupDraft(Decoder(gen.draft, 1), lookup, max_ngram=4, lookup_gamma=lookup_gamma)
         first = target.ids(np.array([prompt]))[0, -1]
         target.cache.commit(len(prompt))
         twins.append((target, drafter, prompt + [int(first)]))
-    model_rounds = 0
+    model_rounds, longer = 0, 0
     for r in range(14):
         g = int(rng.integers(1, 6))
         out = []
         for (target, drafter, ctx), round_ in zip(twins, (fast_round, reference_round)):
             hits = drafter.hits
-            new, k, c = round_(target, drafter, ctx, g)
-            model_rounds += round_ is fast_round and drafter.hits == hits
+            new, k, c = round_(target, drafter, ctx, g, span=drafter.span(g))
+            model_round = drafter.hits == hits
+            model_rounds += round_ is fast_round and model_round
+            longer += round_ is fast_round and c > g
+            assert c <= (g if model_round else max(g, lookup_gamma))
             ctx += new
             out.append((new, k, c))
         assert out[0] == out[1], (r, g, out)
@@ -202,6 +207,7 @@ def test_lookup_draft_keeps_its_model_cache_true_on_both_paths(tiny_engines, loo
                     np.testing.assert_allclose(got, want, atol=1e-5)
     hits = [d.hits for _, d, _ in twins]
     assert hits[0] == hits[1] and 0 < hits[0] and model_rounds > 0  # both kinds of round happened
+    assert (longer > 0) == (lookup_gamma > 0)
 
 
 def test_lookup_decodes_exactly_with_fewer_draft_calls(tiny_engines, plain):
@@ -222,11 +228,64 @@ def test_lookup_decodes_exactly_with_fewer_draft_calls(tiny_engines, plain):
     assert [o.token_ids for o in batch] == [plain.generate(p, max_new_tokens=16).token_ids for p in ps]
 
 
+def test_lookup_propose_widens_tokens_and_draft_distributions(tiny_engines):
+    """The generic round's propose() with span past γ: a lookup row gets span proposals, each with a one-hot
+    draft distribution (the rejection rule's q), and a model row keeps γ proposals with the model's q."""
+    gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
+    drafter = LookupDraft(Decoder(gen.draft, 2), 2, max_ngram=4, lookup_gamma=9)
+    rep, other = [5, 6, 7, 8] * 3, [1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # lookup finds only rep's
+
+    def pick(logits, positions):
+        q = np.exp(logits - logits.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)
+        return q.argmax(-1), q
+    prop = drafter.propose([rep, other], 3, pick, np.ones(2, bool), span=9)
+    v = gen.draft.manifest.vocab_size
+    assert prop.tokens.shape == (2, 9) and prop.q.shape == (2, 9, v)
+    assert prop.counts.tolist() == [9, 3]
+    assert prop.tokens[0].tolist() == [5, 6, 7, 8, 5, 6, 7, 8, 5]
+    np.testing.assert_array_equal(prop.q[0], np.eye(v)[prop.tokens[0]])
+    np.testing.assert_allclose(prop.q[1, :3].sum(-1), 1.0, rtol=1e-5)
+    assert (prop.q[1, :3].argmax(-1) == prop.tokens[1, :3]).all()
+
+
+def test_longer_lookup_rounds_decode_exactly(tiny_engines, plain):
+    """lookup_gamma past γ: the plain output for one prompt (lean loop), a batch (generic round) and auto γ;
+    rounds drafted by lookup propose more than γ (the stats' longest draft), with fewer verify calls than
+    lookup at γ; a sampled batch with coupled acceptance gives plain decoding's tokens, and one with
+    rejection sampling (one-hot lookup drafts, widened for the longer rounds) runs through."""
+    ps = prompts(9)
+    kw = dict(draft=tiny_engines["noisy"], lookup=2, gamma_max=12)
+    short = edgespec.load(tiny_engines["target"], gamma=3, **kw)
+    long = edgespec.load(tiny_engines["target"], gamma=3, lookup_gamma=12, **kw)
+    auto = edgespec.load(tiny_engines["target"], gamma="auto", lookup_gamma=12, **kw)
+    calls = {"short": 0, "long": 0}
+    drafted = 0
+    for p in ps:
+        want = plain.generate(p, max_new_tokens=40).token_ids
+        for name, gen in (("short", short), ("long", long), ("auto", auto)):
+            out = gen.generate(p, max_new_tokens=40)
+            assert out.token_ids == want, name
+            calls[name] = calls.get(name, 0) + out.stats.target_calls
+        tried = long.generate(p, max_new_tokens=40).stats.tried_by_position  # proposals at position j
+        drafted = max(drafted, max((j + 1 for j, n in enumerate(tried) if n), default=0))
+    assert calls["long"] < calls["short"] and drafted > 3
+    batch = long.generate(ps, max_new_tokens=24)
+    assert [o.token_ids for o in batch] == [plain.generate(p, max_new_tokens=24).token_ids for p in ps]
+    kw = dict(max_new_tokens=24, temperature=0.9, seed=1, acceptance="coupled")  # same noise: same tokens
+    assert [o.token_ids for o in long.generate(ps[:3], **kw)] == [o.token_ids for o in plain.generate(ps[:3], **kw)]
+    rejection = long.generate(ps[:3], max_new_tokens=24, temperature=0.8, seed=1)  # one-hot q, widened
+    assert all(0 < len(o.token_ids) <= 24 for o in rejection)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(draft="ngram", lookup=2), "lookup=2 goes with a draft engine folder"),
     (dict(lookup=2), "lookup=2 goes with a draft engine folder"),
     (dict(draft="noisy", lookup=5), "lookup must be an int in 0..max_ngram \\(4\\)"),
     (dict(draft="noisy", lookup=-1), "lookup must be an int in 0..max_ngram"),
+    (dict(draft="noisy", lookup=2, lookup_gamma=9), "lookup_gamma must be an int in 0..gamma_max \\(8;"),
+    (dict(draft="noisy", lookup=2, lookup_gamma=-1), "lookup_gamma must be an int in 0..gamma_max"),
+    (dict(draft="noisy", lookup_gamma=4), "lookup_gamma=4 goes with lookup="),
 ])
 def test_lookup_refuses_what_it_cannot_do(tiny_engines, kw, match):
     if kw.get("draft") == "noisy":
@@ -390,6 +449,9 @@ def test_ngram_draft_proposes_the_latest_continuation():
     assert ng.lookup(0, ctx, 3) == [7, 5, 1]  # the latest earlier "1 2 3" was followed by 7 5 1
     ctx += [7, 5]
     assert ng.lookup(0, ctx, 2) == [1, 2]  # the index grows with the context
+    # a continuation that reaches the context's end runs on into its own proposals (period 4 here)
+    assert NgramDraft(1, max_ngram=2).lookup(0, [8, 1, 2, 3, 4, 1, 2], 7) == [3, 4, 1, 2, 3, 4, 1]
+    assert NgramDraft(1).lookup(0, [6, 6], 3) == [6, 6, 6]  # period 1
     assert NgramDraft(1).lookup(0, [5, 6, 7], 4) == []  # nothing repeats
     assert NgramDraft(1, min_ngram=2).lookup(0, [5, 6, 7, 5], 4) == []  # a 1-gram match is below min_ngram
 
