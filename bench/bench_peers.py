@@ -5,18 +5,17 @@
 Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has two phases,
 one process schedule, and nothing from any other run:
 
-  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup, its
-     n-gram γ × max_ngram; GenAI's k, adaptive k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and
+  1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup ×
+     lookup γ (the most proposals of a round drafted by lookup), its n-gram γ × max_ngram; GenAI's k, adaptive k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and
      an int8 draft model, and both its default threading and edgespec's threads; HF's draft lengths and
      prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts), configurations
      interleaved across systems;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat.
 
-The defaults (173 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
-take about 24 minutes on the 2-core CPU (the 129 configurations and 12 rows before edgespec draft+lookup and
-GenAI's int8 draft and adaptive-k settings took 20.6); the script prints its estimate first and a progress bar
-after.
+The defaults (193 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
+take about 27 minutes on the 2-core CPU (173 configurations, before the lookup γ sweep, took 24); the script
+prints its estimate first and a progress bar after.
 
 Draft models: edgespec's demo draft is its int8 weight-only engine (MatMulNBits, blocks of 32, accuracy level
 4). GenAI's draft is swept at fp32 and int8 (--genai-draft-precisions), each built by GenAI's own model builder
@@ -118,8 +117,11 @@ def plan(args) -> list[Mode]:
         Mode("edgespec draft", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, {es_draft}", ("--mode", "draft", "--gamma", x)) for x in gg)),
         Mode("edgespec draft+lookup", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}, lookup={n}, {es_draft}", ("--mode", "draft", "--gamma", x, "--lookup", str(n)))
-                   for n in _ints(args.lookups) for x in _gammas(args.lookup_gammas))),
+             tuple(Config(f"γ={x}, lookup={n}" + (f", lookup γ={L}" if L else "") + f", {es_draft}",
+                          ("--mode", "draft", "--gamma", x, "--lookup", str(n))
+                          + (("--lookup-gamma", str(L)) if L else ()))
+                   for L in _ints(args.lookup_lengths) for n in _ints(args.lookups)
+                   for x in _gammas(args.lookup_gammas))),
         Mode("edgespec ngram", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, max_ngram={n}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)))
                    for n in _ints(args.max_ngrams) for x in gg)),
@@ -171,7 +173,11 @@ def edgespec_runner(args) -> None:
     ngram = {"max_ngram": args.max_ngram} if args.mode == "ngram" and args.max_ngram else {}
     if args.lookup and args.mode != "draft":
         raise SystemExit("--lookup goes with --mode draft (prompt lookup tried before the draft model)")
+    if args.lookup_gamma and not args.lookup:
+        raise SystemExit("--lookup-gamma goes with --lookup (the most proposals a round drafted by lookup makes)")
     lookup = {"lookup": args.lookup} if args.lookup else {}
+    if args.lookup_gamma:
+        lookup["lookup_gamma"] = args.lookup_gamma
     try:
         gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", **ngram, **lookup)
     except TypeError as e:  # an edgespec without load(lookup=): the mode fails with the reason, the run goes on
@@ -200,7 +206,7 @@ def edgespec_runner(args) -> None:
         gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
-              "lookup": args.lookup, "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
+              "lookup": args.lookup, "lookup_gamma": args.lookup_gamma, "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
               "draft_threads": DRAFT_THREADS if args.mode == "draft" else None}
     mode = "draft+lookup" if args.lookup else args.mode
     print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
@@ -379,7 +385,8 @@ def _builds(out: dict) -> dict | None:
 CONFIGURATIONS = (
     "edgespec draft: its demo draft engine (int8 weight-only: MatMulNBits, blocks of 32, accuracy level 4), γ and "
     "auto-γ; edgespec draft+lookup: the same draft with prompt-lookup proposals tried first (edgespec.load(lookup=N), "
-    "N the shortest n-gram match), γ (integers and auto) × N. ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
+    "N the shortest n-gram match), γ (integers and auto) × N × lookup γ (load(lookup_gamma=G): a round drafted by "
+    "lookup proposes up to G tokens, past the model's γ; 0: γ). ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
     "set_speculative_options), each with an fp32 and an int8 draft built by GenAI's model builder with edgespec's "
     "recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
     "the target stays fp32 like edgespec's, and the target verifies every token, so the draft's precision changes "
@@ -435,6 +442,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup-gammas", default="4,5,6,8,auto", help="edgespec draft+lookup: γ (integers, auto)")
     ap.add_argument("--lookups", default="2,3", help="edgespec draft+lookup: load(lookup=N), the shortest n-gram "
                                                      "match for a prompt-lookup proposal (tried before the draft)")
+    ap.add_argument("--lookup-lengths", default="0,12,16",
+                    help="edgespec draft+lookup: load(lookup_gamma=G), the most proposals a round drafted by lookup "
+                         "makes (0: γ)")
     ap.add_argument("--genai-draft-ks", default="2,3,4,5,6,8", help="GenAI draft: fixed k (max_draft_tokens)")
     ap.add_argument("--genai-adaptive-ks", default="4,6,8", help="GenAI draft: K of adaptive k (min..K)")
     ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
@@ -448,6 +458,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--max-ngram", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lookup", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--lookup-gamma", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

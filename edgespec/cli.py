@@ -19,6 +19,18 @@ from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
 LOOKUP_DEFAULT = 0  # --lookup: off unless asked for
 DEMO_LOOKUP = 3  # edgespec demo: prompt lookup before the draft model (the fastest mode in bench_peers)
+LOOKUP_GAMMA_DEFAULT = 0  # --lookup-gamma: a lookup round proposes at most γ, unless asked for more
+DEMO_LOOKUP_GAMMA = 12  # edgespec demo: lookup rounds propose up to 12 (bench_peers' draft+lookup sweep)
+
+
+def lookup_flags(p, lookup: int, lookup_gamma: int) -> None:
+    """--lookup and --lookup-gamma (prompt lookup before the draft model) with these defaults."""
+    p.add_argument("--lookup", type=int, default=lookup, metavar="N",
+                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
+                        "running the draft model (prompt lookup; 0: off)")
+    p.add_argument("--lookup-gamma", type=int, default=lookup_gamma, metavar="G",
+                   help="with --lookup: the most proposals a round drafted by lookup makes (0..16; 0: γ). "
+                        "Lookup proposals cost no draft call, so they may run past the model's γ")
 
 
 def _need_export_extra():
@@ -187,7 +199,8 @@ def cmd_generate(args) -> int:
                          f"--target {args.target}")
     remote = RemoteConfig(args.target, deadline_s=args.deadline) if args.deadline is not None else None
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup, local=args.local, remote=remote)
+                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma,
+                        local=args.local, remote=remote)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
     if args.batch_file is not None:
@@ -241,7 +254,7 @@ def cmd_profile(args) -> int:
 
     _check_text_args(args)
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup)
+                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma)
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
@@ -392,7 +405,7 @@ def cmd_demo(args) -> int:
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
     spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup)
+                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma)
     kw = dict(max_new_tokens=args.max_new_tokens)
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
     plain.generate(prompts[0], max_new_tokens=8)
@@ -496,9 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
-                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
-                        "running the draft model (prompt lookup; 0: off)")
+    lookup_flags(p, LOOKUP_DEFAULT, LOOKUP_GAMMA_DEFAULT)
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
@@ -513,9 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    p.add_argument("--lookup", type=int, default=DEMO_LOOKUP, metavar="N",
-                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
-                        "running the draft model (prompt lookup; 0: off)")
+    lookup_flags(p, DEMO_LOOKUP, DEMO_LOOKUP_GAMMA)
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
     p.set_defaults(func=cmd_demo)
@@ -529,9 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=_gamma, default="auto")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
                    help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    p.add_argument("--lookup", type=int, default=LOOKUP_DEFAULT, metavar="N",
-                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
-                        "running the draft model (prompt lookup; 0: off)")
+    lookup_flags(p, LOOKUP_DEFAULT, LOOKUP_GAMMA_DEFAULT)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)

@@ -163,12 +163,12 @@ def check_gamma_max(gamma_max) -> int:
     return int(gamma_max)
 
 
-def check_lookup_gamma(lookup_gamma, lookup: int, gamma_max: int) -> int:
-    """lookup_gamma: the most proposals a round drafted by prompt lookup makes (0: the round's γ)."""
-    if not (isinstance(lookup_gamma, (int, np.integer)) and 0 <= lookup_gamma <= gamma_max):
-        raise ValueError(f"lookup_gamma must be an int in 0..gamma_max ({gamma_max}; raise gamma_max, up to "
-                         f"{GAMMA_MAX_LIMIT}): the most proposals a round drafted by lookup makes (0: γ); "
-                         f"got {lookup_gamma!r}")
+def check_lookup_gamma(lookup_gamma, lookup: int) -> int:
+    """lookup_gamma: the most proposals a round drafted by prompt lookup makes (0: the round's γ). It is not
+    bounded by gamma_max (the model's longest draft): lookup proposals cost no draft call."""
+    if not (isinstance(lookup_gamma, (int, np.integer)) and 0 <= lookup_gamma <= GAMMA_MAX_LIMIT):
+        raise ValueError(f"lookup_gamma must be an int in 0..{GAMMA_MAX_LIMIT}: the most proposals a round drafted "
+                         f"by lookup makes (0: γ); got {lookup_gamma!r}")
     if lookup_gamma and not lookup:
         raise ValueError(f"lookup_gamma={lookup_gamma} goes with lookup= (prompt lookup before the draft model)")
     return int(lookup_gamma)
@@ -225,7 +225,7 @@ class Generator:
                              f"earlier continuation is proposed before the draft model runs (0: off); got {lookup!r}")
         self.lookup = int(lookup)
         self.gamma_max = check_gamma_max(gamma_max)
-        self.lookup_gamma = check_lookup_gamma(lookup_gamma, lookup, self.gamma_max)
+        self.lookup_gamma = check_lookup_gamma(lookup_gamma, lookup)
         if self.gamma_max + 2 > target.manifest.max_context:
             raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
                              f"{target.manifest.max_context} (a verify call needs gamma_max + 1 rows after the prompt)")
@@ -676,15 +676,15 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
     the context's last N..max_ngram tokens up earlier in it, and when what followed gives at least min(N, γ)
-    proposals, draft those instead (prompt lookup, no draft call). lookup_gamma (0..gamma_max): the most
-    proposals such a round makes (0: γ, as the model); lookup proposals are free, so they may run longer.
+    proposals, draft those instead (prompt lookup, no draft call). lookup_gamma (0..16): the most proposals
+    such a round makes (0: γ, as the model); lookup proposals cost no draft call, so they may run longer.
 
     A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
     local: a target engine folder of the same model, for the calls the server misses (exact fallback);
     remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`)."""
     gamma_max = check_gamma_max(gamma_max)
     check_gamma(gamma, gamma_max)
-    check_lookup_gamma(lookup_gamma, lookup, gamma_max)
+    check_lookup_gamma(lookup_gamma, lookup)
     provider = provider or default_provider()
     if is_url(target):
         tgt = _remote_target(target, draft, local, remote, provider, threads)

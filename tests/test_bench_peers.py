@@ -126,6 +126,7 @@ def test_a_faster_peer_mode_gives_a_ratio_below_one():
 # ---- the plan ------------------------------------------------------------------------------------------------
 SWEEP = dict(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4", genai_chained="off,on",
              hf_lookup_ngrams="2,3", modes=None, lookup_gammas="4,5,6,8,auto", lookups="2,3",
+             lookup_lengths="0,12,16",
              genai_draft_ks="2,3,4,5,6,8", genai_adaptive_ks="4,6,8", genai_min_adaptive_k="1,2",
              genai_draft_precisions="fp32,int8")  # bench_peers.py's defaults
 
@@ -175,10 +176,11 @@ def test_edgespec_draft_plus_lookup_sweeps_gamma_by_lookup(monkeypatch):
     modes = _plan(monkeypatch)
     cfgs = modes["edgespec draft+lookup"].configs
     assert modes["edgespec draft+lookup"].system == "edgespec" and modes["edgespec draft+lookup"].runner == "edgespec"
-    assert [(_opt(c, "--gamma"), _opt(c, "--lookup")) for c in cfgs] == \
-        [(g, n) for n in ("2", "3") for g in ("4", "5", "6", "8", "auto")]
+    assert [(_opt(c, "--gamma"), _opt(c, "--lookup"), _opt(c, "--lookup-gamma")) for c in cfgs] == \
+        [(g, n, L) for L in (None, "12", "16") for n in ("2", "3") for g in ("4", "5", "6", "8", "auto")]
     assert all(c.argv[:2] == ("--mode", "draft") for c in cfgs)
     assert cfgs[0].label == "γ=4, lookup=2, int8 draft"
+    assert cfgs[-1].label == "γ=auto, lookup=3, lookup γ=16, int8 draft"
     assert not any("--lookup" in c.argv for n, m in modes.items() if n != "edgespec draft+lookup" for c in m.configs)
     assert "edgespec draft+lookup" in _plan(monkeypatch, modes="edgespec draft+lookup")
 
@@ -208,7 +210,8 @@ def _run_edgespec(monkeypatch, capsys, tmp_path, load, **over):
     monkeypatch.setattr(edgespec, "load", load)
     (tmp_path / "p.json").write_text(json.dumps(["a", "b"]))
     args = argparse.Namespace(**{**dict(engines=tmp_path, prompts=tmp_path / "p.json", mode="draft", gamma="5",
-                                        max_ngram=None, lookup=None, max_new_tokens=8, temperature=0.0, repeats=1),
+                                        max_ngram=None, lookup=None, lookup_gamma=None, max_new_tokens=8,
+                                        temperature=0.0, repeats=1),
                                  **over})
     edgespec_runner(args)
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -224,6 +227,11 @@ def test_the_edgespec_runner_passes_lookup_to_load_only_when_asked(monkeypatch, 
     out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=3)
     assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3}
     assert out["mode"] == "draft+lookup" and out["config"]["lookup"] == 3 and len(out["results"]) == 2
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=3, lookup_gamma=12)
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3, "lookup_gamma": 12}
+    assert out["config"]["lookup_gamma"] == 12
+    with pytest.raises(SystemExit, match="--lookup-gamma goes with --lookup"):
+        _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup_gamma=12)
     out = _run_edgespec(monkeypatch, capsys, tmp_path, load)  # plain draft mode: no lookup keyword at all
     assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5}
     assert out["mode"] == "draft" and out["config"]["lookup"] is None

@@ -93,6 +93,10 @@ def test_onnx_runtime_error_is_one_error_line(engine, tmp_path, capsys):
     (["generate", "--target", "{engine}", "--deadline", "1", "--prompt", "x"], "go with a server target"),
     (["generate", "--target", "http://127.0.0.1:9", "--draft", "{engine}", "--gamma", "2", "--prompt", "x"],
      "cannot reach the server at load"),
+    (["generate", "--target", "{engine}", "--draft", "{engine}", "--lookup-gamma", "6", "--prompt", "x"],
+     "lookup_gamma=6 goes with lookup="),
+    (["profile", "--target", "{engine}", "--draft", "{engine}", "--lookup", "2", "--lookup-gamma", "17"],
+     "lookup_gamma must be an int in 0..16"),
     (["serve-target"], "give the model folder to serve"),
     (["serve-target", "{tmp}", "--dry-run", "--python", "python3"], "not a Hugging Face model folder"),
 ])

@@ -255,7 +255,7 @@ def test_longer_lookup_rounds_decode_exactly(tiny_engines, plain):
     lookup at γ; a sampled batch with coupled acceptance gives plain decoding's tokens, and one with
     rejection sampling (one-hot lookup drafts, widened for the longer rounds) runs through."""
     ps = prompts(9)
-    kw = dict(draft=tiny_engines["noisy"], lookup=2, gamma_max=12)
+    kw = dict(draft=tiny_engines["noisy"], lookup=2)  # gamma_max 8: lookup_gamma is not bounded by it
     short = edgespec.load(tiny_engines["target"], gamma=3, **kw)
     long = edgespec.load(tiny_engines["target"], gamma=3, lookup_gamma=12, **kw)
     auto = edgespec.load(tiny_engines["target"], gamma="auto", lookup_gamma=12, **kw)
@@ -283,8 +283,8 @@ def test_longer_lookup_rounds_decode_exactly(tiny_engines, plain):
     (dict(lookup=2), "lookup=2 goes with a draft engine folder"),
     (dict(draft="noisy", lookup=5), "lookup must be an int in 0..max_ngram \\(4\\)"),
     (dict(draft="noisy", lookup=-1), "lookup must be an int in 0..max_ngram"),
-    (dict(draft="noisy", lookup=2, lookup_gamma=9), "lookup_gamma must be an int in 0..gamma_max \\(8;"),
-    (dict(draft="noisy", lookup=2, lookup_gamma=-1), "lookup_gamma must be an int in 0..gamma_max"),
+    (dict(draft="noisy", lookup=2, lookup_gamma=17), "lookup_gamma must be an int in 0..16"),
+    (dict(draft="noisy", lookup=2, lookup_gamma=-1), "lookup_gamma must be an int in 0..16"),
     (dict(draft="noisy", lookup_gamma=4), "lookup_gamma=4 goes with lookup="),
 ])
 def test_lookup_refuses_what_it_cannot_do(tiny_engines, kw, match):
