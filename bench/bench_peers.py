@@ -11,7 +11,11 @@ one process schedule, and nothing from any other run:
      prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts), configurations
      interleaved across systems;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
-     all prompts, --repeats times, the modes interleaved within every repeat.
+     all prompts, --repeats times, the modes interleaved within every repeat;
+  3. head to head: the comparisons the targets name (edgespec's fastest row against GenAI's fastest, and plain
+     against plain) again, the two sides back to back on each of --paired-chunks prompt chunks, order
+     alternating, --paired-rounds times: a ratio per trial, so the machine's drift over minutes falls on both
+     sides of each ratio (the final's medians are minutes apart).
 
 The defaults (193 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
 take about 27 minutes on the 2-core CPU (173 configurations, before the lookup γ sweep, took 24); the script
@@ -36,7 +40,8 @@ Smoke test (2 prompts, 16 tokens, small sweeps; 4-8 minutes, mostly process star
     python bench/bench_peers.py --out .cache/peers-smoke/peers.json --code-prompts 1 --prose-prompts 1 \\
         --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
         --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2 --lookup-gammas 4 --lookups 2 \
-        --genai-draft-ks 4 --genai-adaptive-ks 4 --genai-min-adaptive-k 2
+        --genai-draft-ks 4 --genai-adaptive-ks 4 --genai-min-adaptive-k 2 --lookup-lengths 0,8 \
+        --paired-rounds 1 --paired-chunks 2
 """
 from __future__ import annotations
 
@@ -308,6 +313,8 @@ def check_same_run(report: dict) -> None:
     entries = [(f"row {n!r}", s) for n, s in report["systems"].items()]
     entries += [(f"sweep {n!r} {t.get('config', '?')!r}", t)
                 for n, ts in report.get("sweep", {}).get("modes", {}).items() for t in ts]
+    entries += [(f"head to head {h['a']!r} vs {h['b']!r} trial {i}", t)
+                for h in report.get("head_to_head", []) for i, t in enumerate(h["trials"])]
     for where, e in entries:
         if e.get("run_id") != run["id"]:
             bad.append(f"{where} is from run {e.get('run_id')!r}")
@@ -394,6 +401,46 @@ CONFIGURATIONS = (
     "Nothing is dropped as dominated: every configuration listed in the sweep ran.")
 
 
+# ---- head to head: the comparisons the targets name, paired in time ------------------------------------------
+def head_to_head_pairs(systems: dict, system_of: dict) -> list[tuple[str, str]]:
+    """(edgespec's fastest greedy row, ORT GenAI's fastest row) and (edgespec plain, ORT GenAI plain), where both
+    rows ran: the two comparisons the issue's targets are about."""
+    pairs = [(b["edgespec"], b["peer"]) for b in best_vs_best(systems, system_of) if b["peer_system"] == "ORT GenAI"]
+    if _tps(systems.get("edgespec plain", {})) and _tps(systems.get("ORT GenAI plain", {})):
+        pairs.append(("edgespec plain", "ORT GenAI plain"))
+    return list(dict.fromkeys(pairs))
+
+
+def chunk_indices(n: int, k: int) -> list[list[int]]:
+    """n prompts in k chunks, interleaved (i % k): each chunk mixes code and prose prompts."""
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= chunks <= prompts ({n}), got {k}")
+    return [list(range(i, n, k)) for i in range(k)]
+
+
+def chunk_tps(out: dict) -> float | None:
+    """A runner's tokens/s over all it decoded (total new tokens / total decode time); None when it failed."""
+    if "error" in out or not out.get("results"):
+        return None
+    res = out["results"]
+    return sum(r["new_tokens"] for r in res) / sum(r["decode_s"] for r in res)
+
+
+def paired_summary(a: str, b: str, trials: list[dict]) -> dict:
+    """trials: {"a_tokens_per_s", "b_tokens_per_s", ...} per (round, chunk) -> the ratio a / b per trial and its
+    median, quartiles and range (trials where either side failed are counted, never used)."""
+    ok = [t for t in trials if t["a_tokens_per_s"] and t["b_tokens_per_s"]]
+    r = np.array([t["a_tokens_per_s"] / t["b_tokens_per_s"] for t in ok])
+    out = {"a": a, "b": b, "trials": trials, "failed_trials": len(trials) - len(ok)}
+    if len(r):
+        q1, med, q3 = np.percentile(r, [25, 50, 75])
+        out.update(ratio_median=float(med), ratio_q1=float(q1), ratio_q3=float(q3), ratio_min=float(r.min()),
+                   ratio_max=float(r.max()), trials_a_faster=int((r > 1).sum()), trials_ok=len(r),
+                   a_tokens_per_s_median=float(np.median([t["a_tokens_per_s"] for t in ok])),
+                   b_tokens_per_s_median=float(np.median([t["b_tokens_per_s"] for t in ok])))
+    return out
+
+
 # ---- the run -------------------------------------------------------------------------------------------------
 class Progress:
     """A one-line progress bar on stderr, by estimated seconds of work (tokens / a rough speed + start-up)."""
@@ -450,6 +497,9 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
     ap.add_argument("--genai-draft-precisions", default="fp32,int8",
                     help="GenAI draft: the draft model's build (fp32, int8, int4; the target stays fp32)")
+    ap.add_argument("--paired-rounds", type=int, default=3,
+                    help="head to head: rounds over the prompt chunks of each target comparison (0: skip)")
+    ap.add_argument("--paired-chunks", type=int, default=4, help="head to head: prompt chunks (interleaved)")
     ap.add_argument("--modes", default=None, help="comma-separated modes to run (edgespec plain always runs); "
                                                   "the rest are absent from the table, never taken from elsewhere")
     ap.add_argument("--timeout", type=int, default=900, help="per runner process, seconds")
@@ -497,8 +547,11 @@ def main(argv=None) -> int:
     by_name = {m.name: m for m in modes}
     swept = [m for m in modes if len(m.configs) > 1 or m.name == "edgespec plain"]
     ns, nt = len(sweep_idx) * args.max_new_tokens, n * args.max_new_tokens
+    chunks = chunk_indices(n, args.paired_chunks) if args.paired_rounds else []
     total = sum(Progress.cost(m.runner, ns) for m in swept for _ in m.configs) + \
-        args.repeats * (sum(Progress.cost(m.runner, nt) for m in modes) + Progress.cost("edgespec", nt))
+        args.repeats * (sum(Progress.cost(m.runner, nt) for m in modes) + Progress.cost("edgespec", nt)) + \
+        2 * args.paired_rounds * sum(Progress.cost("genai", len(c) * args.max_new_tokens) +
+                                     Progress.cost("edgespec", len(c) * args.max_new_tokens) for c in chunks)
     n_sweep = sum(len(m.configs) for m in swept)
     print(f"run {run['id']}: sweep {n_sweep} configurations on {len(sweep_idx)} prompts, then {len(modes) + 1} "
           f"modes × {args.repeats} repeats on {n} prompts; estimated {_mmss(total)} (min:s)", file=sys.stderr)
@@ -559,6 +612,32 @@ def main(argv=None) -> int:
                              "run_id": run["id"], "started": run["started_epoch"], "ended": time.time()}
     system_of = {m.name: m.system for m in modes} | {SAMPLED: "edgespec"}
 
+    # 3. head to head: each target comparison again, the two sides back to back on the same chunk of prompts (order
+    # alternating), so that the machine's drift over minutes falls on both sides of every ratio
+    head_to_head = []
+    cfiles = []
+    for ci, idx in enumerate(chunks):
+        cfiles.append(rdir / f"chunk-{ci}.json")
+        cfiles[-1].write_text(json.dumps([prompts[i] for i in idx]))
+    for a, b in head_to_head_pairs(systems, system_of) if args.paired_rounds else []:
+        trials = []
+        for rnd in range(args.paired_rounds):
+            for ci, cfile in enumerate(cfiles):
+                got = {}
+                for name in ((a, b) if (rnd + ci) % 2 == 0 else (b, a)):
+                    m = by_name[name]
+                    bar.show(f"head to head {rnd + 1}/{args.paired_rounds} chunk {ci + 1}: {name}")
+                    got[name] = run_system(name, cmd(m, best[name], cfile), args.timeout)
+                    bar.done += Progress.cost(m.runner, len(chunks[ci]) * args.max_new_tokens)
+                trials.append({"round": rnd, "chunk": ci, "first": a if (rnd + ci) % 2 == 0 else b,
+                               "a_tokens_per_s": chunk_tps(got[a]), "b_tokens_per_s": chunk_tps(got[b]),
+                               "errors": [_brief(o["error"]) for o in got.values() if "error" in o],
+                               "run_id": run["id"], "started": min(o["started"] for o in got.values()),
+                               "ended": max(o["ended"] for o in got.values())})
+                raw.setdefault("head_to_head", {}).setdefault(f"{a} | {b}", []).append(got)
+        head_to_head.append(dict(paired_summary(a, b, trials), a_config=best[a].label, b_config=best[b].label))
+    print(file=sys.stderr)
+
     roofline = roofline_of(args.engines, systems)
     pred = predicted_vs_measured(merged.get("edgespec draft"), systems)
     (rdir / "raw.json").write_text(json.dumps(raw))
@@ -572,11 +651,14 @@ def main(argv=None) -> int:
                          "selection": "fastest configuration (median tok/s on the sweep prompts) whose tokens were "
                                       "identical to edgespec plain on every sweep prompt",
                          "schedule": "sweep: configurations interleaved across modes; final: one process per "
-                                     "(mode, repeat), modes rotated each repeat",
+                                     "(mode, repeat), modes rotated each repeat; head to head: each target "
+                                     "comparison's two sides back to back on each prompt chunk, order alternating",
+                         "head_to_head": {"rounds": args.paired_rounds, "chunks": chunks},
                          "configurations": CONFIGURATIONS},
               "sweep": {"modes": sweep},
               "systems": systems, "system_of": system_of,
-              "best_vs_best": best_vs_best(systems, system_of), "ratios": mode_ratios(systems),
+              "best_vs_best": best_vs_best(systems, system_of), "head_to_head": head_to_head,
+              "ratios": mode_ratios(systems),
               "roofline": roofline, "edgespec_predicted_vs_measured": pred, "machine": machine(),
               "raw": str((rdir / "raw.json").relative_to(ROOT))}  # repository-relative: no machine path
     write_report(report, args.out)
@@ -654,6 +736,21 @@ def markdown(r: dict) -> str:
     if r.get("best_vs_best"):
         rows += ["**Best against best** (each system's fastest mode at its fastest configuration):", ""]
         rows += [f"- {b['text']}" for b in r["best_vs_best"]] + [""]
+    if r.get("head_to_head"):
+        hh = r["method"].get("head_to_head", {})
+        rows += [f"**Head to head** (the two sides back to back on the same prompts, order alternating; "
+                 f"{hh.get('rounds', '?')} rounds × {len(hh.get('chunks', [])) or '?'} prompt chunks; ratio per "
+                 f"trial, median (quartiles, range)):", ""]
+        for h in r["head_to_head"]:
+            if "ratio_median" not in h:
+                rows.append(f"- {h['a']} vs {h['b']}: no trial where both ran ({h['failed_trials']} failed)")
+                continue
+            rows.append(f"- {h['a']} {h['a_config']} vs {h['b']} {h['b_config']}: **{h['ratio_median']:.2f}×** "
+                        f"({h['ratio_q1']:.2f}–{h['ratio_q3']:.2f}, range {h['ratio_min']:.2f}–{h['ratio_max']:.2f}; "
+                        f"faster in {h['trials_a_faster']} of {h['trials_ok']} trials; "
+                        f"{h['a_tokens_per_s_median']:.0f} against {h['b_tokens_per_s_median']:.0f} tok/s)"
+                        + (f", {h['failed_trials']} trials failed" if h["failed_trials"] else ""))
+        rows.append("")
     rows += ["| system | tok/s median (min–max) | TTFT ms | acceptance | accepted/round | identical prompts | "
              "peak RSS MiB | configuration (selected in the sweep) |", "|---|---|---|---|---|---|---|---|"]
     for name, s in r["systems"].items():

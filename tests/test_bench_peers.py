@@ -12,7 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench_peers import (ROOT, SAMPLED, MixedRunsError, _builds, best_vs_best, check_same_run,  # noqa: E402
-                         edgespec_runner, markdown, mode_ratios, plan, select_best, write_report)
+                         chunk_indices, chunk_tps, edgespec_runner, head_to_head_pairs, markdown, mode_ratios,
+                         paired_summary, plan, select_best, write_report)
 
 RUN = "run-a"
 T0, T1 = 1000.0, 2000.0
@@ -280,3 +281,60 @@ def test_a_genai_rows_builds_are_its_exact_builder_commands_without_machine_path
     assert _builds(out) == {"draft": cmd.replace(f"{ROOT}/", "")}
     assert str(ROOT) not in _builds(out)["draft"]
     assert _builds({"results": []}) is None and _builds({"error": "x", "config": out["config"]}) is None
+
+
+# ---- head to head ----------------------------------------------------------------------------------------------
+def test_head_to_head_pairs_are_the_targets_comparisons():
+    systems = {"edgespec plain": row(250.0, "threads: edgespec default"), "edgespec draft": row(513.0, "γ=5"),
+               "edgespec draft+lookup": row(600.0, "γ=5, lookup=3"), "ORT GenAI plain": row(240.0, "threads 2"),
+               "ORT GenAI ngram": row(471.0, "k=4"), "ORT GenAI draft (edgespec's threads)": row(520.0, "k=4"),
+               "HF assisted": row(103.0, "γ=4 (constant)"), SAMPLED: row(900.0, "γ=5")}
+    r = report(systems)
+    assert head_to_head_pairs(systems, r["system_of"]) == [
+        ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)"), ("edgespec plain", "ORT GenAI plain")]
+    systems["ORT GenAI plain"] = {"status": "failed", "error": "boom"}
+    assert head_to_head_pairs(systems, r["system_of"]) == [
+        ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)")]
+
+
+def test_prompt_chunks_interleave_and_cover_every_prompt_once():
+    got = chunk_indices(10, 4)
+    assert got == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+    assert sorted(i for c in got for i in c) == list(range(10))
+    with pytest.raises(ValueError, match="chunks <= prompts"):
+        chunk_indices(3, 4)
+
+
+def test_a_trials_ratio_is_total_tokens_over_total_decode_time_and_failures_are_counted_not_used():
+    out = {"results": [{"new_tokens": 100, "decode_s": 0.5}, {"new_tokens": 50, "decode_s": 0.25}]}
+    assert chunk_tps(out) == pytest.approx(200.0)
+    assert chunk_tps({"error": "boom"}) is None
+    trials = [{"a_tokens_per_s": a, "b_tokens_per_s": b} for a, b in
+              [(600.0, 500.0), (660.0, 500.0), (400.0, 500.0), (None, 500.0), (700.0, 500.0)]]
+    h = paired_summary("A", "B", trials)
+    assert h["failed_trials"] == 1 and h["trials_ok"] == 4 and h["trials_a_faster"] == 3
+    assert h["ratio_median"] == pytest.approx((1.2 + 1.32) / 2) and h["ratio_min"] == pytest.approx(0.8)
+    assert h["ratio_max"] == pytest.approx(1.4) and h["b_tokens_per_s_median"] == 500.0
+    assert "ratio_median" not in paired_summary("A", "B", [{"a_tokens_per_s": None, "b_tokens_per_s": 1.0}])
+
+
+def _with_head_to_head(trial_run=RUN, started=T0 + 30):
+    r = report({"edgespec plain": row(250.0, "threads: edgespec default"), "ORT GenAI plain": row(240.0, "threads 2")})
+    trial = {"a_tokens_per_s": 260.0, "b_tokens_per_s": 240.0, "run_id": trial_run, "started": started,
+             "ended": started + 5}
+    r["head_to_head"] = [dict(paired_summary("edgespec plain", "ORT GenAI plain", [trial] * 4),
+                              a_config="threads: edgespec default", b_config="threads 2")]
+    r["method"] = {"head_to_head": {"rounds": 2, "chunks": [[0, 2], [1, 3]]}}
+    return r
+
+
+def test_head_to_head_is_in_the_summary_and_under_the_same_run_rule():
+    r = _with_head_to_head()
+    check_same_run(r)
+    md = markdown(r)
+    assert "**Head to head**" in md and "2 rounds × 2 prompt chunks" in md
+    assert "edgespec plain threads: edgespec default vs ORT GenAI plain threads 2: **1.08×**" in md
+    with pytest.raises(MixedRunsError, match="head to head 'edgespec plain' vs 'ORT GenAI plain' trial 0 is from"):
+        check_same_run(_with_head_to_head(trial_run="run-b"))
+    with pytest.raises(MixedRunsError, match="outside this run's window"):
+        check_same_run(_with_head_to_head(started=T1 + 10))
