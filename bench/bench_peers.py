@@ -6,10 +6,10 @@ Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tok
 one process schedule, and nothing from any other run:
 
   1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup ×
-     lookup γ (the most proposals of a round drafted by lookup), its n-gram γ × max_ngram; GenAI's k, adaptive k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and
-     an int8 draft model, and both its default threading and edgespec's threads; HF's draft lengths and
-     prompt-lookup settings) decodes a subset of the prompts once (--sweep-prompts), configurations
-     interleaved across systems;
+     lookup γ (the most proposals of a round drafted by lookup), its n-gram γ × max_ngram; GenAI's k, adaptive
+     k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and an int8 draft model, and both its default
+     threading and edgespec's threads; HF's draft lengths and prompt-lookup settings) decodes a subset of the
+     prompts once (--sweep-prompts), configurations interleaved across systems;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat;
   3. head to head: the comparisons the targets name (edgespec's fastest row against GenAI's fastest, and plain
@@ -211,7 +211,8 @@ def edgespec_runner(args) -> None:
         gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
-              "lookup": args.lookup, "lookup_gamma": args.lookup_gamma, "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
+              "lookup": args.lookup, "lookup_gamma": args.lookup_gamma,
+              "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
               "draft_threads": DRAFT_THREADS if args.mode == "draft" else None}
     mode = "draft+lookup" if args.lookup else args.mode
     print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
@@ -393,9 +394,9 @@ CONFIGURATIONS = (
     "edgespec draft: its demo draft engine (int8 weight-only: MatMulNBits, blocks of 32, accuracy level 4), γ and "
     "auto-γ; edgespec draft+lookup: the same draft with prompt-lookup proposals tried first (edgespec.load(lookup=N), "
     "N the shortest n-gram match), γ (integers and auto) × N × lookup γ (load(lookup_gamma=G): a round drafted by "
-    "lookup proposes up to G tokens, past the model's γ; 0: γ). ORT GenAI draft: fixed k and adaptive k (min_adaptive_k..K, "
-    "set_speculative_options), each with an fp32 and an int8 draft built by GenAI's model builder with edgespec's "
-    "recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
+    "lookup proposes up to G tokens, past the model's γ; 0: γ). ORT GenAI draft: fixed k and adaptive k "
+    "(min_adaptive_k..K, set_speculative_options), each with an fp32 and an int8 draft built by GenAI's model "
+    "builder with edgespec's recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
     "the target stays fp32 like edgespec's, and the target verifies every token, so the draft's precision changes "
     "speed, never the output); the exact builder commands of each selected GenAI row are in its `builds`. "
     "Nothing is dropped as dominated: every configuration listed in the sweep ran.")
@@ -512,6 +513,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.paired_rounds < 0:
+        ap.error(f"--paired-rounds must be >= 0 (0: no head to head), got {args.paired_rounds}")
     if args.edgespec_runner:
         edgespec_runner(args)
         return 0
@@ -746,7 +749,8 @@ def markdown(r: dict) -> str:
                 rows.append(f"- {h['a']} vs {h['b']}: no trial where both ran ({h['failed_trials']} failed)")
                 continue
             rows.append(f"- {h['a']} {h['a_config']} vs {h['b']} {h['b_config']}: **{h['ratio_median']:.2f}×** "
-                        f"({h['ratio_q1']:.2f}–{h['ratio_q3']:.2f}, range {h['ratio_min']:.2f}–{h['ratio_max']:.2f}; "
+                        f"({h['ratio_q1']:.2f}–{h['ratio_q3']:.2f}, "
+                        f"range {h['ratio_min']:.2f}–{h['ratio_max']:.2f}; "
                         f"faster in {h['trials_a_faster']} of {h['trials_ok']} trials; "
                         f"{h['a_tokens_per_s_median']:.0f} against {h['b_tokens_per_s_median']:.0f} tok/s)"
                         + (f", {h['failed_trials']} trials failed" if h["failed_trials"] else ""))
