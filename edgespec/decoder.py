@@ -16,6 +16,7 @@ commit them: the caller keeps what it accepts with `cache.commit(n)`.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +25,9 @@ from . import contract as C
 from .compat import compat_call
 from .engine import OrtEngine
 from .kvcache import KVCache
-from .masks import step_inputs, step_inputs_into
+from .masks import one_step_into, step_inputs, step_inputs_into
 from .memory import Buffer, HostMemory, memory_for
+from .sampling import check_ids
 
 
 @dataclass
@@ -216,6 +218,66 @@ class Decoder:
             return compat_call(self, tokens, valid)[..., lo:hi].argmax(-1) + lo
         self.run(tokens, valid, embeds)
         return self.last_ids()
+
+    def greedy_steps(self, pending: int, n: int) -> Iterator[int]:
+        """Plain greedy decoding of one sequence: up to n S=1 calls back to back, the first fed `pending` (the
+        sequence's last id, not yet in the cache), each later one the argmax id of the call before; yields
+        each call's id. Nothing else may call this decoder until the generator is done or closed (the caller
+        may close it after any id); then the cache has committed exactly the rows of the ids it was fed. NaN
+        or inf logits: that row is zeroed and FloatingPointError raised.
+
+        Between two calls only the call's id and its small inputs are written, in place, into the one
+        binding (the cache is reserved for all n rows first, and its lengths brought up to date at the end):
+        the host time between calls also lets ONNX Runtime's worker threads fall asleep, and a thread still
+        spinning slows the host's own work. greedy_steps_reference is the same through ids() and commit()
+        (tests compare)."""
+        if self.batch != 1:
+            raise ValueError(f"greedy_steps decodes one sequence; this decoder runs batches of {self.batch}")
+        cache, m = self.cache, self.m
+        if m.input_mode != "ids" or m.kind == "optimum" or not cache.in_place:
+            yield from self.greedy_steps_reference(pending, n)
+            return
+        start = int(cache.lengths[0])
+        cache.reserve(start + n)  # every row now: no regrowth, so one binding serves every call
+        entry = self._binding(1)
+        inputs, bind, run, to_host = entry.inputs, entry.bind, self.engine.session.run_with_iobinding, self.memory.to_host
+        ids_in, capacity = inputs[m.inputs[0].name], cache.capacity  # (1, 1) int64
+        tok, kept, ran = pending, 0, 0  # kept: rows whose ids came back finite (committed at the end)
+        try:
+            for _ in range(n):
+                ids_in[0, 0] = tok
+                one_step_into(m, start + kept, capacity, inputs)
+                t0 = time.perf_counter()
+                run(bind)
+                t1 = time.perf_counter()
+                self.engine_s += t1 - t0
+                self.calls += 1
+                ran += 1
+                if self.trace is not None:
+                    self.trace.append((f"{self.trace_name}.run S=1", t0, t1))
+                tok = to_host(entry.ids).item(0)
+                if tok < 0:  # NONFINITE_ID: this row may hold NaN or inf
+                    break
+                kept += 1
+                yield tok
+        finally:
+            cache.wrote(kept)
+            cache.commit(kept)
+            if ran:
+                self._last, self._ids_host, self.last_start = entry, None, np.array([start + ran - 1], np.int64)
+        if ran > kept:
+            cache.wrote(1)
+            cache.zero_written(1)
+            check_ids(np.array([tok]), "target", start + ran)
+
+    def greedy_steps_reference(self, pending: int, n: int) -> Iterator[int]:
+        """greedy_steps through ids() and commit(), one call at a time (slow, obvious; TensorRT, embeds engines)."""
+        tok = pending
+        for _ in range(n):
+            tok = int(self.ids(np.array([[tok]], np.int64))[0, 0])
+            check_ids(np.array([tok]), "target", int(self.cache.lengths[0]) + 1)
+            self.cache.commit(1)
+            yield tok
 
     def reference_call(self, tokens: np.ndarray, valid: np.ndarray | None = None,
                        embeds: np.ndarray | None = None) -> np.ndarray:

@@ -455,8 +455,12 @@ class Generator:
         est = AcceptanceEstimator(positions=self.gamma_max)
         cap = self.target.manifest.max_context
         if b == 1 and mode == "greedy" and self.lean:
-            yield from self._lean_rounds(target, drafter, seqs[0], stats, timer, est, gamma, max_new_tokens, stop,
-                                         (t0, t_first, prefill_engine_s), log)
+            clock = (t0, t_first, prefill_engine_s)
+            if drafter is None and isinstance(target, Decoder):
+                yield from self._plain_rounds(target, seqs[0], stats, timer, est, max_new_tokens, stop, clock, log)
+            else:
+                yield from self._lean_rounds(target, drafter, seqs[0], stats, timer, est, gamma, max_new_tokens,
+                                             stop, clock, log)
             return
         while not all(s.finish for s in seqs):
             t_round0 = time.perf_counter()
@@ -546,6 +550,43 @@ class Generator:
         if drafter:
             drafter.reset(0)
         self._close(stats, timer, target, drafter, clock)
+        yield [s], stats
+
+    def _plain_rounds(self, target: Decoder, s: _Seq, stats: Stats, timer: Timer, est: AcceptanceEstimator,
+                      max_new_tokens: int, stop: list[str], clock: tuple,
+                      log: list | None) -> Iterator[tuple[list[_Seq], Stats]]:
+        """_lean_rounds without a drafter: the target's greedy_steps run the calls back to back, and between
+        two of them only the new token's bookkeeping (the same statistics, stops and per-round log)."""
+        cap, ctx, n_prompt = self.target.manifest.max_context, s.ctx, len(s.prompt)
+        n = len(ctx)
+        steps = min(max_new_tokens - (n - n_prompt), cap - n + 1)  # calls until "length" or "capacity"
+        if s.finish is None and steps < 1:  # no room at all: the generic loop says why
+            yield from self._lean_rounds(target, None, s, stats, timer, est, 0, max_new_tokens, stop, clock, log)
+            return
+        calls = target.greedy_steps(ctx[-1], steps if s.finish is None else 0)
+        t_prev = time.perf_counter()
+        try:
+            for tok in calls:
+                t_tok = time.perf_counter()
+                timer.add("verify", t_prev, t_tok)  # the call, as fast_round counts it
+                if timer.events is not None:  # the profiler's per-round lane
+                    timer.events.append(("round", t_prev, t_tok))
+                stats.gamma_history.append((stats.new_tokens, 0))
+                stats.rounds += 1
+                stats.add_round(0, 0)
+                stats.new_tokens += self._append(s, [tok], max_new_tokens, stop)
+                if s.finish is None and len(ctx) > cap:
+                    s.finish = "capacity"
+                if log is not None:
+                    log.append((0, 0, 0.0, t_tok - t_prev, time.perf_counter() - t_tok))
+                if s.finish is not None:
+                    break
+                yield [s], stats
+                t_prev = time.perf_counter()
+        finally:
+            calls.close()
+        target.cache.rewind_to(0)  # rows unneeded
+        self._close(stats, timer, target, None, clock)
         yield [s], stats
 
     def _close(self, stats: Stats, timer: Timer, target: Decoder, drafter: Drafter | None, clock: tuple) -> None:

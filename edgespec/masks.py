@@ -119,3 +119,16 @@ def step_inputs_into(manifest, lengths: np.ndarray, seq: int, rows: int, valid: 
         return
     for name, value in step_inputs(manifest, lengths, seq, rows, valid).items():
         out[name][...] = value
+
+
+def one_step_into(manifest, pos: int, rows: int, out: dict) -> None:
+    """step_inputs_into for one sequence and one new token at row `pos` of `rows` bound rows (a plain decoding
+    step): for the ort flavour three scalar writes, for the portable flavour step_inputs_into."""
+    if manifest.flavor == "ort":
+        if pos + 1 > rows:
+            _check(np.array([pos]), 1, rows)
+        out[C.SEQLENS_K][0] = pos
+        out[C.QUERY_SEQLENS][0] = 1
+        out[C.TOTAL_SEQUENCE_LENGTH][()] = pos + 1
+        return
+    step_inputs_into(manifest, np.array([pos], np.int64), 1, rows, None, out)

@@ -433,6 +433,10 @@ class TrtDecoder(Decoder):
         if self.trace is not None:
             self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
 
+    def greedy_steps(self, pending: int, n: int):
+        """One call at a time through run() (its CUDA graphs, its profiles)."""
+        return self.greedy_steps_reference(pending, n)
+
     def last_logits(self) -> np.ndarray:
         """(B, S, V) float32 logits of the last call: a host copy."""
         io, s = self._last

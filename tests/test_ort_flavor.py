@@ -14,6 +14,7 @@ from edgespec import contract as C
 from edgespec.contract import EngineError
 from edgespec.decoder import Decoder
 from edgespec.engine import OrtEngine, open_engine
+from edgespec.kvcache import KVCache
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder
 
@@ -283,3 +284,118 @@ def test_text_head_needs_a_hidden_output_and_one_greedy_sequence(engines, tmp_pa
         gen.generate([1, 2, 3], max_new_tokens=4, temperature=0.8)
     with pytest.raises(ValueError, match="one sequence at a time"):
         gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=4)
+
+
+def _twins(engine_dir, prompt, chunk=16, in_place=True):
+    """Two decoders of one engine with `prompt` prefilled, caches growing by `chunk` rows (regrowth inside a
+    run of steps) -> (a, b, the first new id)."""
+    eng = OrtEngine(engine_dir)
+    m = eng.manifest
+    twins = []
+    for _ in range(2):
+        d = Decoder(eng, 1)
+        d.cache = KVCache(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.max_context, chunk=chunk,
+                          in_place=in_place)  # before any call: no binding holds the old one
+        first = int(d.ids(np.array([prompt]))[0, -1])
+        d.cache.commit(len(prompt))
+        twins.append(d)
+    return twins[0], twins[1], first
+
+
+def _same_cache(a: Decoder, b: Decoder) -> None:
+    assert a.cache.lengths.tolist() == b.cache.lengths.tolist()
+    for ra, rb in zip(a.cache.rows(0), b.cache.rows(0)):
+        np.testing.assert_allclose(ra, rb, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "llama-d8"])
+@pytest.mark.parametrize("flavor", ["ort", "portable"])
+def test_plain_steps_equal_the_reference_call_by_call(engines, name, flavor):
+    """Decoder.greedy_steps (the calls back to back, lengths committed at the end) against
+    greedy_steps_reference (ids() and commit() per call): the same ids, the same committed rows, also when
+    the caller stops early and goes on, and across cache regrowths (16-row chunks, 9 + 70 rows)."""
+    a, b, first = _twins(engines[name, flavor], [5, 17, 3, 60, 42, 9, 11, 2, 8])
+    pending = [first, first]
+    for n, take in ((5, 5), (30, 12), (40, 40)):  # take < n: the caller closes the generator early
+        got = []
+        for d, steps in ((a, a.greedy_steps), (b, b.greedy_steps_reference)):
+            gen, ids = steps(pending[d is b], n), []
+            for tok in gen:
+                ids.append(tok)
+                if len(ids) == take:
+                    break
+            gen.close()
+            got.append(ids)
+        assert got[0] == got[1] and len(got[0]) == take
+        _same_cache(a, b)
+        pending = [got[0][-1], got[1][-1]]
+    assert a.calls == b.calls and a.cache.capacity == 80
+
+
+def test_plain_steps_fall_back_where_calls_cannot_repeat_one_binding(engines):
+    """A cache that is not written in place (two buffer sets, as ONNX Runtime's TensorRT EP needs) flips
+    bindings every call: greedy_steps then runs the reference, with the same ids."""
+    a, b, first = _twins(engines["llama", "ort"], [4, 8, 15, 16, 23, 42], in_place=False)
+    assert list(a.greedy_steps(first, 20)) == list(b.greedy_steps_reference(first, 20))
+    _same_cache(a, b)
+    with pytest.raises(ValueError, match="one sequence; this decoder runs batches of 2"):
+        next(Decoder(a.engine, 2).greedy_steps(1, 3))
+
+
+class _PoisonAt:
+    """An InferenceSession stand-in whose n-th run_with_iobinding gives what the graph gives for NaN logits:
+    NONFINITE_ID and a NaN row in every cache buffer at the row it wrote."""
+
+    def __init__(self, dec: Decoder, n: int):
+        self.dec, self.real, self.n, self.calls = dec, dec.engine.session, n, 0
+
+    def run_with_iobinding(self, bind):
+        self.real.run_with_iobinding(bind)
+        self.calls += 1
+        if self.calls == self.n:
+            row = int(self.dec.cache.lengths[0]) + self.n - 1  # lengths: committed when the steps end
+            for buf in self.dec.cache.buffers:
+                buf.handle[0, :, row] = np.nan
+            self.dec._bindings[1, 0].ids.handle[...] = C.NONFINITE_ID
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_plain_steps_stop_at_nan_with_the_row_zeroed(engines):
+    """The 3rd call of a run of steps gives NaN logits: FloatingPointError naming the step, the two good rows
+    committed, the failed row zeroed, and the next steps equal to a decoder that never saw the NaN."""
+    a, b, first = _twins(engines["llama", "ort"], [1, 2, 3, 4, 5])
+    eng = a.engine
+    real = eng.session
+    eng.session = _PoisonAt(a, 3)
+    try:
+        got = []
+        with pytest.raises(FloatingPointError, match="target engine produced NaN/inf logits at step 8"):
+            for tok in a.greedy_steps(first, 10):
+                got.append(tok)
+    finally:
+        eng.session = real
+    want = list(b.greedy_steps_reference(first, 2))
+    assert got == want and a.cache.lengths.tolist() == [7]
+    for j in range(len(a.cache.buffers)):
+        assert np.isfinite(a.cache.host(j)).all()
+    _same_cache(a, b)
+    assert list(a.greedy_steps(want[-1], 6)) == list(b.greedy_steps_reference(want[-1], 6))
+
+
+@pytest.mark.parametrize("flavor", ["ort", "portable"])
+def test_plain_generation_equals_the_generic_round(engines, flavor):
+    """Plain greedy decoding of one prompt runs greedy_steps (Generator._plain_rounds); Generator.lean = False
+    the generic round: the same tokens, finish reasons (length, EOS 95, stop strings, capacity) and statistics."""
+    lean, generic = edgespec.load(engines["llama", flavor]), edgespec.load(engines["llama", flavor])
+    generic.lean = False
+    finishes = set()
+    for i, p in enumerate([[1, 2, 3], [50, 7], list(range(30, 52)), [9] * 40, [3, 1, 4, 1, 5, 9, 2, 6]]):
+        for kw in (dict(max_new_tokens=40), dict(max_new_tokens=200), dict(max_new_tokens=30, stop=["A", "B"])):
+            x, y = lean.generate(p, **kw), generic.generate(p, **kw)
+            assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+            finishes.add(x.finish_reason)
+            for key in ("new_tokens", "rounds", "histogram", "target_calls", "gamma_history"):
+                assert getattr(x.stats, key) == getattr(y.stats, key), key
+    assert {"length", "capacity"} <= finishes
