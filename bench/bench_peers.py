@@ -12,10 +12,11 @@ one process schedule, and nothing from any other run:
      prompts once (--sweep-prompts), configurations interleaved across systems;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat;
-  3. head to head: the comparisons the targets name (edgespec's fastest row against GenAI's fastest, and plain
-     against plain) again, the two sides back to back on each of --paired-chunks prompt chunks, order
-     alternating, --paired-rounds times: a ratio per trial, so the machine's drift over minutes falls on both
-     sides of each ratio (the final's medians are minutes apart).
+  3. head to head: the comparisons the targets name (edgespec's fastest row against GenAI's fastest, plain
+     against plain, and edgespec draft against edgespec plain, the speedup the paper's formula predicts) again,
+     the two sides back to back on each of --paired-chunks prompt chunks, order alternating, --paired-rounds
+     times: a ratio per trial, so the machine's drift over minutes falls on both sides of each ratio (the
+     final's medians are minutes apart).
 
 The defaults (193 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
 take about 27 minutes on the 2-core CPU (173 configurations, before the lookup γ sweep, took 24); the script
@@ -65,6 +66,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 SAMPLED = "edgespec draft sampled T=0.8"  # the one row outside the greedy comparison
+DRAFT = "edgespec draft"  # the row whose speedup over plain the paper's formula predicts
 
 
 @dataclass(frozen=True)
@@ -404,11 +406,13 @@ CONFIGURATIONS = (
 
 # ---- head to head: the comparisons the targets name, paired in time ------------------------------------------
 def head_to_head_pairs(systems: dict, system_of: dict) -> list[tuple[str, str]]:
-    """(edgespec's fastest greedy row, ORT GenAI's fastest row) and (edgespec plain, ORT GenAI plain), where both
-    rows ran: the two comparisons the issue's targets are about."""
+    """(edgespec's fastest greedy row, ORT GenAI's fastest row), (edgespec plain, ORT GenAI plain) and (edgespec
+    draft, edgespec plain), where both rows ran: the comparisons the issue's targets are about (the last is the
+    measured speedup that predicted vs measured divides)."""
     pairs = [(b["edgespec"], b["peer"]) for b in best_vs_best(systems, system_of) if b["peer_system"] == "ORT GenAI"]
-    if _tps(systems.get("edgespec plain", {})) and _tps(systems.get("ORT GenAI plain", {})):
-        pairs.append(("edgespec plain", "ORT GenAI plain"))
+    for a, b in (("edgespec plain", "ORT GenAI plain"), (DRAFT, "edgespec plain")):
+        if _tps(systems.get(a, {})) and _tps(systems.get(b, {})):
+            pairs.append((a, b))
     return list(dict.fromkeys(pairs))
 
 
@@ -553,8 +557,8 @@ def main(argv=None) -> int:
     chunks = chunk_indices(n, args.paired_chunks) if args.paired_rounds else []
     total = sum(Progress.cost(m.runner, ns) for m in swept for _ in m.configs) + \
         args.repeats * (sum(Progress.cost(m.runner, nt) for m in modes) + Progress.cost("edgespec", nt)) + \
-        2 * args.paired_rounds * sum(Progress.cost("genai", len(c) * args.max_new_tokens) +
-                                     Progress.cost("edgespec", len(c) * args.max_new_tokens) for c in chunks)
+        args.paired_rounds * sum(2 * Progress.cost("genai", len(c) * args.max_new_tokens) +
+                                 4 * Progress.cost("edgespec", len(c) * args.max_new_tokens) for c in chunks)
     n_sweep = sum(len(m.configs) for m in swept)
     print(f"run {run['id']}: sweep {n_sweep} configurations on {len(sweep_idx)} prompts, then {len(modes) + 1} "
           f"modes × {args.repeats} repeats on {n} prompts; estimated {_mmss(total)} (min:s)", file=sys.stderr)
@@ -642,7 +646,7 @@ def main(argv=None) -> int:
     print(file=sys.stderr)
 
     roofline = roofline_of(args.engines, systems)
-    pred = predicted_vs_measured(merged.get("edgespec draft"), systems)
+    pred = predicted_vs_measured(merged.get(DRAFT), systems, head_to_head)
     (rdir / "raw.json").write_text(json.dumps(raw))
     run["ended_epoch"] = time.time()
     run["ended"] = _iso(run["ended_epoch"])
@@ -693,7 +697,10 @@ def roofline_of(engines: Path, systems: dict) -> dict:
                                         if n in systems and _tps(systems[n])}}
 
 
-def predicted_vs_measured(ed: dict | None, systems: dict) -> dict | None:
+def predicted_vs_measured(ed: dict | None, systems: dict, head_to_head: list | None = None) -> dict | None:
+    """The paper's speedup from edgespec draft's measured α, mean γ and costs, against the measured one: the
+    final rows' ratio (medians minutes apart) and, when the head to head ran edgespec draft against edgespec
+    plain, its median ratio (the two back to back)."""
     if not ed or "error" in ed or not ed.get("cost_model"):
         return None
     from edgespec.costmodel import expected_tokens
@@ -704,8 +711,11 @@ def predicted_vs_measured(ed: dict | None, systems: dict) -> dict | None:
     g = round(dr / rounds) if rounds else 0
     t1 = cm["t_verify_ms"][0]
     p = expected_tokens(alpha, g) / (g * cm["t_draft_ms"] / t1 + cm["t_verify_ms"][g] / t1) if g else 1.0
-    a, b = _tps(systems.get("edgespec draft", {})), _tps(systems.get("edgespec plain", {}))
-    return {"alpha": alpha, "mean_gamma": g, "predicted_speedup": p, "measured_speedup": a / b if a and b else None}
+    a, b = _tps(systems.get(DRAFT, {})), _tps(systems.get("edgespec plain", {}))
+    paired = next((h.get("ratio_median") for h in head_to_head or [] if (h["a"], h["b"]) == (DRAFT, "edgespec plain")),
+                  None)
+    return {"alpha": alpha, "mean_gamma": g, "predicted_speedup": p, "measured_speedup": a / b if a and b else None,
+            "measured_speedup_head_to_head": paired}
 
 
 def memory_bandwidth_gbs(mib: int = 512, reps: int = 5) -> dict:
@@ -780,8 +790,11 @@ def markdown(r: dict) -> str:
                  + ", ".join(f"{k} {100 * v:.0f}%" for k, v in rf["plain_share_of_roofline"].items())]
     if r.get("edgespec_predicted_vs_measured"):
         p = r["edgespec_predicted_vs_measured"]
+        paired = p.get("measured_speedup_head_to_head")
         rows.append(f"edgespec draft: α = {p['alpha']:.3f}, mean γ {p['mean_gamma']}, predicted speedup "
-                    f"{p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x")
+                    f"{p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x (final "
+                    f"medians)" + (f", {paired:.2f}x head to head ({100 * paired / p['predicted_speedup']:.0f}% of "
+                                   f"predicted)" if paired else ""))
     sweep = r.get("sweep", {}).get("modes")
     if sweep:
         m = r["method"]

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench_peers import (ROOT, SAMPLED, MixedRunsError, _builds, best_vs_best, check_same_run,  # noqa: E402
                          chunk_indices, chunk_tps, edgespec_runner, head_to_head_pairs, markdown, mode_ratios,
-                         paired_summary, plan, select_best, write_report)
+                         paired_summary, plan, predicted_vs_measured, select_best, write_report)
 
 RUN = "run-a"
 T0, T1 = 1000.0, 2000.0
@@ -291,8 +291,12 @@ def test_head_to_head_pairs_are_the_targets_comparisons():
                "HF assisted": row(103.0, "γ=4 (constant)"), SAMPLED: row(900.0, "γ=5")}
     r = report(systems)
     assert head_to_head_pairs(systems, r["system_of"]) == [
-        ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)"), ("edgespec plain", "ORT GenAI plain")]
+        ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)"), ("edgespec plain", "ORT GenAI plain"),
+        ("edgespec draft", "edgespec plain")]
     systems["ORT GenAI plain"] = {"status": "failed", "error": "boom"}
+    assert head_to_head_pairs(systems, r["system_of"]) == [
+        ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)"), ("edgespec draft", "edgespec plain")]
+    systems["edgespec draft"] = {"status": "failed", "error": "boom"}
     assert head_to_head_pairs(systems, r["system_of"]) == [
         ("edgespec draft+lookup", "ORT GenAI draft (edgespec's threads)")]
 
@@ -338,3 +342,22 @@ def test_head_to_head_is_in_the_summary_and_under_the_same_run_rule():
         check_same_run(_with_head_to_head(trial_run="run-b"))
     with pytest.raises(MixedRunsError, match="outside this run's window"):
         check_same_run(_with_head_to_head(started=T1 + 10))
+
+
+def test_predicted_vs_measured_takes_the_paired_speedup_when_the_head_to_head_ran_it():
+    """α = 3 / (3 + 1) over repeat 0 only, γ = 12 drafts / 4 rounds = 3; predicted = E[tokens](0.75, 3) /
+    (3 · 0.5 / 2 + 3 / 2) = 2.734375 / 2.25; measured from the final rows (600 / 300) and from the paired
+    trials' median (1.8), and both printed."""
+    ed = {"cost_model": {"t_draft_ms": 0.5, "t_verify_ms": [2.0, 2.2, 2.5, 3.0]},
+          "results": [{"repeat": 0, "accepted": 3, "rejections": 1, "drafted": 12, "rounds": 4},
+                      {"repeat": 1, "accepted": 0, "rejections": 9, "drafted": 90, "rounds": 9}]}
+    systems = {"edgespec plain": row(300.0, "threads: edgespec default"), "edgespec draft": row(600.0, "γ=3")}
+    h2h = [{"a": "edgespec plain", "b": "ORT GenAI plain", "ratio_median": 1.1},
+           {"a": "edgespec draft", "b": "edgespec plain", "ratio_median": 1.8}]
+    got = predicted_vs_measured(ed, systems, h2h)
+    assert got["alpha"] == 0.75 and got["mean_gamma"] == 3
+    assert got["predicted_speedup"] == pytest.approx(2.734375 / 2.25)
+    assert got["measured_speedup"] == 2.0 and got["measured_speedup_head_to_head"] == 1.8
+    assert predicted_vs_measured(ed, systems)["measured_speedup_head_to_head"] is None
+    r = dict(report(systems), edgespec_predicted_vs_measured=got)
+    assert "measured 2.00x (final medians), 1.80x head to head (148% of predicted)" in markdown(r)
