@@ -2,7 +2,7 @@
 
     bash bench/setup_peers.sh && python bench/bench_peers.py --out bench/results/peers.json
 
-Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has two phases,
+Same checkpoints, same prompts (20 held-out code + 4 prose), greedy, 128 new tokens. A run has these phases,
 one process schedule, and nothing from any other run:
 
   1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup ×
@@ -10,6 +10,9 @@ one process schedule, and nothing from any other run:
      k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and an int8 draft model, and both its default
      threading and edgespec's threads; HF's draft lengths and prompt-lookup settings) decodes a subset of the
      prompts once (--sweep-prompts), configurations interleaved across systems;
+  1b. runoff: each mode's --runoff (3) fastest configurations decode the subset twice more, in two passes of
+     opposite order; the selection takes each one's median of its three speeds, so that one lucky or unlucky
+     sweep slot (the machine's speed drifts by up to 2x over minutes) does not choose;
   2. final: the fastest configuration of each mode whose tokens matched edgespec plain on the subset decodes
      all prompts, --repeats times, the modes interleaved within every repeat;
   3. head to head: the comparisons the targets name (edgespec's fastest row against GenAI's fastest, plain
@@ -289,19 +292,38 @@ def merge_repeats(outs: list[dict]) -> dict:
 
 
 # ---- selection, the same-run rule, ratios -------------------------------------------------------------------
+def _identical(t: dict) -> bool:
+    """Tokens matched edgespec plain on every sweep prompt, in the sweep and in every runoff pass."""
+    got = t.get("identical_prompts")
+    return (got is None or got.split("/")[0] == got.split("/")[1]) and all(t.get("runoff_identical", []))
+
+
+def sweep_score(t: dict) -> float:
+    """A configuration's speed for selection: the median of its sweep speed and its runoff passes' speeds."""
+    runs = [t["tokens_per_s"]["median"]] + [v for v in t.get("runoff_tokens_per_s", []) if v]
+    return float(np.median(runs))
+
+
+def runoff_candidates(tried: list[dict], k: int) -> list[str]:
+    """The configurations of one mode that run again in the runoff: its k fastest in the sweep among those whose
+    tokens matched edgespec plain (among all that ran if none matched); none when fewer than 2."""
+    ok = [t for t in tried if t["status"] == "ok"]
+    pool = [t for t in ok if _identical(t)] or ok
+    top = sorted(pool, key=lambda t: -t["tokens_per_s"]["median"])[:k]
+    return [t["config"] for t in top] if len(top) > 1 else []
+
+
 def select_best(tried: list[dict]) -> dict | None:
     """The fastest configuration of one mode: among those that ran and whose tokens matched edgespec plain on
-    every sweep prompt; if none matched, the fastest that ran, flagged. None when nothing ran."""
+    every sweep prompt (if none matched, the fastest that ran, flagged), by sweep_score; when a runoff ran,
+    only its configurations take part. None when nothing ran."""
     ok = [t for t in tried if t["status"] == "ok"]
     if not ok:
         return None
-
-    def identical(t):
-        got = t.get("identical_prompts")
-        return got is None or got.split("/")[0] == got.split("/")[1]
-
-    same = [t for t in ok if identical(t)]
-    best = max(same or ok, key=lambda t: t["tokens_per_s"]["median"])
+    same = [t for t in ok if _identical(t)]
+    pool = same or ok
+    pool = [t for t in pool if "runoff_tokens_per_s" in t] or pool
+    best = max(pool, key=sweep_score)
     return best if same else dict(best, selection_note="no configuration matched edgespec plain; fastest shown")
 
 
@@ -502,6 +524,9 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
     ap.add_argument("--genai-draft-precisions", default="fp32,int8",
                     help="GenAI draft: the draft model's build (fp32, int8, int4; the target stays fp32)")
+    ap.add_argument("--runoff", type=int, default=3, help="after the sweep, each mode's N fastest configurations "
+                    "run twice more on the sweep prompts (opposite orders); selection takes the median of the three "
+                    "speeds (0 or 1: the sweep alone)")
     ap.add_argument("--paired-rounds", type=int, default=3,
                     help="head to head: rounds over the prompt chunks of each target comparison (0: skip)")
     ap.add_argument("--paired-chunks", type=int, default=4, help="head to head: prompt chunks (interleaved)")
@@ -517,6 +542,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.runoff < 0:
+        ap.error(f"--runoff must be >= 0 (0 or 1: selection by the sweep alone), got {args.runoff}")
     if args.paired_rounds < 0:
         ap.error(f"--paired-rounds must be >= 0 (0: no head to head), got {args.paired_rounds}")
     if args.edgespec_runner:
@@ -555,7 +582,9 @@ def main(argv=None) -> int:
     swept = [m for m in modes if len(m.configs) > 1 or m.name == "edgespec plain"]
     ns, nt = len(sweep_idx) * args.max_new_tokens, n * args.max_new_tokens
     chunks = chunk_indices(n, args.paired_chunks) if args.paired_rounds else []
-    total = sum(Progress.cost(m.runner, ns) for m in swept for _ in m.configs) + \
+    total = sum(Progress.cost(m.runner, ns) * (len(m.configs) + (2 * min(args.runoff, len(m.configs))
+                                                                 if args.runoff > 1 and len(m.configs) > 1 else 0))
+                for m in swept) + \
         args.repeats * (sum(Progress.cost(m.runner, nt) for m in modes) + Progress.cost("edgespec", nt)) + \
         args.paired_rounds * sum(2 * Progress.cost("genai", len(c) * args.max_new_tokens) +
                                  4 * Progress.cost("edgespec", len(c) * args.max_new_tokens) for c in chunks)
@@ -580,6 +609,24 @@ def main(argv=None) -> int:
         sweep[m.name].append(dict(s, config=c.label, argv=list(c.argv), run_id=run["id"], started=out["started"],
                                   ended=out["ended"]))
         bar.done += Progress.cost(m.runner, ns)
+    # 1b. runoff: each mode's --runoff fastest configurations again on the sweep prompts, two passes in opposite
+    # orders (configurations interleaved across modes), so that one lucky or unlucky sweep slot does not choose
+    ref = ref or {"error": "edgespec plain did not run"}
+    entry = {(m.name, t["config"]): t for m in swept for t in sweep[m.name]}
+    finalists = [[(m, c) for c in m.configs if c.label in runoff_candidates(sweep[m.name], args.runoff)]
+                 for m in swept if m.name != "edgespec plain"]
+    order = [f[i] for i in range(max(map(len, finalists), default=0)) for f in finalists if i < len(f)]
+    for p, passes in enumerate((order, order[::-1]) if args.runoff else ()):
+        for m, c in passes:
+            bar.show(f"runoff {p + 1}/2 {m.name}: {c.label}")
+            out = run_system(f"{m.name} {c.label}", cmd(m, c, sfile), args.timeout)
+            raw.setdefault("runoff", {}).setdefault(f"{m.name} | {c.label}", []).append(out)
+            got, t = summarize(out, ref, len(sweep_idx)), entry[m.name, c.label]
+            t.setdefault("runoff_tokens_per_s", []).append(got["tokens_per_s"]["median"] if got["status"] == "ok"
+                                                          else None)
+            t.setdefault("runoff_identical", []).append(got["status"] == "ok" and _identical(got))
+            t["ended"] = out["ended"]
+            bar.done += Progress.cost(m.runner, ns)
     best: dict = {}
     for m in modes:
         b = select_best(sweep[m.name]) if m.name in sweep else {"config": m.configs[0].label}
@@ -655,8 +702,10 @@ def main(argv=None) -> int:
     report = {"run": run, "prompts": {"code": args.code_prompts, "prose": n - args.code_prompts, "count": n},
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
               "method": {"sweep_prompt_indices": sweep_idx, "sweep_repeats": 1, "final_repeats": args.repeats,
-                         "selection": "fastest configuration (median tok/s on the sweep prompts) whose tokens were "
-                                      "identical to edgespec plain on every sweep prompt",
+                         "selection": "fastest configuration whose tokens were identical to edgespec plain on every "
+                                      "sweep prompt; with a runoff, among each mode's runoff configurations, by the "
+                                      "median of the sweep's and the two runoff passes' tok/s on the sweep prompts",
+                         "runoff": args.runoff,
                          "schedule": "sweep: configurations interleaved across modes; final: one process per "
                                      "(mode, repeat), modes rotated each repeat; head to head: each target "
                                      "comparison's two sides back to back on each prompt chunk, order alternating",
@@ -799,7 +848,8 @@ def markdown(r: dict) -> str:
     if sweep:
         m = r["method"]
         rows += ["", f"Every configuration tried (sweep: prompts {m['sweep_prompt_indices']} of {r['prompts']['count']}"
-                     f", once each; {m['selection']}).", ""]
+                     f", once each" + (f", then each mode's {m['runoff']} fastest twice more (runoff)"
+                                       if m.get("runoff", 0) > 1 else "") + f"; {m['selection']}).", ""]
         if m.get("configurations"):
             rows += [m["configurations"], ""]
         rows += ["| mode | configuration | tok/s | acceptance | identical prompts | |", "|---|---|---|---|---|---|"]
@@ -811,8 +861,13 @@ def markdown(r: dict) -> str:
                     rows.append(f"| {name} | {t['config']} | failed: {_brief(t['error'])[:160]} | | | |")
                     continue
                 acc = f"{t['acceptance_rate']:.3f}" if "acceptance_rate" in t else "–"
-                rows.append(f"| {name} | {t['config']} | {t['tokens_per_s']['median']:.1f} | {acc} | "
-                            f"{t.get('identical_prompts', '–')} | {mark} |")
+                ro = t.get("runoff_tokens_per_s")
+                speed = f"{t['tokens_per_s']['median']:.1f}" + (
+                    " (runoff " + ", ".join("failed" if v is None else f"{v:.1f}" for v in ro)
+                    + f"; median {sweep_score(t):.1f})" if ro else "")
+                same = t.get("identical_prompts", "–") + ("" if all(t.get("runoff_identical", [])) else
+                                                          ", differed in the runoff")
+                rows.append(f"| {name} | {t['config']} | {speed} | {acc} | {same} | {mark} |")
     rows.append(f"\nCommand: `{run['command'] if run else r['command']}`"
                 + (f" ({r['note']})" if r.get("note") else ""))
     return "\n".join(rows) + "\n"

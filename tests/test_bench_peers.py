@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from bench_peers import (ROOT, SAMPLED, MixedRunsError, _builds, best_vs_best, check_same_run,  # noqa: E402
                          chunk_indices, chunk_tps, edgespec_runner, head_to_head_pairs, markdown, mode_ratios,
-                         paired_summary, plan, predicted_vs_measured, select_best, write_report)
+                         paired_summary, plan, predicted_vs_measured, runoff_candidates, select_best, sweep_score,
+                         write_report)
 
 RUN = "run-a"
 T0, T1 = 1000.0, 2000.0
@@ -51,6 +52,26 @@ def test_the_fastest_configuration_is_selected():
 def test_a_faster_configuration_whose_tokens_differ_from_edgespec_plain_is_not_selected():
     got = select_best([tried("k=2", 300.0), tried("k=4", 900.0, identical="5/6"), tried("k=6", 390.0)])
     assert got["config"] == "k=6"
+
+
+def test_the_runoff_takes_the_fastest_matching_configurations_and_selects_by_the_median_of_three():
+    """k=4 won its sweep slot (900) but ran at 500 and 520 in the runoff; k=6 ran at 600, 610 and 640: k=6 is
+    chosen (median 610 against 520). A configuration outside the runoff never is, however fast its sweep slot
+    looked; a runoff pass whose tokens differed rules a configuration out."""
+    ts = [tried("k=2", 300.0), tried("k=4", 900.0), tried("k=5", 950.0, identical="5/6"), tried("k=6", 600.0),
+          tried("k=8", 580.0), tried("k=3", 0, status="failed")]
+    assert runoff_candidates(ts, 3) == ["k=4", "k=6", "k=8"] and runoff_candidates(ts, 1) == []
+    ts[1].update(runoff_tokens_per_s=[500.0, 520.0], runoff_identical=[True, True])
+    ts[3].update(runoff_tokens_per_s=[610.0, 640.0], runoff_identical=[True, True])
+    ts[4].update(runoff_tokens_per_s=[None, 700.0], runoff_identical=[False, True])
+    assert sweep_score(ts[1]) == 520.0 and sweep_score(ts[3]) == 610.0 and sweep_score(ts[4]) == 640.0
+    assert select_best(ts)["config"] == "k=6"
+    r = dict(report({"edgespec draft": row(600.0, "k=6")}, sweep={"edgespec draft": ts}), prompts={"count": 24},
+             method={"sweep_prompt_indices": [0, 5], "selection": "by the median", "runoff": 3})
+    md = markdown(r)
+    assert "once each, then each mode's 3 fastest twice more (runoff); by the median" in md
+    assert "| edgespec draft | k=4 | 900.0 (runoff 500.0, 520.0; median 520.0) |" in md
+    assert "| edgespec draft | k=8 | 580.0 (runoff failed, 700.0; median 640.0) | – | 6/6, differed in the runoff |" in md
 
 
 def test_failed_configurations_are_skipped_and_an_all_failed_mode_has_no_best():
