@@ -21,8 +21,9 @@ one process schedule, and nothing from any other run:
      times: a ratio per trial, so the machine's drift over minutes falls on both sides of each ratio (the
      final's medians are minutes apart).
 
-The defaults (193 sweep configurations on 6 prompts, then 13 rows × 3 repeats on 24 prompts × 128 tokens)
-take about 27 minutes on the 2-core CPU (173 configurations, before the lookup γ sweep, took 24); the script
+The defaults (195 sweep configurations on 6 prompts, a runoff of each mode's 3 fastest twice, then 13 rows × 3
+repeats on 24 prompts × 128 tokens, then 36 head-to-head trials) took 40 minutes on the 2-core CPU in run
+47a123ad3a60 (29 without the runoff); the script
 prints its estimate first and a progress bar after.
 
 Draft models: edgespec's demo draft is its int8 weight-only engine (MatMulNBits, blocks of 32, accuracy level
