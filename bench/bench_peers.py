@@ -614,8 +614,8 @@ def main(argv=None) -> int:
     # orders (configurations interleaved across modes), so that one lucky or unlucky sweep slot does not choose
     ref = ref or {"error": "edgespec plain did not run"}
     entry = {(m.name, t["config"]): t for m in swept for t in sweep[m.name]}
-    finalists = [[(m, c) for c in m.configs if c.label in runoff_candidates(sweep[m.name], args.runoff)]
-                 for m in swept if m.name != "edgespec plain"]
+    picked = {m.name: set(runoff_candidates(sweep[m.name], args.runoff)) for m in swept if m.name != "edgespec plain"}
+    finalists = [[(m, c) for c in m.configs if c.label in picked[m.name]] for m in swept if m.name in picked]
     order = [f[i] for i in range(max(map(len, finalists), default=0)) for f in finalists if i < len(f)]
     for p, passes in enumerate((order, order[::-1]) if args.runoff else ()):
         for m, c in passes:
@@ -704,8 +704,9 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
               "method": {"sweep_prompt_indices": sweep_idx, "sweep_repeats": 1, "final_repeats": args.repeats,
                          "selection": "fastest configuration whose tokens were identical to edgespec plain on every "
-                                      "sweep prompt; with a runoff, among each mode's runoff configurations, by the "
-                                      "median of the sweep's and the two runoff passes' tok/s on the sweep prompts",
+                                      "sweep prompt" + ("; among each mode's runoff configurations, by the median of "
+                                                        "the sweep's and the two runoff passes' tok/s on the sweep "
+                                                        "prompts" if args.runoff > 1 else ", by its sweep tok/s"),
                          "runoff": args.runoff,
                          "schedule": "sweep: configurations interleaved across modes; final: one process per "
                                      "(mode, repeat), modes rotated each repeat; head to head: each target "

@@ -497,7 +497,7 @@ class Generator:
             if gamma == "auto" and self.cost is not None and self.refine_costs and b == 1:  # batches: not measured
                 self.cost.observe(max(g, int(n[0])), int(n[0]), draft_s, verify_s, longest, host_s)
             yield seqs, stats
-        stats.time_s = self._times(timer, t0, t_first)
+        self._close(stats, timer, target, drafter, (t0, t_first, prefill_engine_s))  # also when no round ran
         yield seqs, stats
 
     def _lean_rounds(self, target: Decoder, drafter: Drafter | None, s: _Seq, stats: Stats, timer: Timer,
@@ -563,28 +563,29 @@ class Generator:
         if s.finish is None and steps < 1:  # no room at all: the generic loop says why
             yield from self._lean_rounds(target, None, s, stats, timer, est, 0, max_new_tokens, stop, clock, log)
             return
-        calls = target.greedy_steps(ctx[-1], steps if s.finish is None else 0)
-        t_prev = time.perf_counter()
-        try:
-            for tok in calls:
-                t_tok = time.perf_counter()
-                timer.add("verify", t_prev, t_tok)  # the call, as fast_round counts it
-                if timer.events is not None:  # the profiler's per-round lane
-                    timer.events.append(("round", t_prev, t_tok))
-                stats.gamma_history.append((stats.new_tokens, 0))
-                stats.rounds += 1
-                stats.add_round(0, 0)
-                stats.new_tokens += self._append(s, [tok], max_new_tokens, stop)
-                if s.finish is None and len(ctx) > cap:
-                    s.finish = "capacity"
-                if log is not None:
-                    log.append((0, 0, 0.0, t_tok - t_prev, time.perf_counter() - t_tok))
-                if s.finish is not None:
-                    break
-                yield [s], stats
-                t_prev = time.perf_counter()
-        finally:
-            calls.close()
+        if s.finish is None:  # (the prefill's token may have ended it)
+            calls = target.greedy_steps(ctx[-1], steps)
+            t_prev = time.perf_counter()
+            try:
+                for tok in calls:
+                    t_tok = time.perf_counter()
+                    timer.add("verify", t_prev, t_tok)  # the call, as fast_round counts it
+                    if timer.events is not None:  # the profiler's per-round lane
+                        timer.events.append(("round", t_prev, t_tok))
+                    stats.gamma_history.append((stats.new_tokens, 0))
+                    stats.rounds += 1
+                    stats.add_round(0, 0)
+                    stats.new_tokens += self._append(s, [tok], max_new_tokens, stop)
+                    if s.finish is None and len(ctx) > cap:
+                        s.finish = "capacity"
+                    if log is not None:
+                        log.append((0, 0, 0.0, t_tok - t_prev, time.perf_counter() - t_tok))
+                    if s.finish is not None:
+                        break
+                    yield [s], stats
+                    t_prev = time.perf_counter()
+            finally:
+                calls.close()
         target.cache.rewind_to(0)  # rows unneeded
         self._close(stats, timer, target, None, clock)
         yield [s], stats

@@ -392,10 +392,16 @@ def test_plain_generation_equals_the_generic_round(engines, flavor):
     generic.lean = False
     finishes = set()
     for i, p in enumerate([[1, 2, 3], [50, 7], list(range(30, 52)), [9] * 40, [3, 1, 4, 1, 5, 9, 2, 6]]):
-        for kw in (dict(max_new_tokens=40), dict(max_new_tokens=200), dict(max_new_tokens=30, stop=["A", "B"])):
+        for kw in (dict(max_new_tokens=40), dict(max_new_tokens=200), dict(max_new_tokens=30, stop=["A", "B"]),
+                   dict(max_new_tokens=1)):  # 1: the prefill's token ends it, no step runs
             x, y = lean.generate(p, **kw), generic.generate(p, **kw)
             assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
             finishes.add(x.finish_reason)
             for key in ("new_tokens", "rounds", "histogram", "target_calls", "gamma_history"):
                 assert getattr(x.stats, key) == getattr(y.stats, key), key
     assert {"length", "capacity"} <= finishes
+    assert lean.generate([1, 2, 3], max_new_tokens=1).stats.target_calls == 1
+    first = lean.generate([1, 2, 3], max_new_tokens=5).token_ids[0]
+    lean.eos = {first}  # the prefill's token is an EOS: no step runs after it
+    out = lean.generate([1, 2, 3], max_new_tokens=5)
+    assert (out.token_ids, out.finish_reason, out.stats.target_calls) == ([first], "eos", 1)
