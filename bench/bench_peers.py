@@ -71,6 +71,7 @@ sys.path.insert(0, str(HERE))
 
 SAMPLED = "edgespec draft sampled T=0.8"  # the one row outside the greedy comparison
 DRAFT = "edgespec draft"  # the row whose speedup over plain the paper's formula predicts
+PLAIN_NATIVE = "edgespec plain native"  # plain decoding on provider cpu-native (edgespec/native.py)
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ def plan(args) -> list[Mode]:
     draft_prec = [(f"{p} draft", ("--draft-precision", p)) for p in args.genai_draft_precisions.split(",") if p]
     modes = [
         Mode("edgespec plain", "edgespec", "edgespec", (Config("threads: edgespec default", ("--mode", "plain")),)),
+        Mode(PLAIN_NATIVE, "edgespec", "edgespec",
+             (Config("provider cpu-native: float16 weights, float32 math", ("--mode", "plain", "--provider",
+                                                                            "cpu-native")),)),
         Mode("edgespec draft", "edgespec", "edgespec",
              tuple(Config(f"γ={x}, {es_draft}", ("--mode", "draft", "--gamma", x)) for x in gg)),
         Mode("edgespec draft+lookup", "edgespec", "edgespec",
@@ -190,7 +194,7 @@ def edgespec_runner(args) -> None:
     if args.lookup_gamma:
         lookup["lookup_gamma"] = args.lookup_gamma
     try:
-        gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", **ngram, **lookup)
+        gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", provider=args.provider, **ngram, **lookup)
     except TypeError as e:  # an edgespec without load(lookup=): the mode fails with the reason, the run goes on
         if not lookup or "lookup" not in str(e):
             raise
@@ -219,7 +223,7 @@ def edgespec_runner(args) -> None:
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
               "lookup": args.lookup, "lookup_gamma": args.lookup_gamma,
               "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
-              "draft_threads": DRAFT_THREADS if args.mode == "draft" else None}
+              "draft_threads": DRAFT_THREADS if args.mode == "draft" else None, "provider": args.provider}
     mode = "draft+lookup" if args.lookup else args.mode
     print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
                       "results": results, "cost_model": cost,
@@ -396,7 +400,8 @@ def mode_ratios(systems: dict) -> dict:
     pairs = [("edgespec draft", "edgespec plain"), ("edgespec draft+lookup", "edgespec plain"),
              ("edgespec draft+lookup", "edgespec draft"), ("edgespec ngram", "edgespec plain"),
              ("ORT GenAI ngram", "ORT GenAI plain"), ("HF assisted", "HF plain"), ("HF prompt lookup", "HF plain"),
-             ("edgespec plain", "ORT GenAI plain"), ("edgespec ngram", "ORT GenAI ngram"),
+             ("edgespec plain", "ORT GenAI plain"), (PLAIN_NATIVE, "ORT GenAI plain"), (PLAIN_NATIVE, "edgespec plain"),
+             ("edgespec ngram", "ORT GenAI ngram"),
              ("edgespec draft", "HF assisted"), ("edgespec ngram", "HF prompt lookup")]
     pairs += [(n, "ORT GenAI plain") for n in t if n.startswith("ORT GenAI draft")]
     if genai_draft:
@@ -433,7 +438,7 @@ def head_to_head_pairs(systems: dict, system_of: dict) -> list[tuple[str, str]]:
     draft, edgespec plain), where both rows ran: the comparisons the issue's targets are about (the last is the
     measured speedup that predicted vs measured divides)."""
     pairs = [(b["edgespec"], b["peer"]) for b in best_vs_best(systems, system_of) if b["peer_system"] == "ORT GenAI"]
-    for a, b in (("edgespec plain", "ORT GenAI plain"), (DRAFT, "edgespec plain")):
+    for a, b in (("edgespec plain", "ORT GenAI plain"), (PLAIN_NATIVE, "ORT GenAI plain"), (DRAFT, "edgespec plain")):
         if _tps(systems.get(a, {})) and _tps(systems.get(b, {})):
             pairs.append((a, b))
     return list(dict.fromkeys(pairs))
@@ -540,6 +545,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-ngram", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lookup", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lookup-gamma", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--provider", default="cpu", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

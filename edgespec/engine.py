@@ -35,7 +35,7 @@ def default_provider() -> str:
     return "cuda" if PROVIDERS["cuda"] in avail else "cpu"
 
 
-ENGINE_PROVIDERS = ("cpu", "cuda", "tensorrt", "tensorrt-ep", "tensorrt-native")
+ENGINE_PROVIDERS = ("cpu", "cpu-native", "cuda", "tensorrt", "tensorrt-ep", "tensorrt-native")
 PLAN_FILE = "model.plan"
 
 
@@ -57,16 +57,35 @@ def open_engine(engine_dir: str | Path, provider: str | None = None, threads: in
         tensorrt          the folder's native TensorRT plan if it has one, else ONNX Runtime's TensorRT EP
         tensorrt-ep       ONNX Runtime's TensorRT EP (profiles and an engine cache: profiles.py)
         tensorrt-native   the native plan (trt.py); an error if the folder has none
+        cpu-native        the folder's float16 weights through native_step.c (native.py); an error if the
+                          folder has none
     Every engine gives `.decoder(batch, embedding)` and `.manifest`."""
     provider = provider or default_provider()
     if provider not in ENGINE_PROVIDERS:
         raise EngineError(f"provider must be one of {ENGINE_PROVIDERS}, got {provider!r}")
     if provider.startswith("tensorrt"):
         _require_portable(Path(engine_dir), provider)
+    if provider == "cpu-native":
+        from .native import NativeEngine
+        return NativeEngine(engine_dir, threads, check_hashes)
     if provider == "tensorrt-native" or (provider == "tensorrt" and plan_path(engine_dir) is not None):
         from .trt import TrtEngine
         return TrtEngine(engine_dir, check_hashes=check_hashes)
     return OrtEngine(engine_dir, "tensorrt" if provider == "tensorrt-ep" else provider, threads, check_hashes)
+
+
+def has_native(engine_dir) -> bool:
+    """Whether the folder carries native weights (provider 'cpu-native', native.py)."""
+    try:
+        return bool((Manifest.read(Path(engine_dir)).extra.get("native") or {}).get("file"))
+    except EngineError:
+        return False
+
+
+def draft_provider(provider: str, draft_dir) -> str:
+    """The draft's provider beside a target on `provider`: 'cpu-native' falls back to 'cpu' for a draft folder
+    without native weights (an int8 draft: MatMulNBits), every other provider is the target's."""
+    return "cpu" if provider == "cpu-native" and not has_native(draft_dir) else provider
 
 
 def _require_portable(engine_dir: Path, provider: str) -> None:

@@ -22,7 +22,7 @@ from .contract import EngineError
 from .costmodel import CONTEXT_BUCKETS, DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT, AcceptanceEstimator, CostModel, monotone
 from .decoder import Decoder
 from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, Proposal, greedy_pick
-from .engine import OrtEngine, default_provider, open_engine
+from .engine import OrtEngine, default_provider, draft_provider, open_engine
 from .profiling import Timer
 from .pipeline import PipelinedRounds
 from .remote import RemoteConfig, RemoteDecoder, RemoteTarget, is_url
@@ -741,7 +741,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
         kind, head = "head", TextHead.load(tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else draft)
     elif draft is not None:
-        dft = open_engine(draft, provider, draft_threads or threads)
+        dft = open_engine(draft, draft_provider(provider, draft), draft_threads or threads)
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:

@@ -272,6 +272,10 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
                           "source_checkpoint": ckpt_dir.name, "quantization": quantization,
                           "weight_bytes_per_token": weight_bytes_per_token(stage / manifest.model_file)}
         manifest.write(stage)
+        if dtype == "fp32" and input_mode == "ids":  # float16 weights for provider cpu-native, where exact
+            from .native import add_native
+            rows, _ = calibration_rows(ckpt_dir, spec.vocab_size, 64, seq=64)
+            manifest.extra["native"] = add_native(stage, spec, weights, np.asarray(rows[0]))
         publish(stage, out_dir)
         bar.set_description("export: done")
         bar.update(1)

@@ -1,0 +1,251 @@
+"""The native CPU engine (provider "cpu-native"): one C call per decoder step, float16 weights, float32 math.
+
+A checkpoint stored in float16 (the bundled pair is) is exported to an fp32 ONNX graph whose weights are
+those float16 values widened: 4 bytes read per weight and token, where 2 hold the same number. Decoding on
+the CPU is bound by reading the weights, so `native_step.c` keeps them as float16, widens each on the fly
+(exactly) and accumulates in float32: the same function as the fp32 engine, in another summation order (the
+export gate and the tests compare the two), at half the weight bytes per token.
+
+    engine folder: engine.json, whose extra["native"] names
+                   native.npz   the weights (float16 matrices, float32 norms and rope frequencies), written by
+                                `edgespec export` (or `python -m edgespec.export.native`) when every weight is
+                                exactly a float16
+
+The C source is compiled on first use with the system C compiler (`cc`, OpenMP) for this CPU, into
+$EDGESPEC_CACHE (default ~/.cache/edgespec)/native/; `NativeEngine.decoder()` gives a `Decoder` whose calls
+run that step on the same KV cache (B, Hkv, T, D), written in place at the committed lengths.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .contract import EngineError, Manifest, file_sha256
+from .decoder import Decoder
+from .kvcache import KVCache
+from .memory import HostMemory
+
+SOURCE = Path(__file__).with_name("native_step.c")
+NATIVE_FILE = "native.npz"
+LAYER_KEYS = ("ln1", "ln2", "wqkv", "wo", "wgu", "wd")  # per layer, as "layers.{i}.{key}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EDGESPEC_CACHE") or Path.home() / ".cache" / "edgespec") / "native"
+
+
+def compiler() -> str | None:
+    """$CC (a name on PATH or a path), else cc or gcc on PATH; None when there is none."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build_library(verbose: bool = False) -> Path:
+    """Compile native_step.c for this CPU (once per source and compiler): -> the shared library's path."""
+    cc = compiler()
+    if cc is None:
+        raise EngineError("provider 'cpu-native' compiles edgespec/native_step.c on first use and found no C "
+                          f"compiler (CC={os.environ.get('CC')!r}, cc, gcc): install one (Debian/Ubuntu: apt-get install gcc), or use "
+                          "provider 'cpu'")
+    # EDGESPEC_NATIVE_MARCH: the target CPU (default: this one; the tests also build "x86-64", the portable C path)
+    flags = ["-O3", f"-march={os.environ.get('EDGESPEC_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
+             "-std=gnu11"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
+                         + subprocess.run([cc, "--version"], capture_output=True).stdout).hexdigest()[:16]
+    out = cache_dir() / f"edgespec_step-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags, str(SOURCE), "-o", tmp, "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        raise EngineError(f"provider 'cpu-native': compiling {SOURCE} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+    os.replace(tmp, out)  # atomic: a concurrent build writes the same bytes
+    return out
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("E", "H", "Hkv", "D", "I", "V", "L", "argmax_lo", "argmax_hi")] + [
+        ("eps", ctypes.c_float), ("rope_scale", ctypes.c_float),
+        ("inv_freq", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p)] + [(k, ctypes.POINTER(ctypes.c_void_p)) for k in LAYER_KEYS]
+
+
+def _library():
+    lib = ctypes.CDLL(str(build_library()))
+    P = ctypes.c_void_p
+    lib.es_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, P, ctypes.c_int64, P, P, ctypes.c_int64,
+                               P, P, P, P, ctypes.c_int]
+    lib.es_forward.restype = ctypes.c_int
+    lib.es_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.es_scratch_floats.restype = ctypes.c_int
+    return lib
+
+
+def expected_shapes(m: Manifest, intermediate: int) -> dict[str, tuple]:
+    """native.npz's arrays and their shapes for manifest m."""
+    e, h, hk, d, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
+    shapes = {"embed": (v, e), "lm_head": (v, e), "norm": (e,), "inv_freq": (d // 2,), "scalars": (2,)}
+    for i in range(m.num_layers):
+        shapes.update({f"layers.{i}.ln1": (e,), f"layers.{i}.ln2": (e,), f"layers.{i}.wqkv": ((h + 2 * hk) * d, e),
+                       f"layers.{i}.wo": (e, h * d), f"layers.{i}.wgu": (2 * intermediate, e),
+                       f"layers.{i}.wd": (e, intermediate)})
+    return shapes
+
+
+class NativeEngine:
+    """An engine folder's native weights, ready for `decoder()`; checked against engine.json at load."""
+
+    provider = "cpu-native"
+
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, check_hashes: bool = True):
+        self.dir = Path(engine_dir)
+        if not self.dir.is_dir():
+            raise EngineError(f"{self.dir}: no such engine folder")
+        self.manifest = m = Manifest.read(self.dir)
+        problems = m.check_files(self.dir, hashes=check_hashes)
+        if problems:
+            raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+        info = m.extra.get("native") or {}
+        if not info.get("file"):
+            why = info.get("unavailable", "it was exported before native weights existed")
+            raise EngineError(f"{self.dir}: no native weights for provider 'cpu-native' ({why}); add them with "
+                              f"`python -m edgespec.export.native {self.dir} --checkpoint CHECKPOINT_DIR`, or use "
+                              f"provider 'cpu'")
+        path = self.dir / info["file"]
+        if not path.is_file():
+            raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
+        if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
+            raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
+        if m.input_mode != "ids" or m.kind != "decoder" or m.sliding_window or m.cache_dtype != "float32":
+            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders with a float32 cache and no "
+                              f"sliding window; this folder has input_mode {m.input_mode!r}, sliding_window "
+                              f"{m.sliding_window}, cache {m.cache_dtype}: use provider 'cpu'")
+        with np.load(path) as z:
+            self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
+        intermediate = int(info["intermediate_size"])
+        want = expected_shapes(m, intermediate)
+        bad = [f"{k}: expected {s}, got {self.arrays[k].shape if k in self.arrays else 'nothing'}"
+               for k, s in want.items() if k not in self.arrays or self.arrays[k].shape != s]
+        for n in (m.hidden_size, m.head_dim, m.num_heads * m.head_dim, intermediate, m.vocab_size):
+            if n % 8:
+                bad.append(f"every matrix dimension must be a multiple of 8 (native_step.c's blocks), got {n}")
+        if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
+            bad.append(f"head_dim <= 512 and num_heads a multiple of num_kv_heads, got {m.head_dim}, "
+                       f"{m.num_heads}/{m.num_kv_heads}")
+        if bad:
+            raise EngineError(f"{path}: does not fit {self.dir}/engine.json:\n  - " + "\n  - ".join(bad))
+        self.intermediate = intermediate
+        self.threads = threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1
+        self.lib = _library()
+        self.model = self._model()
+
+    def _model(self) -> _Model:
+        m, a = self.manifest, self.arrays
+        lo, hi = m.argmax_range
+        eps, scale = (float(x) for x in a["scalars"])
+        st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, self.intermediate, m.vocab_size,
+                    m.num_layers, lo, hi, eps, scale, a["inv_freq"].ctypes.data, a["embed"].ctypes.data,
+                    a["lm_head"].ctypes.data, a["norm"].ctypes.data)
+        self._tables = []  # keeps the pointer tables alive with the struct
+        for key in LAYER_KEYS:
+            table = (ctypes.c_void_p * m.num_layers)(*[a[f"layers.{i}.{key}"].ctypes.data for i in range(m.num_layers)])
+            self._tables.append(table)
+            setattr(st, key, ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p)))
+        return st
+
+    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None) -> "NativeDecoder":
+        return NativeDecoder(self, batch)
+
+
+class _Outputs:
+    """The last call's outputs, shaped like decoder._Binding's (logits, ids, hidden)."""
+
+    def __init__(self, memory: HostMemory, b: int, s: int, m: Manifest):
+        self.logits = memory.zeros((b, s, m.vocab_size), np.float32)
+        self.ids = memory.zeros((b, s), np.int64)
+        self.hidden = memory.zeros((b, s, m.hidden_size), np.float32) if m.has_hidden else None
+
+
+class NativeDecoder(Decoder):
+    """decoder.Decoder's interface (run / ids / __call__ / last_ids / last_logits / hidden_at, cache, calls,
+    engine_s, trace) over native_step.c: each sequence of a call is one es_forward on its cache rows."""
+
+    def __init__(self, engine: NativeEngine, batch: int = 1):
+        self.engine, self.m = engine, engine.manifest
+        m = self.m
+        self.batch = batch
+        self.memory = HostMemory()
+        self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, "float32", self.memory)
+        self._outs: dict[int, _Outputs] = {}
+        self._scratch = np.zeros(0, np.float32)
+        self._last = None
+        self.last_start = np.zeros(batch, np.int64)
+        self._ids_host = None
+        self.embedding = None
+        self.calls, self.engine_s = 0, 0.0
+        self.trace: list | None = None
+        self.trace_name = "engine"
+
+    def run(self, tokens, valid=None, embeds=None) -> None:
+        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
+        (valid False) are computed like any token; their rows are never committed."""
+        if embeds is not None:
+            raise ValueError("provider 'cpu-native' runs ids-input engines; got embeds")
+        ids = self._first(tokens, None)  # (B, S) int64, checked
+        b, s = ids.shape
+        lo, hi = 0, self.m.vocab_size
+        if ids.size and (ids.min() < lo or ids.max() >= hi):
+            raise ValueError(f"token ids must be in 0..{hi - 1}, got {int(ids.min())}..{int(ids.max())}")
+        cache = self.cache
+        cache.reserve(int(cache.lengths.max()) + s)
+        start = cache.lengths.copy()
+        out = self._outs.get(s)
+        if out is None:
+            out = self._outs[s] = _Outputs(self.memory, b, s, self.m)
+        e = self.engine
+        need = e.lib.es_scratch_floats(ctypes.byref(e.model), s, cache.capacity, e.threads)
+        if self._scratch.size < need:
+            self._scratch = np.zeros(need, np.float32)
+        logits, nid = out.logits.handle, out.ids.handle
+        hidden = out.hidden.handle if out.hidden is not None else None
+        t0 = time.perf_counter()
+        for i in range(b):
+            ks = (ctypes.c_void_p * self.m.num_layers)(*[cache.buffers[2 * j].handle[i].ctypes.data
+                                                         for j in range(self.m.num_layers)])
+            vs = (ctypes.c_void_p * self.m.num_layers)(*[cache.buffers[2 * j + 1].handle[i].ctypes.data
+                                                         for j in range(self.m.num_layers)])
+            rc = e.lib.es_forward(ctypes.byref(e.model), s, ids[i].ctypes.data, int(start[i]), ks, vs,
+                                  cache.capacity, logits[i].ctypes.data, nid[i].ctypes.data,
+                                  hidden[i].ctypes.data if hidden is not None else None,
+                                  self._scratch.ctypes.data, e.threads)
+            if rc != 0:
+                raise EngineError(f"native step: rows {int(start[i])}..{int(start[i]) + s - 1} do not fit the "
+                                  f"cache's {cache.capacity} rows")
+        t1 = time.perf_counter()
+        cache.wrote(s)
+        self._last, self._ids_host, self.last_start = out, None, start
+        self._scrub_if_failed(s, valid)
+        self.engine_s += t1 - t0
+        self.calls += 1
+        if self.trace is not None:
+            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
+
+    def greedy_steps(self, pending: int, n: int):
+        return self.greedy_steps_reference(pending, n)
+
+    def reference_call(self, tokens, valid=None, embeds=None):
+        raise NotImplementedError("the native decoder's reference is the ONNX Runtime engine of the same folder")

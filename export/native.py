@@ -1,0 +1,136 @@
+"""Native CPU weights for an engine folder (edgespec/native.py): `native.npz` plus engine.json's extra["native"].
+
+    python -m edgespec.export.native ENGINE_DIR --checkpoint CHECKPOINT_DIR
+
+Written only when every weight matrix is exactly a float16 (a checkpoint stored in float16 or rounded to
+it), so the native engine computes the fp32 engine's function: nothing is rounded here. Then a gate runs the
+native engine against the folder's ONNX Runtime engine on held-out tokens: the same greedy ids, and logits
+within 1e-3 (they differ in summation order only). `edgespec export` calls `add_native` for fp32 targets.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from edgespec import contract as C
+from edgespec.native import LAYER_KEYS, NATIVE_FILE
+
+from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
+
+LOGIT_TOLERANCE = 1e-3
+
+
+def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The native engine's arrays; CheckpointError naming the first tensor that is not exactly a float16, or
+    a model the native step does not compute (biases, sliding windows)."""
+    if spec.qkv_bias or spec.sliding_window:
+        raise CheckpointError(f"the native step computes Llama-style decoders without attention biases or sliding "
+                              f"windows; this {spec.model_type} has qkv_bias={spec.qkv_bias}, "
+                              f"sliding_window={spec.sliding_window}")
+
+    def f16(name: str, w: np.ndarray) -> np.ndarray:
+        h = w.astype(np.float16)
+        if not np.array_equal(h.astype(np.float32), w, equal_nan=True):
+            bad = int(np.sum(h.astype(np.float32) != w))
+            raise CheckpointError(f"{name}: {bad} of {w.size} weights are not exactly float16 values; the native "
+                                  f"engine would round them (it keeps weights as float16), so it is not built")
+        return h
+
+    inv, scale = spec.rope.inv_freq_and_scale(spec.head_dim)
+    out = {"embed": f16("model.embed_tokens.weight", weights["model.embed_tokens.weight"]),
+           "lm_head": f16("lm_head.weight", weights["lm_head.weight"]),
+           "norm": weights["model.norm.weight"].astype(np.float32),
+           "inv_freq": np.asarray(inv, np.float32),
+           "scalars": np.array([spec.rms_norm_eps, scale], np.float32)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        w = lambda n: weights[p + n]
+        out[f"layers.{i}.ln1"] = w("input_layernorm.weight").astype(np.float32)
+        out[f"layers.{i}.ln2"] = w("post_attention_layernorm.weight").astype(np.float32)
+        out[f"layers.{i}.wqkv"] = f16(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
+            [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
+        out[f"layers.{i}.wo"] = f16(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight"))
+        out[f"layers.{i}.wgu"] = f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
+            [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0))
+        out[f"layers.{i}.wd"] = f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight"))
+    assert all(f"layers.0.{k}" in out for k in LAYER_KEYS)
+    return out
+
+
+def native_gate(engine_dir: Path, rows: np.ndarray) -> dict:
+    """The native engine against the folder's ONNX Runtime engine (CPU) on `rows` (tokens): one prefill of
+    half, then single steps, then one verify-sized call. -> max logit difference, greedy id agreement."""
+    from edgespec.engine import OrtEngine
+    from edgespec.native import NativeEngine
+
+    ref, nat = OrtEngine(engine_dir).decoder(), NativeEngine(engine_dir).decoder()
+    rows = np.asarray(rows, np.int64).reshape(1, -1)
+    half = rows.shape[1] // 2
+    diff, agree, total = 0.0, 0, 0
+    calls = [rows[:, :half]] + [rows[:, i:i + 1] for i in range(half, rows.shape[1] - 6)] + [rows[:, -6:]]
+    for chunk in calls:
+        a, b = np.array(ref(chunk)), np.array(nat(chunk))
+        ref.cache.commit(chunk.shape[1])
+        nat.cache.commit(chunk.shape[1])
+        diff = max(diff, float(np.abs(a - b).max()))
+        agree += int((ref.last_ids() == nat.last_ids()).sum())
+        total += chunk.size
+    return {"max_logit_diff": diff, "ids_agree": agree, "ids": total, "tolerance": LOGIT_TOLERANCE,
+            "passed": bool(diff <= LOGIT_TOLERANCE and agree == total)}
+
+
+def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.ndarray], rows: np.ndarray) -> dict:
+    """Write native.npz into engine_dir and record it (or why not) in its engine.json; -> the record."""
+    engine_dir = Path(engine_dir)
+    m = C.Manifest.read(engine_dir)
+    try:
+        if m.precision != "fp32" or m.input_mode != "ids":
+            raise CheckpointError(f"native weights go with fp32 ids-input engines; this one is {m.precision}, "
+                                  f"{m.input_mode}")
+        arrays = native_arrays(spec, weights)
+    except CheckpointError as e:
+        info = {"unavailable": str(e)}
+    else:
+        fd, tmp = tempfile.mkstemp(suffix=".npz", dir=engine_dir)
+        os.close(fd)
+        np.savez(tmp, **arrays)
+        os.replace(tmp, engine_dir / NATIVE_FILE)
+        info = {"file": NATIVE_FILE, "sha256": C.file_sha256(engine_dir / NATIVE_FILE),
+                "intermediate_size": spec.intermediate_size, "weights": "float16", "arithmetic": "float32"}
+        m.extra["native"] = info
+        m.write(engine_dir)
+        try:
+            info["gate"] = native_gate(engine_dir, rows)
+        except C.EngineError as e:  # no C compiler here: the folder still works on every other provider
+            info["gate"] = {"passed": False, "error": str(e)}
+        if not info["gate"]["passed"]:
+            (engine_dir / NATIVE_FILE).unlink()
+            info = {"unavailable": f"the native engine failed its gate against ONNX Runtime: {info['gate']}"}
+    m.extra["native"] = info
+    m.write(engine_dir)
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m edgespec.export.native", description=__doc__.split("\n\n")[0])
+    p.add_argument("engine_dir", type=Path)
+    p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the folder was exported from")
+    a = p.parse_args(argv)
+    from .onnx_export import calibration_rows
+    spec, weights = load_checkpoint(a.checkpoint)
+    rows, _ = calibration_rows(a.checkpoint, spec.vocab_size, 64, seq=64)
+    info = add_native(a.engine_dir, spec, weights, np.asarray(rows[0][:64]))
+    if "unavailable" in info:
+        print(f"{a.engine_dir}: no native weights: {info['unavailable']}", file=sys.stderr)
+        return 1
+    print(f"{a.engine_dir}: {NATIVE_FILE} written; gate vs ONNX Runtime: {info['gate']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Provider cpu-native (edgespec/native.py, native_step.c) against the ONNX Runtime engine of the same folder."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import char_tokenizer_json, make_checkpoint
+
+import edgespec
+from edgespec.contract import EngineError, Manifest
+from edgespec.engine import OrtEngine, open_engine
+
+if shutil.which("cc") is None and shutil.which("gcc") is None:
+    pytest.skip("provider cpu-native compiles its step with a C compiler; none here (apt-get install gcc)",
+                allow_module_level=True)
+
+
+def _f16_checkpoint(path, seed):
+    """A tiny llama whose weights are float16 values (as the bundled checkpoints'), a char tokenizer, EOS 95."""
+    import torch
+    model = make_checkpoint("llama", path, seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    model.save_pretrained(path, safe_serialization=True)
+    char_tokenizer_json(path / "tokenizer.json")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = 95
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def native_engines(tmp_path_factory):
+    from conftest import _noisy_copy
+
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("native")
+    _f16_checkpoint(root / "ck-target", 21)
+    _noisy_copy(root / "ck-target", root / "ck-draft", 0.05, seed=4)  # not float16 values: no native weights
+    char_tokenizer_json(root / "ck-draft" / "tokenizer.json")
+    for name in ("target", "draft"):
+        export_engine(root / f"ck-{name}", root / name, max_context=256, progress=False)
+    return root / "target", root / "draft"
+
+
+def _run_both(target, chunks, march=None, monkeypatch=None):
+    if march:
+        monkeypatch.setenv("EDGESPEC_NATIVE_MARCH", march)
+    ref, nat = OrtEngine(target).decoder(), open_engine(target, "cpu-native").decoder()
+    for chunk in chunks:
+        a, b = np.array(ref(chunk)), np.array(nat(chunk))
+        ref.cache.commit(chunk.shape[1])
+        nat.cache.commit(chunk.shape[1])
+        np.testing.assert_allclose(b, a, atol=1e-4, rtol=0)
+        assert (nat.last_ids() == ref.last_ids()).all()
+    return ref, nat
+
+
+def test_export_writes_native_weights_that_pass_their_gate(native_engines):
+    target, draft = native_engines
+    info = Manifest.read(target).extra["native"]
+    assert info["file"] == "native.npz" and info["gate"]["passed"] and info["gate"]["ids_agree"] == info["gate"]["ids"]
+    assert "not exactly float16" in Manifest.read(draft).extra["native"]["unavailable"]
+    with pytest.raises(EngineError, match="no native weights.*not exactly float16"):
+        open_engine(draft, "cpu-native")
+
+
+@pytest.mark.parametrize("march", [None, "x86-64"])  # this CPU's vector path, and the portable C path
+def test_native_calls_match_onnx_runtime_across_a_regrowth(native_engines, march, monkeypatch):
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 96, (1, 200))
+    chunks = [toks[:, :60]] + [toks[:, i:i + 1] for i in range(60, 66)] + [toks[:, 66:72], toks[:, 72:200]]
+    ref, nat = _run_both(native_engines[0], chunks, march, monkeypatch)
+    assert nat.cache.capacity >= 200 and nat.cache.generation >= 1  # grew past its first 128 rows
+    for a, b in zip(ref.cache.rows(0), nat.cache.rows(0)):  # the committed K/V rows agree too
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+def test_a_row_does_not_depend_on_the_calls_s(native_engines):
+    """Verify (S = k+1) and plain steps (S = 1) compute each row bit for bit alike."""
+    d = open_engine(native_engines[0], "cpu-native").decoder()
+    toks = np.random.default_rng(1).integers(0, 96, (1, 30))
+    d(toks[:, :23])
+    d.cache.commit(23)
+    together = np.array(d(toks[:, 23:30]))[0]
+    d.cache.rewind_to(23)
+    one = []
+    for i in range(23, 30):
+        one.append(np.array(d(toks[:, i:i + 1]))[0, 0])
+        d.cache.commit(1)
+    assert np.array_equal(together, np.stack(one))
+
+
+def test_stale_rows_never_reach_the_output(native_engines):
+    d = open_engine(native_engines[0], "cpu-native").decoder()
+    toks = np.random.default_rng(2).integers(0, 96, (1, 20))
+    d(toks[:, :10])
+    d.cache.commit(10)
+    clean = np.array(d(toks[:, 10:20]))
+    d.cache.rewind_to(10)
+    for j in range(len(d.cache.buffers)):
+        d.cache.host(j)[0, :, 10:] = np.nan  # rejected drafts' rows, gone bad
+    np.testing.assert_array_equal(np.array(d(toks[:, 10:20])), clean)
+
+
+def test_nonfinite_logits_give_no_id_and_their_rows_are_zeroed(native_engines):
+    d = open_engine(native_engines[0], "cpu-native").decoder()
+    d.ids(np.array([[1, 2, 3]]))
+    d.cache.commit(3)
+    d.engine.arrays["layers.1.ln1"][:] = np.inf  # the weights the C step reads
+    ids = d.ids(np.array([[4, 5]]))
+    assert (ids == -1).all()
+    for j in range(len(d.cache.buffers)):
+        assert np.all(d.cache.host(j)[0, :, 3:5] == 0)  # scrubbed: no later call reads inf
+
+
+def test_generation_on_cpu_native_is_identical_to_cpu(native_engines):
+    target, draft = native_engines
+    prompts = ["def f(x):\n", "hello world", "abc" * 20]
+    plain = edgespec.load(target, provider="cpu")
+    nat = edgespec.load(target, provider="cpu-native")
+    spec = edgespec.load(target, draft=draft, provider="cpu-native", gamma=4)  # the draft runs on cpu
+    assert spec.draft.provider == "cpu" and spec.target.provider == "cpu-native"
+    for p in prompts:
+        want = plain.generate(p, max_new_tokens=40).token_ids
+        assert nat.generate(p, max_new_tokens=40).token_ids == want
+        assert spec.generate(p, max_new_tokens=40).token_ids == want
+
+
+def test_folder_problems_are_clear_errors(native_engines, tmp_path, monkeypatch):
+    target, _ = native_engines
+    bad = tmp_path / "bad"
+    shutil.copytree(target, bad)
+    with np.load(bad / "native.npz") as z:
+        arrays = dict(z)
+    arrays["layers.0.wo"] = arrays["layers.0.wo"][:8]
+    np.savez(bad / "native.npz", **arrays)
+    with pytest.raises(EngineError, match="sha256 differs"):
+        open_engine(bad, "cpu-native")
+    m = Manifest.read(bad)
+    m.extra["native"]["sha256"] = None
+    m.write(bad)
+    with pytest.raises(EngineError, match=r"layers.0.wo: expected \(32, 32\), got \(8, 32\)"):
+        open_engine(bad, "cpu-native")
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(EngineError, match="no C compiler.*provider 'cpu'"):
+        open_engine(target, "cpu-native")
