@@ -95,14 +95,32 @@ def _library():
     return lib
 
 
+PANEL = 16  # output columns per packed panel (native_step.c)
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """(N, K) float16, PyTorch's Linear layout -> (N/PANEL, K, PANEL): panel p holds columns p*PANEL.. with
+    input k's weights in row k, the layout native_step.c streams."""
+    n, k = w.shape
+    if n % PANEL:
+        raise ValueError(f"a packed matrix needs a multiple of {PANEL} output columns, got {n}")
+    return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
+
+
+def unpack(p: np.ndarray) -> np.ndarray:
+    """pack's inverse: (N/PANEL, K, PANEL) -> (N, K) (for tests and inspection)."""
+    return np.ascontiguousarray(p.transpose(0, 2, 1).reshape(-1, p.shape[1]))
+
+
 def expected_shapes(m: Manifest, intermediate: int) -> dict[str, tuple]:
-    """native.npz's arrays and their shapes for manifest m."""
+    """native.npz's arrays and their shapes for manifest m (matrices packed: pack())."""
     e, h, hk, d, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
-    shapes = {"embed": (v, e), "lm_head": (v, e), "norm": (e,), "inv_freq": (d // 2,), "scalars": (2,)}
+    packed = lambda n, k: (n // PANEL, k, PANEL)
+    shapes = {"embed": (v, e), "lm_head": packed(v, e), "norm": (e,), "inv_freq": (d // 2,), "scalars": (2,)}
     for i in range(m.num_layers):
-        shapes.update({f"layers.{i}.ln1": (e,), f"layers.{i}.ln2": (e,), f"layers.{i}.wqkv": ((h + 2 * hk) * d, e),
-                       f"layers.{i}.wo": (e, h * d), f"layers.{i}.wgu": (2 * intermediate, e),
-                       f"layers.{i}.wd": (e, intermediate)})
+        shapes.update({f"layers.{i}.ln1": (e,), f"layers.{i}.ln2": (e,),
+                       f"layers.{i}.wqkv": packed((h + 2 * hk) * d, e), f"layers.{i}.wo": packed(e, h * d),
+                       f"layers.{i}.wgu": packed(2 * intermediate, e), f"layers.{i}.wd": packed(e, intermediate)})
     return shapes
 
 
@@ -140,9 +158,12 @@ class NativeEngine:
         want = expected_shapes(m, intermediate)
         bad = [f"{k}: expected {s}, got {self.arrays[k].shape if k in self.arrays else 'nothing'}"
                for k, s in want.items() if k not in self.arrays or self.arrays[k].shape != s]
-        for n in (m.hidden_size, m.head_dim, m.num_heads * m.head_dim, intermediate, m.vocab_size):
-            if n % 8:
-                bad.append(f"every matrix dimension must be a multiple of 8 (native_step.c's blocks), got {n}")
+        for what, n in (("hidden_size", m.hidden_size), ("vocab_size", m.vocab_size),
+                        ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
+            if n % PANEL:
+                bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
+        if m.head_dim % 8:
+            bad.append(f"head_dim must be a multiple of 8, got {m.head_dim}")
         if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
             bad.append(f"head_dim <= 512 and num_heads a multiple of num_kv_heads, got {m.head_dim}, "
                        f"{m.num_heads}/{m.num_kv_heads}")

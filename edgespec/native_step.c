@@ -14,9 +14,9 @@
      logits (S, V), next_ids (S)  outputs; next_ids is the argmax over [argmax_lo, argmax_hi), or -1 where a
                                   row's logits are not all finite (the contract's NONFINITE_ID)
      hidden (S, E) or NULL        the final normed hidden state
-   Every matrix product goes through matvec8: blocks of 8 output columns, one float32 partial sum per
-   column and lane, reduced the same way whatever S is, so a token's row does not depend on the call's S.
-   Weights are (N, K) row-major (PyTorch's Linear layout); K and N are multiples of 8 (native.py checks). */
+   Every matrix product goes through matmul (below): weights packed in panels of 16 output columns, each
+   output one fused multiply-add chain over the inputs in order, whatever S is, so a token's row does not
+   depend on the call's S. N is a multiple of 16 and head_dim of 8 (native.py checks). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +28,10 @@
 #include <immintrin.h>
 #define ES_AVX2 1
 #endif
+#if defined(ES_AVX2) && defined(__AVX512F__)
+#define ES_AVX512 1 /* a panel is one 16-lane register */
+#endif
+#define MAX_ROWS 12 /* rows of x per pass over a panel */
 
 typedef struct {
     int64_t E, H, Hkv, D, I, V, L, argmax_lo, argmax_hi;
@@ -62,104 +66,156 @@ static float half_to_float(uint16_t h) {
 
 static float reduce8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
 
-/* y[n..n+7] = x (K) . w[n..n+7] (8 rows of K fp16): partial sums per lane of 8, then a fixed
-   reduction */
-static void dot8(const float *x, const uint16_t *w, int64_t K, float *out) {
+/* The weight matrices are packed in panels of PANEL output columns: panel p is (K, PANEL), row k holding
+   the weights of input k for columns p*PANEL..p*PANEL+PANEL-1 (export/native.py packs them). Every output is
+   one float32 fused multiply-add chain over k = 0..K-1 in order, in every path below, so a row's result does
+   not depend on the call's S or on which kernel computed it. */
+#define PANEL 16
+
+/* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
+static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
 #ifdef ES_AVX2
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 xv = _mm256_loadu_ps(x + k);
-        for (int j = 0; j < 8; j++)
-            a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + j * K + k))), a[j]);
+    const int64_t stride = K * PANEL;
+    if (np == 4) { /* the common case: 8 chains in flight */
+        for (int64_t k = 0; k < K; k++) {
+            __m256 xv = _mm256_broadcast_ss(x + k);
+            for (int j = 0; j < 8; j++) {
+                const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
+                a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
+            }
+        }
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            __m256 xv = _mm256_broadcast_ss(x + k);
+            for (int j = 0; j < 2 * np; j++) {
+                const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
+                a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
+            }
+        }
     }
-    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+    for (int j = 0; j < 2 * np; j++) _mm256_storeu_ps(y + 8 * j, a[j]);
 #else
-    for (int j = 0; j < 8; j++) {
-        float lane[8] = {0};
-        for (int64_t k = 0; k < K; k += 8)
-            for (int l = 0; l < 8; l++) lane[l] = fmaf(x[k + l], half_to_float(w[j * K + k + l]), lane[l]);
-        out[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    }
+    for (int q = 0; q < np; q++)
+        for (int c = 0; c < PANEL; c++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(x[k], half_to_float(p[q * K * PANEL + k * PANEL + c]), acc);
+            y[q * PANEL + c] = acc;
+        }
 #endif
 }
 
-/* rows x0..x(R-1) (K each) . 4 float32 rows of w (K each) -> out[r][j], R <= 3: the same lanes and the same
-   reduction as dot8, so a row's result does not depend on which path computed it */
-static inline __attribute__((always_inline)) void dot_rows_r(const float *const *x, const int R, const float *w,
-                                                              int64_t K, float out[3][4]) {
-#ifdef ES_AVX2
-    __m256 a[3][4];
-    for (int r = 0; r < 3; r++)
-        for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k), w2 = _mm256_loadu_ps(w + 2 * K + k),
-               w3 = _mm256_loadu_ps(w + 3 * K + k);
+#if defined(ES_AVX512)
+/* R rows x NP consecutive panels (R, NP constants at each call site; R * NP <= 24 of the 32 registers):
+   out[r * NP * PANEL + q * PANEL + c] = x[r] (K) @ column c of panel q */
+static inline __attribute__((always_inline)) void rows_panels_r(const float *const *x, const int R, const uint16_t *p,
+                                                                const int NP, int64_t K, float *out) {
+    __m512 a[24];
+    for (int i = 0; i < R * NP; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w[8];
+        for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * K * PANEL + k * PANEL)));
         for (int r = 0; r < R; r++) {
-            __m256 xv = _mm256_loadu_ps(x[r] + k);
-            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
-            a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
-            a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+            __m512 xv = _mm512_set1_ps(x[r][k]);
+            for (int q = 0; q < NP; q++) a[r * NP + q] = _mm512_fmadd_ps(xv, w[q], a[r * NP + q]);
         }
     }
-    float lanes[8];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) { _mm256_storeu_ps(lanes, a[r][j]); out[r][j] = reduce8(lanes); }
+    for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, a[i]);
+}
+
+/* how many panels a pass over R rows takes: enough chains in flight for few rows, registers for many */
+static int panels_for(int R) { return R <= 2 ? 8 : R <= 5 ? 4 : 2; }
+
+#define RP_CASE(n) case n: { if (np == panels_for(n)) rows_panels_r(x, n, p, panels_for(n), K, out); \
+                             else rows_panels_r(x, n, p, 1, K, out); } break;
+/* np is panels_for(R), or 1 (the last panels of a matrix) */
+static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out) {
+    switch (R) {
+    RP_CASE(12) RP_CASE(11) RP_CASE(10) RP_CASE(9) RP_CASE(8) RP_CASE(7)
+    RP_CASE(6) RP_CASE(5) RP_CASE(4) RP_CASE(3) RP_CASE(2) RP_CASE(1)
+    }
+}
+#else
+/* R rows (R <= MAX_ROWS, a constant at each call site): out[r * PANEL + c] = x[r] (K) @ column c of one panel */
+static inline __attribute__((always_inline)) void rows_panel_r(const float *const *x, const int R, const uint16_t *p,
+                                                               int64_t K, float *out) {
+#if defined(ES_AVX2)
+    for (int r0 = 0; r0 < R; r0 += 6) { /* 16 ymm registers: 6 rows x 2 halves at a time */
+        const int n = R - r0 < 6 ? R - r0 : 6;
+        __m256 a[6][2];
+        for (int r = 0; r < 6; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL)));
+            __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL + 8)));
+            for (int r = 0; r < n; r++) {
+                __m256 xv = _mm256_broadcast_ss(x[r0 + r] + k);
+                a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            _mm256_storeu_ps(out + (r0 + r) * PANEL, a[r][0]);
+            _mm256_storeu_ps(out + (r0 + r) * PANEL + 8, a[r][1]);
+        }
+    }
 #else
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) {
-            float lane[8] = {0};
-            for (int64_t k = 0; k < K; k += 8)
-                for (int l = 0; l < 8; l++) lane[l] = fmaf(x[r][k + l], w[j * K + k + l], lane[l]);
-            out[r][j] = reduce8(lane);
+        for (int c = 0; c < PANEL; c++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(x[r][k], half_to_float(p[k * PANEL + c]), acc);
+            out[r * PANEL + c] = acc;
         }
 #endif
 }
 
-/* dot_rows_r with R a constant in each branch, so the accumulators stay in registers */
-static void dot_rows(const float *const *x, int R, const float *w, int64_t K, float out[3][4]) {
-    if (R == 3) dot_rows_r(x, 3, w, K, out);
-    else if (R == 2) dot_rows_r(x, 2, w, K, out);
-    else dot_rows_r(x, 1, w, K, out);
+static int panels_for(int R) { (void)R; return 1; }
+
+#define RP_CASE(n) case n: rows_panel_r(x, n, p, K, out); break;
+static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out) {
+    (void)np;
+    switch (R) { /* R a constant in each branch, so the accumulators stay in registers */
+    RP_CASE(12) RP_CASE(11) RP_CASE(10) RP_CASE(9) RP_CASE(8) RP_CASE(7)
+    RP_CASE(6) RP_CASE(5) RP_CASE(4) RP_CASE(3) RP_CASE(2) RP_CASE(1)
+    }
+}
+#endif
+
+static void put(float *dst, const float *v, int n, int residual) {
+    for (int j = 0; j < n; j++) dst[j] = residual ? dst[j] + v[j] : v[j];
 }
 
-/* y (S, N) [+]= x (S, K) @ w (N, K)^T, columns split across the threads of the enclosing parallel region.
-   residual: y += instead of y = (the reference adds the product to the residual stream).
-   S = 1 reads the float16 rows directly; S > 1 widens each block of 8 rows once into `tile` (8 K floats,
-   this thread's) and reuses it for every row of x. */
-static void matvec8(const float *x, int64_t S, const uint16_t *w, int64_t K, int64_t N, float *y, int residual,
-                    float *tile) {
+/* y (S, N) [+]= x (S, K) @ W (N columns in panels), the panels split across the threads of the enclosing
+   parallel region. residual: y += (the reference adds the product to the residual stream). S = 1 runs 4
+   panels at a time (8 chains in flight while the weights stream in); S > 1 runs each panel over groups of up
+   to MAX_ROWS rows, so a panel is read once per group. */
+static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int64_t N, float *y, int residual) {
+    const int64_t panels = N / PANEL;
+    if (S == 1) {
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n += 8) {
-        if (S == 1) {
-            float out[8];
-            dot8(x, w + n * K, K, out);
-            for (int j = 0; j < 8; j++) y[n + j] = residual ? y[n + j] + out[j] : out[j];
-            continue;
+        for (int64_t p = 0; p < panels; p += 4) {
+            int np = panels - p < 4 ? (int)(panels - p) : 4;
+            float out[4 * PANEL];
+            row_panels(x, w + p * K * PANEL, np, K, out);
+            put(y + p * PANEL, out, np * PANEL, residual);
         }
-        const uint16_t *wb = w + n * K;
-#ifdef ES_AVX2
-        for (int64_t i = 0; i < 8 * K; i += 8)
-            _mm256_storeu_ps(tile + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wb + i))));
-#else
-        for (int64_t i = 0; i < 8 * K; i++) tile[i] = half_to_float(wb[i]);
-#endif
-        for (int64_t s = 0; s < S; s += 3) {
-            int R = S - s < 3 ? (int)(S - s) : 3;
-            const float *rows[3] = {x + s * K, x + (s + (R > 1)) * K, x + (s + 2 * (R > 2)) * K};
-            for (int half = 0; half < 2; half++) {
-                float out[3][4];
-                dot_rows(rows, R, tile + half * 4 * K, K, out);
+        return;
+    }
+    const int NP = panels_for(S < MAX_ROWS ? (int)S : MAX_ROWS); /* panels per task */
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; p += NP) {
+        for (int64_t s = 0; s < S; s += MAX_ROWS) { /* the task's panels stay in cache across row groups */
+            const int R = S - s < MAX_ROWS ? (int)(S - s) : MAX_ROWS;
+            const float *rows[MAX_ROWS];
+            for (int r = 0; r < MAX_ROWS; r++) rows[r] = x + (s + (r < R ? r : 0)) * K;
+            /* the whole task at once where R's kernel takes NP panels, else a panel at a time */
+            const int np = (panels - p >= NP && panels_for(R) == NP) ? NP : 1;
+            for (int64_t q = p; q < p + NP && q < panels; q += np) {
+                float out[MAX_ROWS * 8 * PANEL];
+                rows_panels(rows, R, w + q * K * PANEL, np, K, out);
                 for (int r = 0; r < R; r++)
-                    for (int j = 0; j < 4; j++) {
-                        float *dst = y + (s + r) * N + n + half * 4 + j;
-                        *dst = residual ? *dst + out[r][j] : out[r][j];
-                    }
+                    for (int j = 0; j < np; j++)
+                        put(y + (s + r) * N + (q + j) * PANEL, out + (r * np + j) * PANEL, PANEL, residual);
             }
         }
     }
@@ -179,6 +235,100 @@ static float dotD(const float *q, const float *k, int64_t D) {
         for (int l = 0; l < 8; l++) lane[l] = fmaf(q[d + l], k[d + l], lane[l]);
     return reduce8(lane);
 #endif
+}
+
+#ifdef ES_AVX2
+/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2/2, e^r by Cephes' expf polynomial (relative error ~2e-7,
+   like expf); x is clamped to [-87.3, 88.7] (e^x of float32 range) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* v[0..n) = e^(v - mx), returns their sum (in order) */
+static float exp_shift(float *v, int64_t n, float mx) {
+    int64_t i = 0;
+#ifdef ES_AVX2
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(v + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(mx))));
+#endif
+    for (; i < n; i++) v[i] = expf(v[i] - mx);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; j++) sum += v[j];
+    return sum;
+}
+
+/* act[0..n) = silu(gate) * up */
+static void silu_mul(const float *gate, const float *up, float *act, int64_t n) {
+    int64_t i = 0;
+#ifdef ES_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_loadu_ps(gate + i);
+        __m256 e = exp8(_mm256_sub_ps(zero, a));
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
+/* scores of 8 rows: out[j] = q . k_j over D, each as dotD computes it (lanes of 8, reduce8's order) */
+static void dot8rows(const float *q, const float *k, int64_t D, float *out) {
+#ifdef ES_AVX2
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
+    }
+    /* hadd pairs, then halves: out[j] = ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) of a[j], reduce8's order */
+    __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+#else
+    for (int j = 0; j < 8; j++) out[j] = dotD(q, k + j * D, D);
+#endif
+}
+
+/* o (D) = sum over r < n of p[r] v_r (v rows of D), accumulated in registers 32 columns at a time */
+static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, float *o) {
+    int64_t d0 = 0;
+#ifdef ES_AVX2
+    for (; d0 + 32 <= D; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t r = 0; r < n; r++) {
+            __m256 pv = _mm256_broadcast_ss(p + r);
+            const float *vr = v + r * D + d0;
+            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 24), a3);
+        }
+        _mm256_storeu_ps(o + d0, a0);
+        _mm256_storeu_ps(o + d0 + 8, a1);
+        _mm256_storeu_ps(o + d0 + 16, a2);
+        _mm256_storeu_ps(o + d0 + 24, a3);
+    }
+#endif
+    for (int64_t d = d0; d < D; d++) {
+        float acc = 0.f;
+        for (int64_t r = 0; r < n; r++) acc = fmaf(p[r], v[r * D + d], acc);
+        o[d] = acc;
+    }
 }
 
 /* h (S, E) = w * x * rsqrt(mean(x^2) + eps), the reference's order: normalise, then scale */
@@ -206,9 +356,7 @@ static void rope(float *x, int64_t D, const float *cs, const float *sns) {
 
 int es_scratch_floats(const es_model *m, int64_t S, int64_t cap, int threads) {
     int64_t qkv = (m->H + 2 * m->Hkv) * m->D;
-    int64_t kmax = m->E > m->I ? m->E : m->I;
-    kmax = kmax > m->H * m->D ? kmax : m->H * m->D;
-    return (int)(S * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->D) + (int64_t)threads * (cap + 8 * kmax));
+    return (int)(S * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->D) + (int64_t)threads * cap);
 }
 
 /* returns 0, or -1 when a position does not fit the cache */
@@ -218,9 +366,7 @@ int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, 
     const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, g = H / Hkv;
     const int64_t NQKV = (H + 2 * Hkv) * D;
     float *x = scratch, *h = x + S * E, *qkv = h + S * E, *att = qkv + S * NQKV, *gu = att + S * H * D,
-          *act = gu + S * 2 * I, *rc = act + S * I, *scores = rc + S * D; /* per thread: cap scores, a tile */
-    int64_t kmax = E > I ? E : I;
-    kmax = kmax > H * D ? kmax : H * D;
+          *act = gu + S * 2 * I, *rc = act + S * I, *scores = rc + S * D; /* scores: cap per thread */
     const float qscale = 1.0f / sqrtf((float)D);
     for (int64_t s = 0; s < S; s++)
         for (int64_t e = 0; e < E; e++) x[s * E + e] = half_to_float(m->embed[ids[s] * E + e]);
@@ -238,10 +384,10 @@ int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, 
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        float *sc = scores + (int64_t)tid * (cap + 8 * kmax), *tile = sc + cap;
+        float *sc = scores + (int64_t)tid * cap;
         for (int64_t l = 0; l < m->L; l++) {
             rmsnorm(x, m->ln1[l], S, E, m->eps, h);
-            matvec8(h, S, m->wqkv[l], E, NQKV, qkv, 0, tile);
+            matmul(h, S, m->wqkv[l], E, NQKV, qkv, 0);
             /* keys and values of the S new rows into the cache, keys rotated */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < Hkv * S; t++) {
@@ -260,34 +406,24 @@ int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, 
                 rope(q, D, rc + s * D, rc + s * D + D / 2);
                 for (int64_t d = 0; d < D; d++) q[d] *= qscale;
                 const float *K = kc[l] + kh * cap * D, *Vv = vc[l] + kh * cap * D;
+                int64_t r = 0;
+                for (; r + 8 <= n; r += 8) dot8rows(q, K + r * D, D, sc + r);
+                for (; r < n; r++) sc[r] = dotD(q, K + r * D, D);
                 float mx = -INFINITY;
-                for (int64_t r = 0; r < n; r++) {
-                    float a = dotD(q, K + r * D, D);
-                    sc[r] = a;
-                    mx = a > mx ? a : mx;
-                }
-                float sum = 0.f;
-                for (int64_t r = 0; r < n; r++) { sc[r] = expf(sc[r] - mx); sum += sc[r]; }
-                float *o = att + s * H * D + hh * D;
-                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                for (int64_t r = 0; r < n; r++) {
-                    float p = sc[r] / sum;
-                    for (int64_t d = 0; d < D; d++) o[d] += p * Vv[r * D + d];
-                }
+                for (r = 0; r < n; r++) mx = sc[r] > mx ? sc[r] : mx;
+                float sum = exp_shift(sc, n, mx);
+                for (r = 0; r < n; r++) sc[r] = sc[r] / sum;
+                weighted_rows(sc, Vv, n, D, att + s * H * D + hh * D);
             }
-            matvec8(att, S, m->wo[l], H * D, E, x, 1, tile);
+            matmul(att, S, m->wo[l], H * D, E, x, 1);
             rmsnorm(x, m->ln2[l], S, E, m->eps, h);
-            matvec8(h, S, m->wgu[l], E, 2 * I, gu, 0, tile);
+            matmul(h, S, m->wgu[l], E, 2 * I, gu, 0);
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < S * I; t++) {
-                int64_t s = t / I, i = t % I;
-                float a = gu[s * 2 * I + i], u = gu[s * 2 * I + I + i];
-                act[t] = a / (1.0f + expf(-a)) * u;
-            }
-            matvec8(act, S, m->wd[l], I, E, x, 1, tile);
+            for (int64_t s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
+            matmul(act, S, m->wd[l], I, E, x, 1);
         }
         rmsnorm(x, m->norm, S, E, m->eps, h);
-        matvec8(h, S, m->lm_head, E, V, logits, 0, tile);
+        matmul(h, S, m->lm_head, E, V, logits, 0);
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < S; s++) {
             const float *row = logits + s * V;

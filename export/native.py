@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.native import LAYER_KEYS, NATIVE_FILE
+from edgespec.native import LAYER_KEYS, NATIVE_FILE, PANEL, pack
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
@@ -28,6 +28,11 @@ LOGIT_TOLERANCE = 1e-3
 def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The native engine's arrays; CheckpointError naming the first tensor that is not exactly a float16, or
     a model the native step does not compute (biases, sliding windows)."""
+    sizes = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size,
+             "num_heads x head_dim": spec.num_heads * spec.head_dim}
+    odd = {k: v for k, v in sizes.items() if v % PANEL} | ({"head_dim": spec.head_dim} if spec.head_dim % 8 else {})
+    if odd:
+        raise CheckpointError(f"the native step needs multiples of {PANEL} (head_dim: of 8); got {odd}")
     if spec.qkv_bias or spec.sliding_window:
         raise CheckpointError(f"the native step computes Llama-style decoders without attention biases or sliding "
                               f"windows; this {spec.model_type} has qkv_bias={spec.qkv_bias}, "
@@ -43,7 +48,7 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
 
     inv, scale = spec.rope.inv_freq_and_scale(spec.head_dim)
     out = {"embed": f16("model.embed_tokens.weight", weights["model.embed_tokens.weight"]),
-           "lm_head": f16("lm_head.weight", weights["lm_head.weight"]),
+           "lm_head": pack(f16("lm_head.weight", weights["lm_head.weight"])),
            "norm": weights["model.norm.weight"].astype(np.float32),
            "inv_freq": np.asarray(inv, np.float32),
            "scalars": np.array([spec.rms_norm_eps, scale], np.float32)}
@@ -52,12 +57,12 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
         w = lambda n: weights[p + n]
         out[f"layers.{i}.ln1"] = w("input_layernorm.weight").astype(np.float32)
         out[f"layers.{i}.ln2"] = w("post_attention_layernorm.weight").astype(np.float32)
-        out[f"layers.{i}.wqkv"] = f16(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
-            [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
-        out[f"layers.{i}.wo"] = f16(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight"))
-        out[f"layers.{i}.wgu"] = f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
-            [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0))
-        out[f"layers.{i}.wd"] = f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight"))
+        out[f"layers.{i}.wqkv"] = pack(f16(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
+            [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0)))
+        out[f"layers.{i}.wo"] = pack(f16(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight")))
+        out[f"layers.{i}.wgu"] = pack(f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
+            [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0)))
+        out[f"layers.{i}.wd"] = pack(f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight")))
     assert all(f"layers.0.{k}" in out for k in LAYER_KEYS)
     return out
 
