@@ -108,6 +108,9 @@ def plan(args) -> list[Mode]:
     from edgespec.generate import DRAFT_THREADS
     es_threads = int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1  # edgespec's target
     es_draft = f"{DEMO_ENGINES['demo-draft'][1]} draft"  # edgespec's demo draft engine: "int8 draft"
+    # the target's provider, a sweep dimension of every speculative edgespec mode ("" for cpu: the labels of
+    # earlier runs stay as they were); the draft runs on cpu beside either (engine.draft_provider)
+    provs = [(f", {p}" if p != "cpu" else "", ("--provider", p)) for p in args.edgespec_providers.split(",") if p]
     g, kmax = _ints(args.gammas), max(_ints(args.gammas))
     gg = [str(x) for x in g] + ["auto"]
     chained = {"off": False, "on": True}
@@ -130,16 +133,17 @@ def plan(args) -> list[Mode]:
              (Config("provider cpu-native: float16 weights, float32 math", ("--mode", "plain", "--provider",
                                                                             "cpu-native")),)),
         Mode("edgespec draft", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}, {es_draft}", ("--mode", "draft", "--gamma", x)) for x in gg)),
+             tuple(Config(f"γ={x}, {es_draft}{pl}", ("--mode", "draft", "--gamma", x) + pa)
+                   for pl, pa in provs for x in gg)),
         Mode("edgespec draft+lookup", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}, lookup={n}" + (f", lookup γ={L}" if L else "") + f", {es_draft}",
+             tuple(Config(f"γ={x}, lookup={n}" + (f", lookup γ={L}" if L else "") + f", {es_draft}{pl}",
                           ("--mode", "draft", "--gamma", x, "--lookup", str(n))
-                          + (("--lookup-gamma", str(L)) if L else ()))
-                   for L in _ints(args.lookup_lengths) for n in _ints(args.lookups)
+                          + (("--lookup-gamma", str(L)) if L else ()) + pa)
+                   for pl, pa in provs for L in _ints(args.lookup_lengths) for n in _ints(args.lookups)
                    for x in _gammas(args.lookup_gammas))),
         Mode("edgespec ngram", "edgespec", "edgespec",
-             tuple(Config(f"γ={x}, max_ngram={n}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)))
-                   for n in _ints(args.max_ngrams) for x in gg)),
+             tuple(Config(f"γ={x}, max_ngram={n}{pl}", ("--mode", "ngram", "--gamma", x, "--max-ngram", str(n)) + pa)
+                   for pl, pa in provs for n in _ints(args.max_ngrams) for x in gg)),
         Mode("ORT GenAI plain", "ORT GenAI", "genai",
              tuple(Config(lab, ("--mode", "plain") + a) for lab, a in genai_threads.items())),
     ]
@@ -397,8 +401,8 @@ def mode_ratios(systems: dict) -> dict:
     """Within each system (speculative / plain) and like for like across systems, best configs throughout."""
     t = {n: _tps(s) for n, s in systems.items() if _tps(s)}
     genai_draft = max((n for n in t if n.startswith("ORT GenAI draft")), key=t.get, default=None)
-    pairs = [("edgespec draft", "edgespec plain"), ("edgespec draft+lookup", "edgespec plain"),
-             ("edgespec draft+lookup", "edgespec draft"), ("edgespec ngram", "edgespec plain"),
+    pairs = [(n, plain_for(systems, n)) for n in ("edgespec draft", "edgespec draft+lookup", "edgespec ngram")] + [
+             ("edgespec draft+lookup", "edgespec draft"),
              ("ORT GenAI ngram", "ORT GenAI plain"), ("HF assisted", "HF plain"), ("HF prompt lookup", "HF plain"),
              ("edgespec plain", "ORT GenAI plain"), (PLAIN_NATIVE, "ORT GenAI plain"), (PLAIN_NATIVE, "edgespec plain"),
              ("edgespec ngram", "ORT GenAI ngram"),
@@ -433,12 +437,19 @@ CONFIGURATIONS = (
 
 
 # ---- head to head: the comparisons the targets name, paired in time ------------------------------------------
+def plain_for(systems: dict, name: str) -> str:
+    """The edgespec plain row on the same target provider as row `name` (its speedup over plain is the one the
+    paper's formula predicts from that row's costs)."""
+    return PLAIN_NATIVE if "cpu-native" in str(systems.get(name, {}).get("config", "")) else "edgespec plain"
+
+
 def head_to_head_pairs(systems: dict, system_of: dict) -> list[tuple[str, str]]:
     """(edgespec's fastest greedy row, ORT GenAI's fastest row), (edgespec plain, ORT GenAI plain) and (edgespec
     draft, edgespec plain), where both rows ran: the comparisons the issue's targets are about (the last is the
     measured speedup that predicted vs measured divides)."""
     pairs = [(b["edgespec"], b["peer"]) for b in best_vs_best(systems, system_of) if b["peer_system"] == "ORT GenAI"]
-    for a, b in (("edgespec plain", "ORT GenAI plain"), (PLAIN_NATIVE, "ORT GenAI plain"), (DRAFT, "edgespec plain")):
+    for a, b in (("edgespec plain", "ORT GenAI plain"), (PLAIN_NATIVE, "ORT GenAI plain"),
+                 (DRAFT, plain_for(systems, DRAFT))):
         if _tps(systems.get(a, {})) and _tps(systems.get(b, {})):
             pairs.append((a, b))
     return list(dict.fromkeys(pairs))
@@ -530,6 +541,8 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
     ap.add_argument("--genai-draft-precisions", default="fp32,int8",
                     help="GenAI draft: the draft model's build (fp32, int8, int4; the target stays fp32)")
+    ap.add_argument("--edgespec-providers", default="cpu,cpu-native",
+                    help="edgespec speculative modes: the target's providers swept (plain runs on each as its own mode)")
     ap.add_argument("--runoff", type=int, default=3, help="after the sweep, each mode's N fastest configurations "
                     "run twice more on the sweep prompts (opposite orders); selection takes the median of the three "
                     "speeds (0 or 1: the sweep alone)")
@@ -768,11 +781,11 @@ def predicted_vs_measured(ed: dict | None, systems: dict, head_to_head: list | N
     g = round(dr / rounds) if rounds else 0
     t1 = cm["t_verify_ms"][0]
     p = expected_tokens(alpha, g) / (g * cm["t_draft_ms"] / t1 + cm["t_verify_ms"][g] / t1) if g else 1.0
-    a, b = _tps(systems.get(DRAFT, {})), _tps(systems.get("edgespec plain", {}))
-    paired = next((h.get("ratio_median") for h in head_to_head or [] if (h["a"], h["b"]) == (DRAFT, "edgespec plain")),
-                  None)
+    plain = plain_for(systems, DRAFT)
+    a, b = _tps(systems.get(DRAFT, {})), _tps(systems.get(plain, {}))
+    paired = next((h.get("ratio_median") for h in head_to_head or [] if (h["a"], h["b"]) == (DRAFT, plain)), None)
     return {"alpha": alpha, "mean_gamma": g, "predicted_speedup": p, "measured_speedup": a / b if a and b else None,
-            "measured_speedup_head_to_head": paired}
+            "measured_speedup_head_to_head": paired, "plain": plain}
 
 
 def memory_bandwidth_gbs(mib: int = 512, reps: int = 5) -> dict:
@@ -848,8 +861,8 @@ def markdown(r: dict) -> str:
     if r.get("edgespec_predicted_vs_measured"):
         p = r["edgespec_predicted_vs_measured"]
         paired = p.get("measured_speedup_head_to_head")
-        rows.append(f"edgespec draft: α = {p['alpha']:.3f}, mean γ {p['mean_gamma']}, predicted speedup "
-                    f"{p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x (final "
+        rows.append(f"edgespec draft: α = {p['alpha']:.3f}, mean γ {p['mean_gamma']}, predicted speedup over "
+                    f"{p.get('plain', 'edgespec plain')} {p['predicted_speedup']:.2f}x, measured {p['measured_speedup'] or float('nan'):.2f}x (final "
                     f"medians)" + (f", {paired:.2f}x head to head ({100 * paired / p['predicted_speedup']:.0f}% of "
                                    f"predicted)" if paired else ""))
     sweep = r.get("sweep", {}).get("modes")

@@ -212,7 +212,8 @@ class NativeDecoder(Decoder):
         self.memory = HostMemory()
         self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, "float32", self.memory)
         self._outs: dict[int, _Outputs] = {}
-        self._scratch = np.zeros(0, np.float32)
+        self._scratch, self._scratch_s = np.zeros(0, np.float32), 0  # scratch sized for calls of up to S tokens
+        self._pointers: tuple = (-1, [])  # (cache generation, per sequence (key, value) address tables)
         self._last = None
         self.last_start = np.zeros(batch, np.int64)
         self._ids_host = None
@@ -238,17 +239,21 @@ class NativeDecoder(Decoder):
         if out is None:
             out = self._outs[s] = _Outputs(self.memory, b, s, self.m)
         e = self.engine
-        need = e.lib.es_scratch_floats(ctypes.byref(e.model), s, cache.capacity, e.threads)
-        if self._scratch.size < need:
-            self._scratch = np.zeros(need, np.float32)
+        if s > self._scratch_s or self._pointers[0] != cache.generation:
+            need = e.lib.es_scratch_floats(ctypes.byref(e.model), max(s, self._scratch_s), cache.capacity, e.threads)
+            if self._scratch.size < need:
+                self._scratch = np.zeros(need, np.float32)
+            self._scratch_s = max(s, self._scratch_s)
+        if self._pointers[0] != cache.generation:  # each sequence's per-layer key / value addresses
+            L = self.m.num_layers
+            self._pointers = (cache.generation, [
+                ((ctypes.c_void_p * L)(*[cache.buffers[2 * j].handle[i].ctypes.data for j in range(L)]),
+                 (ctypes.c_void_p * L)(*[cache.buffers[2 * j + 1].handle[i].ctypes.data for j in range(L)]))
+                for i in range(b)])
         logits, nid = out.logits.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
         t0 = time.perf_counter()
-        for i in range(b):
-            ks = (ctypes.c_void_p * self.m.num_layers)(*[cache.buffers[2 * j].handle[i].ctypes.data
-                                                         for j in range(self.m.num_layers)])
-            vs = (ctypes.c_void_p * self.m.num_layers)(*[cache.buffers[2 * j + 1].handle[i].ctypes.data
-                                                         for j in range(self.m.num_layers)])
+        for i, (ks, vs) in enumerate(self._pointers[1]):
             rc = e.lib.es_forward(ctypes.byref(e.model), s, ids[i].ctypes.data, int(start[i]), ks, vs,
                                   cache.capacity, logits[i].ctypes.data, nid[i].ctypes.data,
                                   hidden[i].ctypes.data if hidden is not None else None,

@@ -150,7 +150,7 @@ SWEEP = dict(gammas="2,3,4,5,6", max_ngrams="2,3,4", genai_ngram_sizes="2,3,4", 
              hf_lookup_ngrams="2,3", modes=None, lookup_gammas="4,5,6,8,auto", lookups="2,3",
              lookup_lengths="0,12,16",
              genai_draft_ks="2,3,4,5,6,8", genai_adaptive_ks="4,6,8", genai_min_adaptive_k="1,2",
-             genai_draft_precisions="fp32,int8")  # bench_peers.py's defaults
+             genai_draft_precisions="fp32,int8", edgespec_providers="cpu,cpu-native")  # bench_peers.py's defaults
 
 
 def _plan(monkeypatch, **over):
@@ -172,9 +172,12 @@ def test_genai_draft_is_tried_with_its_default_threads_and_with_edgespecs(monkey
     assert [_opt(c, "--gamma") for c in default] == per_precision * 2
     assert all(c.argv[-4:] == ("--threads", "0", "--draft-threads", "0") for c in default)
     assert all(c.argv[-4:] == ("--threads", "2", "--draft-threads", str(DRAFT_THREADS)) for c in ours)
-    assert [c.label for c in modes["edgespec draft"].configs] == [f"γ={g}, int8 draft" for g in
-                                                                  ("2", "3", "4", "5", "6", "auto")]
-    assert len(modes["edgespec ngram"].configs) == 18 and len(modes["ORT GenAI ngram"].configs) == 72
+    assert [c.label for c in modes["edgespec draft"].configs] == [f"γ={g}, int8 draft{p}" for p in ("", ", cpu-native")
+                                                                  for g in ("2", "3", "4", "5", "6", "auto")]
+    assert [_opt(c, "--provider") for c in modes["edgespec draft"].configs] == ["cpu"] * 6 + ["cpu-native"] * 6
+    assert len(modes["edgespec ngram"].configs) == 36 and len(modes["ORT GenAI ngram"].configs) == 72
+    assert _opt(modes["edgespec plain native"].configs[0], "--provider") == "cpu-native"
+    assert _opt(modes["edgespec plain"].configs[0], "--provider") is None  # the runner's default: cpu
 
 
 def test_genai_draft_is_swept_over_draft_precision_and_adaptive_k_and_its_label_says_both(monkeypatch):
@@ -198,11 +201,12 @@ def test_edgespec_draft_plus_lookup_sweeps_gamma_by_lookup(monkeypatch):
     modes = _plan(monkeypatch)
     cfgs = modes["edgespec draft+lookup"].configs
     assert modes["edgespec draft+lookup"].system == "edgespec" and modes["edgespec draft+lookup"].runner == "edgespec"
-    assert [(_opt(c, "--gamma"), _opt(c, "--lookup"), _opt(c, "--lookup-gamma")) for c in cfgs] == \
-        [(g, n, L) for L in (None, "12", "16") for n in ("2", "3") for g in ("4", "5", "6", "8", "auto")]
+    assert [(_opt(c, "--gamma"), _opt(c, "--lookup"), _opt(c, "--lookup-gamma"), _opt(c, "--provider")) for c in cfgs] == \
+        [(g, n, L, p) for p in ("cpu", "cpu-native") for L in (None, "12", "16") for n in ("2", "3")
+         for g in ("4", "5", "6", "8", "auto")]
     assert all(c.argv[:2] == ("--mode", "draft") for c in cfgs)
     assert cfgs[0].label == "γ=4, lookup=2, int8 draft"
-    assert cfgs[-1].label == "γ=auto, lookup=3, lookup γ=16, int8 draft"
+    assert cfgs[-1].label == "γ=auto, lookup=3, lookup γ=16, int8 draft, cpu-native"
     assert not any("--lookup" in c.argv for n, m in modes.items() if n != "edgespec draft+lookup" for c in m.configs)
     assert "edgespec draft+lookup" in _plan(monkeypatch, modes="edgespec draft+lookup")
 
@@ -233,7 +237,7 @@ def _run_edgespec(monkeypatch, capsys, tmp_path, load, **over):
     (tmp_path / "p.json").write_text(json.dumps(["a", "b"]))
     args = argparse.Namespace(**{**dict(engines=tmp_path, prompts=tmp_path / "p.json", mode="draft", gamma="5",
                                         max_ngram=None, lookup=None, lookup_gamma=None, max_new_tokens=8,
-                                        temperature=0.0, repeats=1),
+                                        temperature=0.0, repeats=1, provider="cpu"),
                                  **over})
     edgespec_runner(args)
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -247,15 +251,18 @@ def test_the_edgespec_runner_passes_lookup_to_load_only_when_asked(monkeypatch, 
         return _Gen()
 
     out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=3)
-    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3}
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3, "provider": "cpu"}
     assert out["mode"] == "draft+lookup" and out["config"]["lookup"] == 3 and len(out["results"]) == 2
     out = _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup=3, lookup_gamma=12)
-    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3, "lookup_gamma": 12}
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "lookup": 3, "lookup_gamma": 12,
+                         "provider": "cpu"}
     assert out["config"]["lookup_gamma"] == 12
     with pytest.raises(SystemExit, match="--lookup-gamma goes with --lookup"):
         _run_edgespec(monkeypatch, capsys, tmp_path, load, lookup_gamma=12)
     out = _run_edgespec(monkeypatch, capsys, tmp_path, load)  # plain draft mode: no lookup keyword at all
-    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5}
+    assert calls[-1] == {"target": "TARGET", "draft": "DRAFT", "gamma": 5, "provider": "cpu"}
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load, provider="cpu-native")  # the target's provider
+    assert calls[-1]["provider"] == "cpu-native" and out["config"]["provider"] == "cpu-native"
     assert out["mode"] == "draft" and out["config"]["lookup"] is None
 
 
@@ -382,3 +389,14 @@ def test_predicted_vs_measured_takes_the_paired_speedup_when_the_head_to_head_ra
     assert predicted_vs_measured(ed, systems)["measured_speedup_head_to_head"] is None
     r = dict(report(systems), edgespec_predicted_vs_measured=got)
     assert "measured 2.00x (final medians), 1.80x head to head (148% of predicted)" in markdown(r)
+    # a draft row on provider cpu-native is measured against plain decoding on cpu-native, its own target
+    systems.update({"edgespec draft": row(900.0, "γ=3, int8 draft, cpu-native"),
+                    "edgespec plain native": row(450.0, "provider cpu-native: float16 weights, float32 math")})
+    h2h.append({"a": "edgespec draft", "b": "edgespec plain native", "ratio_median": 1.9})
+    got = predicted_vs_measured(ed, systems, h2h)
+    assert got["plain"] == "edgespec plain native" and got["measured_speedup"] == 2.0
+    assert got["measured_speedup_head_to_head"] == 1.9
+    assert "predicted speedup over edgespec plain native" in markdown(dict(report(systems),
+                                                                            edgespec_predicted_vs_measured=got))
+    assert ("edgespec draft", "edgespec plain native") in head_to_head_pairs(systems, report(systems)["system_of"])
+    assert mode_ratios(systems)["edgespec draft / edgespec plain native"] == 2.0
