@@ -106,7 +106,9 @@ def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.nd
         np.savez(tmp, **arrays)
         os.replace(tmp, engine_dir / NATIVE_FILE)
         info = {"file": NATIVE_FILE, "sha256": C.file_sha256(engine_dir / NATIVE_FILE),
-                "intermediate_size": spec.intermediate_size, "weights": "float16", "arithmetic": "float32"}
+                "intermediate_size": spec.intermediate_size, "weights": "float16", "arithmetic": "float32",
+                # what a token reads: every array but the embedding table, of which it reads one row
+                "weight_bytes_per_token": int(sum(a.nbytes for k, a in arrays.items() if k != "embed"))}
         m.extra["native"] = info
         m.write(engine_dir)
         try:

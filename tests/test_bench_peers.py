@@ -398,5 +398,14 @@ def test_predicted_vs_measured_takes_the_paired_speedup_when_the_head_to_head_ra
     assert got["measured_speedup_head_to_head"] == 1.9
     assert "predicted speedup over edgespec plain native" in markdown(dict(report(systems),
                                                                             edgespec_predicted_vs_measured=got))
+    # the per-round costs the cost model measured count too: E = 2.734375 tokens per round of
+    # 0.25 + 0.75 + 3 · 0.5 + 3 = 5.5 ms, against (0.25 + 2) ms per plain token
+    ed["cost_model"].update(t_round_ms=0.25, t_draft_round_ms=0.75)
+    got = predicted_vs_measured(ed, systems, h2h)
+    assert got["predicted_speedup"] == pytest.approx(2.734375 * 2.25 / 5.5)
+    assert got["predicted_speedup_paper"] == pytest.approx(2.734375 / 2.25)
+    assert got["cost_model_ms"]["t_draft_round_ms"] == 0.75
+    md = markdown(dict(report(systems), edgespec_predicted_vs_measured=got))
+    assert "1.12x from every measured cost (1.22x from draft and verify calls alone, the paper's formula)" in md
     assert ("edgespec draft", "edgespec plain native") in head_to_head_pairs(systems, report(systems)["system_of"])
     assert mode_ratios(systems)["edgespec draft / edgespec plain native"] == 2.0

@@ -66,13 +66,18 @@ def _run_both(target, chunks, march=None, monkeypatch=None):
     return ref, nat
 
 
-def test_export_writes_native_weights_that_pass_their_gate(native_engines):
+def test_export_writes_native_weights_that_pass_their_gate(native_engines, capsys):
+    from edgespec.cli import main
     target, draft = native_engines
     info = Manifest.read(target).extra["native"]
     assert info["file"] == "native.npz" and info["gate"]["passed"] and info["gate"]["ids_agree"] == info["gate"]["ids"]
     assert "not exactly float16" in Manifest.read(draft).extra["native"]["unavailable"]
     with pytest.raises(EngineError, match="no native weights.*not exactly float16"):
         open_engine(draft, "cpu-native")
+    assert main(["inspect", str(target)]) == 0 and main(["inspect", str(draft)]) == 0
+    out = capsys.readouterr().out
+    assert "provider cpu-native: native.npz, float16 weights and float32 math" in out and "ids 64/64" in out
+    assert "provider cpu-native: not available (model.embed_tokens.weight:" in out
 
 
 @pytest.mark.parametrize("march", [None, "haswell", "x86-64"])  # this CPU; AVX2 without AVX-512; portable C
