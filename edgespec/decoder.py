@@ -154,9 +154,17 @@ class Decoder:
         step_inputs_into(self.m, start, s, cache.capacity, valid, inputs)
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
-        t1 = time.perf_counter()
-        cache.wrote(s)
-        self._last, self._ids_host, self.last_start = entry, None, start
+        self._called(s, entry, t0, time.perf_counter(), start, valid)
+
+    def _called(self, s: int, last, t0: float, t1: float, start: np.ndarray | None = None,
+                valid: np.ndarray | None = None) -> None:
+        """After an engine call of S tokens per sequence (t0..t1 inside the engine): the rows it wrote are the
+        cache's, `last` holds its outputs (start: (B,) the position of its first row), a row whose outputs are
+        not finite is scrubbed, and the counters and the trace move on. Every backend's run() ends here."""
+        self.cache.wrote(s)
+        self._last, self._ids_host = last, None
+        if start is not None:
+            self.last_start = start
         self._scrub_if_failed(s, valid)
         self.engine_s += t1 - t0
         self.calls += 1

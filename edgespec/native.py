@@ -261,14 +261,7 @@ class NativeDecoder(Decoder):
             if rc != 0:
                 raise EngineError(f"native step: rows {int(start[i])}..{int(start[i]) + s - 1} do not fit the "
                                   f"cache's {cache.capacity} rows")
-        t1 = time.perf_counter()
-        cache.wrote(s)
-        self._last, self._ids_host, self.last_start = out, None, start
-        self._scrub_if_failed(s, valid)
-        self.engine_s += t1 - t0
-        self.calls += 1
-        if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
+        self._called(s, out, t0, time.perf_counter(), start, valid)
 
     def greedy_steps(self, pending: int, n: int):
         return self.greedy_steps_reference(pending, n)

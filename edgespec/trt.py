@@ -424,14 +424,7 @@ class TrtDecoder(Decoder):
         t0 = time.perf_counter()
         self._enqueue(profile, io, s)
         self.stream.synchronize()
-        t1 = time.perf_counter()
-        self.cache.wrote(s)
-        self._last, self._ids_host = (io, s), None
-        self._scrub_if_failed(s)
-        self.engine_s += t1 - t0
-        self.calls += 1
-        if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
+        self._called(s, (io, s), t0, time.perf_counter())
 
     def greedy_steps(self, pending: int, n: int):
         """One call at a time through run() (its CUDA graphs, its profiles)."""
