@@ -599,3 +599,16 @@ def check_policy_content(policy_dir: Path, meta: dict) -> None:
     if file_sha256(stats) != meta["action_stats_sha256"]:
         raise PolicyFileError(f"{stats} was edited after export (it does not match action_stats_sha256 in "
                               f"{path}); {REEXPORT}")
+
+
+def checked_folder(engine_dir, hashes: bool = True) -> tuple[Path, Manifest]:
+    """(folder, its manifest) with the files beside it checked against the manifest: one EngineError naming
+    what is wrong (the native and TensorRT engines load through this)."""
+    d = Path(engine_dir)
+    if not d.is_dir():
+        raise EngineError(f"{d}: no such engine folder")
+    m = Manifest.read(d)
+    problems = m.check_files(d, hashes=hashes)
+    if problems:
+        raise EngineError(f"{d}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+    return d, m

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import EngineError, Manifest, file_sha256
+from .contract import EngineError, Manifest, checked_folder, file_sha256
 from .decoder import Decoder
 from .kvcache import KVCache
 from .memory import HostMemory
@@ -130,13 +130,8 @@ class NativeEngine:
     provider = "cpu-native"
 
     def __init__(self, engine_dir: str | Path, threads: int | None = None, check_hashes: bool = True):
-        self.dir = Path(engine_dir)
-        if not self.dir.is_dir():
-            raise EngineError(f"{self.dir}: no such engine folder")
-        self.manifest = m = Manifest.read(self.dir)
-        problems = m.check_files(self.dir, hashes=check_hashes)
-        if problems:
-            raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+        self.dir, self.manifest = checked_folder(engine_dir, check_hashes)
+        m = self.manifest
         info = m.extra.get("native") or {}
         if not info.get("file"):
             why = info.get("unavailable", "it was exported before native weights existed")

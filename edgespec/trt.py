@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import contract as C
-from .contract import EngineError, Manifest
+from .contract import EngineError, Manifest, checked_folder
 from .cuda import CudaMemory, check, cudart, device_info, gpu_available
 from .decoder import Decoder
 from .kvcache import KVCache
@@ -154,14 +154,8 @@ class TrtEngine:
     provider = PROVIDER
 
     def __init__(self, engine_dir: str | Path, check_hashes: bool = True, device_id: int = 0):
-        self.dir = Path(engine_dir)
-        self.device_id = device_id
-        if not self.dir.is_dir():
-            raise EngineError(f"{self.dir}: no such engine folder")
-        self.manifest = m = Manifest.read(self.dir)
-        problems = m.check_files(self.dir, hashes=check_hashes)
-        if problems:
-            raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - " + "\n  - ".join(problems))
+        self.dir, self.manifest = checked_folder(engine_dir, check_hashes)
+        m, self.device_id = self.manifest, device_id
         if m.kind != "decoder":
             raise EngineError(f"{self.dir}: native TensorRT runs contract decoders (kind 'decoder'), got {m.kind!r}")
         info = m.extra.get("tensorrt") or {}
