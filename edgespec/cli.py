@@ -307,7 +307,8 @@ DEMO_PROMPTS = [
 
 DEMO_ENGINES = {"demo-target": ("demo-target", "fp32"),  # engine folder -> (checkpoint, precision)
                 "demo-draft": ("demo-draft", "int8")}  # int8 draft: 4x fewer bytes to stream per draft step
-DEMO_RECIPE = 2  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8): re-exported on use
+DEMO_RECIPE = 3  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8; 3: the target
+#                 carries native weights for provider cpu-native): re-exported on use
 
 
 def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
