@@ -223,6 +223,8 @@ class NativeDecoder(Decoder):
         if embeds is not None:
             raise ValueError("provider 'cpu-native' runs ids-input engines; got embeds")
         ids = self._first(tokens, None)  # (B, S) int64, checked
+        if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
+            ids = np.ascontiguousarray(np.where(valid, ids, 0))
         b, s = ids.shape
         lo, hi = 0, self.m.vocab_size
         if ids.size and (ids.min() < lo or ids.max() >= hi):

@@ -110,6 +110,23 @@ def test_a_row_does_not_depend_on_the_calls_s(native_engines):
     assert np.array_equal(together, np.stack(one))
 
 
+def test_a_batch_with_padding_matches_onnx_runtime_on_its_real_rows(native_engines):
+    ref, nat = (open_engine(native_engines[0], p).decoder(batch=2) for p in ("cpu", "cpu-native"))
+    rng = np.random.default_rng(3)
+    for d in (ref, nat):
+        d.ids(rng.integers(0, 96, (2, 12)) * 0 + np.arange(12) % 96)
+        d.cache.commit(np.array([12, 9]))  # the sequences now differ in length
+    feed = rng.integers(0, 96, (2, 5))
+    feed[1, 3:] = -7  # padding: never a real token
+    valid = np.array([[True] * 5, [True, True, True, False, False]])
+    a, b = np.array(ref(feed, valid)), np.array(nat(feed, valid))
+    np.testing.assert_allclose(b[0], a[0], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(b[1, :3], a[1, :3], atol=1e-4, rtol=0)
+    assert (nat.last_ids()[valid] == ref.last_ids()[valid]).all()
+    with pytest.raises(ValueError, match="token ids must be in 0..255"):
+        nat(feed)  # the same ids, all marked real
+
+
 def test_stale_rows_never_reach_the_output(native_engines):
     d = open_engine(native_engines[0], "cpu-native").decoder()
     toks = np.random.default_rng(2).integers(0, 96, (1, 20))
