@@ -50,7 +50,7 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build_library(verbose: bool = False) -> Path:
+def build_library() -> Path:
     """Compile native_step.c for this CPU (once per source and compiler): -> the shared library's path."""
     cc = compiler()
     if cc is None:
@@ -105,11 +105,6 @@ def pack(w: np.ndarray) -> np.ndarray:
     if n % PANEL:
         raise ValueError(f"a packed matrix needs a multiple of {PANEL} output columns, got {n}")
     return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
-
-
-def unpack(p: np.ndarray) -> np.ndarray:
-    """pack's inverse: (N/PANEL, K, PANEL) -> (N, K) (for tests and inspection)."""
-    return np.ascontiguousarray(p.transpose(0, 2, 1).reshape(-1, p.shape[1]))
 
 
 def expected_shapes(m: Manifest, intermediate: int) -> dict[str, tuple]:
@@ -261,6 +256,7 @@ class NativeDecoder(Decoder):
         self._called(s, out, t0, time.perf_counter(), start, valid)
 
     def greedy_steps(self, pending: int, n: int):
+        """One call at a time through run() (a native step's host work is a ctypes call and a few checks)."""
         return self.greedy_steps_reference(pending, n)
 
     def reference_call(self, tokens, valid=None, embeds=None):

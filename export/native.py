@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.native import LAYER_KEYS, NATIVE_FILE, PANEL, pack
+from edgespec.native import NATIVE_FILE, PANEL, pack
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
@@ -63,7 +63,6 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
         out[f"layers.{i}.wgu"] = pack(f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
             [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0)))
         out[f"layers.{i}.wd"] = pack(f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight")))
-    assert all(f"layers.0.{k}" in out for k in LAYER_KEYS)
     return out
 
 
@@ -128,8 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("engine_dir", type=Path)
     p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the folder was exported from")
     a = p.parse_args(argv)
+    from .checkpoint import hash_files, weight_files
     from .onnx_export import calibration_rows
-    spec, weights = load_checkpoint(a.checkpoint)
+    try:
+        m = C.Manifest.read(a.engine_dir)
+        spec, weights = load_checkpoint(a.checkpoint)
+        if m.source_sha256 and hash_files(weight_files(a.checkpoint) + [a.checkpoint / "config.json"]) != m.source_sha256:
+            raise CheckpointError(f"{a.engine_dir} was exported from another checkpoint than {a.checkpoint} "
+                                  f"(engine.json's source_sha256 differs); give the checkpoint it was exported from")
+    except (C.EngineError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows, _ = calibration_rows(a.checkpoint, spec.vocab_size, 64, seq=64)
     info = add_native(a.engine_dir, spec, weights, np.asarray(rows[0][:64]))
     if "unavailable" in info:

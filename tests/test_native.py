@@ -163,6 +163,21 @@ def test_generation_on_cpu_native_is_identical_to_cpu(native_engines):
         assert spec.generate(p, max_new_tokens=40).token_ids == want
 
 
+def test_adding_native_weights_to_a_folder_checks_the_checkpoint(native_engines, tmp_path, capsys):
+    from edgespec.export.native import main
+    target, _ = native_engines
+    folder = tmp_path / "t"
+    shutil.copytree(target, folder)
+    (folder / "native.npz").unlink()
+    m = Manifest.read(folder)
+    del m.extra["native"]
+    m.write(folder)
+    assert main([str(folder), "--checkpoint", str(target.parent / "ck-draft")]) == 2
+    assert "exported from another checkpoint" in capsys.readouterr().err
+    assert main([str(folder), "--checkpoint", str(target.parent / "ck-target")]) == 0
+    assert Manifest.read(folder).extra["native"]["gate"]["passed"] and (folder / "native.npz").is_file()
+
+
 def test_folder_problems_are_clear_errors(native_engines, tmp_path, monkeypatch):
     target, _ = native_engines
     bad = tmp_path / "bad"
