@@ -1,8 +1,10 @@
 """One GPU run that checks and measures every GPU path against the CPU, written to one JSON.
 
     python bench/device_check.py --out bench/results/device.json [--only cpu,cuda,tensorrt,native] [--no-vla]
+                                 [--setup .venv-device/setup.json]
 
-(run through bench/device_check.sh on a fresh machine: it installs the packages.)
+(run through bench/device_check.sh on a fresh machine: bench/device_setup.py installs the packages and picks the
+paths that can run; --setup puts its record, with the reason for each path left out, in the report.)
 
 Paths: cpu (ONNX Runtime CPU, fp32 target + int8 draft: the shipped CPU pair), cuda (ORT CUDA EP),
 tensorrt (ORT TensorRT EP, explicit profiles + engine cache), native (edgespec.trt: a TensorRT plan through
@@ -117,7 +119,7 @@ def ensure_plan(d: Path, gamma_max: int = 8) -> str:
     return f"built in {time.time() - t0:.0f}s"
 
 
-def prepare(vla: bool) -> dict:
+def prepare(vla: bool, plans_wanted: bool = True) -> dict:
     """Exports first (CPU work), then plans; each item records its own error, so a machine without
     TensorRT still gets every export and the ORT paths still run."""
     from edgespec.cli import ensure_demo_engines, ensure_policy_engines
@@ -156,7 +158,7 @@ def prepare(vla: bool) -> dict:
         item("vla_cpu", lambda: str(ensure_policy_engines(MODELS, ENGINES)))
         item("export vla-reacher-fp16", export_vla_fp16)
         plans += [(DEV / "vla-reacher-fp16" / sub, VLA_GAMMA_MAX) for sub in ("target", "draft")]
-    for d, gmax in plans:
+    for d, gmax in plans if plans_wanted else []:  # only the native path reads the plans
         if (d / "engine.json").is_file():
             item(f"plan {d.relative_to(DEV)}", lambda d=d, gmax=gmax: ensure_plan(d, gmax))
     return out
@@ -317,6 +319,9 @@ def summary(data: dict, paths) -> str:
     rows = [head, "-" * len(head)]
     for p in paths:
         r = data.get("paths", {}).get(p, {})
+        if "unavailable" in r:
+            rows.append(f"{p:<9}unavailable: {r['unavailable']}")
+            continue
         host = r.get("text", {}).get("speculative", {}).get("host_fraction") if isinstance(r.get("text"), dict) else None
         rows.append(f"{p:<9}{g(r, 'parity', 'top1_agreement'):>7}{g(r, 'parity', 'max_abs_logit_diff'):>9}"
                     f"{g(r, 'text', 'plain', 'tokens_per_s'):>11}{g(r, 'text', 'speculative', 'tokens_per_s'):>10}"
@@ -338,6 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--vla-obs", type=int, default=20)
     ap.add_argument("--no-vla", action="store_true")
+    ap.add_argument("--setup", type=Path, help="device_setup.py's record (VENV/setup.json)")
     args = ap.parse_args(argv)
     paths = [p for p in args.only.split(",") if p]
     bad = [p for p in paths if p not in PATHS]
@@ -350,9 +356,16 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"onnxruntime preload_dlls: {e}", file=sys.stderr)
     rep = Report(args.out)
+    if args.setup:
+        setup = json.loads(args.setup.read_text())
+        rep.data["setup"] = setup
+        for p in PATHS:
+            why = setup.get("paths", {}).get(p, "runs")
+            if p not in paths and why != "runs":
+                rep.data.setdefault("paths", {})[p] = {"unavailable": why}
     v = rep.step(("versions",), versions)
     print(json.dumps(v, indent=1, default=str))
-    rep.step(("prepare",), lambda: prepare(not args.no_vla))
+    rep.step(("prepare",), lambda: prepare(not args.no_vla, "native" in paths))
     seqs = prompts_ids(args.prompts, args.context)
     for p in paths:
         if p != "cpu":
@@ -363,7 +376,7 @@ def main(argv=None) -> int:
         rep.step(("paths", p, "vla"), lambda p=p: vla(p, args.vla_obs))
     rep.data["finished"] = time.time()
     rep.path.write_text(json.dumps(rep.data, indent=1, default=str) + "\n")
-    print("\n" + summary(rep.data, paths))
+    print("\n" + summary(rep.data, [p for p in PATHS if p in paths or p in rep.data.get("paths", {})]))
     print(f"\nwrote {args.out}")
     return 0
 
