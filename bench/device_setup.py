@@ -217,7 +217,15 @@ def main(argv=None) -> int:
         print(f"device_setup: no NVIDIA GPU found; nothing installed. Wrote {args.out}", file=sys.stderr)
         return BLOCKED
 
-    py = make_venv(args.venv)
+    try:
+        py = make_venv(args.venv)
+    except subprocess.CalledProcessError as e:
+        why = {p: f"could not create the venv {args.venv} ({e}); on Debian/Ubuntu: apt-get install python3-venv"
+               for p in PATHS}
+        record["seconds"] = round(time.time() - t0, 1)
+        blocked_report(args.out, record, why)
+        print(f"device_setup: {why['cuda']}", file=sys.stderr)
+        return BLOCKED
     state.present = present(py)
     if not args.wheels and not all(state.present.get(g) for g in GROUPS if g != "export" or state.need_export):
         state.reachable = {"pypi": answers(os.environ.get("PIP_INDEX_URL") or PYPI), "nvidia": answers(NVIDIA_INDEX)}

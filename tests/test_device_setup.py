@@ -114,3 +114,15 @@ def test_wheels_folder_must_exist(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "device_setup.py"), "--wheels", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "expected a folder of .whl files" in r.stderr
+
+
+def test_a_venv_that_cannot_be_made_is_a_clear_stop(tmp_path, monkeypatch):
+    monkeypatch.setattr(ds, "find_gpu", lambda: "Fake GPU, 580.0, 1 MiB")
+
+    def no_venv(venv):
+        raise subprocess.CalledProcessError(1, ["python3", "-m", "venv", str(venv)])
+    monkeypatch.setattr(ds, "make_venv", no_venv)
+    out = tmp_path / "device.json"
+    assert ds.main(["--venv", str(tmp_path / "v"), "--out", str(out)]) == ds.BLOCKED
+    why = json.loads(out.read_text())["paths"]["native"]["unavailable"]
+    assert "could not create the venv" in why and "python3-venv" in why
