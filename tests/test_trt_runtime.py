@@ -156,10 +156,9 @@ def test_device_check_script_parses():
 
 # -- CudaMemory over the fake runtime -----------------------------------------------------------------------
 
-def test_cuda_memory_roundtrip_and_grow_match_host_memory(monkeypatch):
-    fake = FakeCudart()
-    monkeypatch.setattr(ecuda, "_CUDART", fake)
-    mem, host = ecuda.CudaMemory(), HostMemory()
+def _memory_matches_host(mem) -> None:
+    """A CudaMemory's zeros / write / to_host / grow / copy_from_host_async agree with HostMemory's."""
+    host = HostMemory()
     rng = np.random.default_rng(0)
     a = rng.normal(size=(2, 3, 5, 4)).astype(np.float16)  # (B, Hkv, T, D)
     buf = mem.zeros(a.shape, a.dtype)
@@ -171,13 +170,33 @@ def test_cuda_memory_roundtrip_and_grow_match_host_memory(monkeypatch):
     for rows in (8, 3):
         got = mem.to_host(mem.grow(buf, rows))
         assert got.shape == (2, 3, rows, 4) and np.array_equal(got, host.grow(hb, rows).handle)
-    isz = 2
-    assert fake.copies_2d[0] == (8 * 4 * isz, 5 * 4 * isz, 5 * 4 * isz, 6)  # dpitch, spitch, width, B*Hkv
     small = mem.zeros((1, 3), np.int64)
     mem.copy_from_host_async(small, np.array([[1, 2, 3]]))
     assert mem.to_host(small).tolist() == [[1, 2, 3]]
     with pytest.raises(ValueError, match=r"host array \(1, 2\) does not match the device buffer \(1, 3\)"):
         mem.copy_from_host_async(small, np.zeros((1, 2)))
+
+
+def test_cuda_memory_roundtrip_and_grow_match_host_memory(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(ecuda, "_CUDART", fake)
+    _memory_matches_host(ecuda.CudaMemory())
+    isz = 2
+    assert fake.copies_2d[0] == (8 * 4 * isz, 5 * 4 * isz, 5 * 4 * isz, 6)  # dpitch, spitch, width, B*Hkv
+
+
+@pytest.mark.gpu
+def test_cuda_memory_on_a_real_gpu_matches_host_memory(monkeypatch):
+    """The same on the real CUDA runtime: needs cuda-python and a GPU, not TensorRT."""
+    monkeypatch.setattr(ecuda, "_CUDART", None)
+    try:
+        ecuda.cudart()
+    except ImportError as e:
+        pytest.skip(f"needs cuda-python (the `trt` extra) and an NVIDIA GPU: {e}")
+    ok, why = ecuda.gpu_available()
+    if not ok:
+        pytest.skip(f"needs an NVIDIA GPU: {why}")
+    _memory_matches_host(ecuda.CudaMemory())
 
 
 # -- TrtDecoder over the fakes (CPU) ------------------------------------------------------------------------
