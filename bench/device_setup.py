@@ -72,6 +72,7 @@ class State:
     need_export: bool
     reachable: dict[str, bool]      # "pypi", "nvidia" -> answers
     wheels: str | None = None       # an offline wheel folder
+    errors: dict[str, str] = field(default_factory=dict)  # group -> the last line its check printed
 
 
 @dataclass
@@ -115,7 +116,7 @@ def runnable(s: State, cannot: dict[str, str], failed: dict[str, str]) -> dict[s
             why.append(NO_GPU)
         for g in NEEDS[path]:
             if not s.present.get(g):
-                why.append(f"{g}: {cannot.get(g) or failed.get(g) or 'not importable after the install'}")
+                why.append(f"{g}: {cannot.get(g) or failed.get(g) or s.errors.get(g) or 'not importable'}")
         if s.need_export and not s.present.get("export"):
             why.append(f"engines are missing and export: {cannot.get('export') or failed.get('export') or 'not importable'}")
         out[path] = "; ".join(why) or None
@@ -162,11 +163,18 @@ def make_venv(venv: Path) -> Path:
     return py
 
 
-def present(py: Path) -> dict[str, bool]:
+def present(py: Path) -> tuple[dict[str, bool], dict[str, str]]:
+    """group -> whether its check runs in the venv; and, for those that fail, the check's last line."""
     checks = {g: code.format(root=str(ROOT)) for g, (_, code) in GROUPS.items()}
     checks["onnxruntime"] = CHECK_ORT
-    return {g: subprocess.run([str(py), "-c", code], capture_output=True, timeout=300).returncode == 0
-            for g, code in checks.items()}
+    ok, errors = {}, {}
+    for g, code in checks.items():
+        r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300)
+        ok[g] = r.returncode == 0
+        if not ok[g]:
+            lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+            errors[g] = lines[-1] if lines else f"exit {r.returncode}"
+    return ok, errors
 
 
 def install(py: Path, group: str, args: list[str]) -> str | None:
@@ -226,7 +234,7 @@ def main(argv=None) -> int:
         blocked_report(args.out, record, why)
         print(f"device_setup: {why['cuda']}", file=sys.stderr)
         return BLOCKED
-    state.present = present(py)
+    state.present, state.errors = present(py)
     if not args.wheels and not all(state.present.get(g) for g in GROUPS if g != "export" or state.need_export):
         state.reachable = {"pypi": answers(os.environ.get("PIP_INDEX_URL") or PYPI), "nvidia": answers(NVIDIA_INDEX)}
     pl = plan(state)
@@ -241,9 +249,10 @@ def main(argv=None) -> int:
         record.setdefault("installed", {})[g] = err or f"ok in {time.time() - t:.0f}s"
     if pl.installs:
         repair_onnxruntime(py)
-        state.present = present(py)
+        state.present, state.errors = present(py)
     why = runnable(state, pl.cannot, failed)
-    record.update(reachable=state.reachable, present=state.present, cannot=pl.cannot, failed=failed,
+    record.update(reachable=state.reachable, present=state.present, check_errors=state.errors, cannot=pl.cannot,
+                  failed=failed,
                   paths={p: w or "runs" for p, w in why.items()}, seconds=round(time.time() - t0, 1))
     if all(why[p] for p in PATHS if p != "cpu"):
         blocked_report(args.out, record, why)

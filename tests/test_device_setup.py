@@ -73,6 +73,12 @@ def test_a_failed_install_stops_only_the_paths_that_need_it():
     assert why["tensorrt"] == why["native"] == "tensorrt: pip failed (exit 1): no matching distribution"
 
 
+def test_a_check_that_fails_after_the_install_gives_its_own_error():
+    s = state(missing=("cuda-python",))
+    s.errors["cuda-python"] = "AssertionError: CUDA error cudaErrorInsufficientDriver"
+    assert ds.runnable(s, {}, {})["native"] == "cuda-python: AssertionError: CUDA error cudaErrorInsufficientDriver"
+
+
 def test_no_gpu_no_gpu_path():
     why = ds.runnable(state(gpu=None), {}, {})
     assert why["cpu"] is None and all(why[p] == ds.NO_GPU for p in ("cuda", "tensorrt", "native"))
@@ -106,6 +112,8 @@ def test_offline_machine_with_a_gpu_is_blocked_without_running_pip(tmp_path, mon
     assert rec["reachable"] == {"pypi": False, "nvidia": False}
     for p in ("cuda", "tensorrt", "native"):
         assert "no package index answers" in data["paths"][p]["unavailable"]
+    if not rec["present"]["tensorrt"]:
+        assert "No module named 'tensorrt'" in rec["check_errors"]["tensorrt"]
     if not rec["present"]["onnxruntime-gpu"]:  # this interpreter's onnxruntime is the CPU build
         assert "onnxruntime-gpu" in data["paths"]["cuda"]["unavailable"]
 
