@@ -114,11 +114,10 @@ def runnable(s: State, cannot: dict[str, str], failed: dict[str, str]) -> dict[s
         why = []
         if path != "cpu" and not s.gpu:
             why.append(NO_GPU)
-        for g in NEEDS[path]:
+        for g in NEEDS[path] + (["export"] if s.need_export else []):
             if not s.present.get(g):
-                why.append(f"{g}: {cannot.get(g) or failed.get(g) or s.errors.get(g) or 'not importable'}")
-        if s.need_export and not s.present.get("export"):
-            why.append(f"engines are missing and export: {cannot.get('export') or failed.get('export') or 'not importable'}")
+                label = "export (the engines are missing)" if g == "export" else g
+                why.append(f"{label}: {cannot.get(g) or failed.get(g) or s.errors.get(g) or 'not importable'}")
         out[path] = "; ".join(why) or None
     return out
 
