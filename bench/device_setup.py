@@ -45,6 +45,9 @@ NVIDIA_INDEX = "https://pypi.nvidia.com/"
 GROUPS: dict[str, tuple[list[str], str]] = {
     "runtime": (["numpy>=1.24", "tokenizers>=0.15"],
                 "import numpy, tokenizers"),
+    # edgespec itself, editable and without its dependencies (those are the groups here): edgespec.export and
+    # edgespec.robots live in export/ and robots/, so the source tree on sys.path is not enough.
+    "edgespec": (["--no-deps", "-e", str(ROOT)], "import edgespec.export"),
     "onnxruntime-gpu": (["onnxruntime-gpu[cuda,cudnn]"],
                         "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"),
     "cuda-python": (["cuda-python>=12.2,<13"],
@@ -55,9 +58,14 @@ GROUPS: dict[str, tuple[list[str], str]] = {
                "import torch, transformers, onnx, onnxscript, safetensors, tqdm"),
 }
 # What each path needs, beyond a GPU for all but cpu. "onnxruntime" (any build) is checked on its own.
-NEEDS = {"cpu": ["runtime", "onnxruntime"], "cuda": ["runtime", "onnxruntime-gpu"],
-         "tensorrt": ["runtime", "onnxruntime-gpu", "tensorrt"], "native": ["runtime", "tensorrt", "cuda-python"]}
+NEEDS = {"cpu": ["runtime", "edgespec", "onnxruntime"], "cuda": ["runtime", "edgespec", "onnxruntime-gpu"],
+         "tensorrt": ["runtime", "edgespec", "onnxruntime-gpu", "tensorrt"],
+         "native": ["runtime", "edgespec", "tensorrt", "cuda-python"]}
 CHECK_ORT = "import onnxruntime"
+# setuptools that can build edgespec's editable install in the venv with no index: PEP 660 (>= 64), and
+# bdist_wheel from setuptools itself (>= 70.1) or from the wheel package
+CHECK_SETUPTOOLS = ("import setuptools\nv = tuple(int(x) for x in setuptools.__version__.split('.')[:2])\n"
+                    "assert v >= (64, 0), setuptools.__version__\nif v < (70, 1): import wheel")
 NO_GPU = "no NVIDIA GPU found (nvidia-smi, /dev/nvidia0, /dev/nvhost-ctrl-gpu)"
 # The engines device_check.py reads; without them the export group is needed.
 ENGINE_FILES = ("engines/demo-target/engine.json", "engines/demo-draft/engine.json", "engines/vla-reacher/policy.json",
@@ -90,11 +98,14 @@ def pip_args(group: str, wheels: str | None) -> list[str]:
 def plan(s: State) -> Plan:
     """Which missing groups to install, and from where; the rest with the reason they cannot be."""
     p = Plan()
-    wanted = ["runtime", "onnxruntime-gpu", "cuda-python", "tensorrt"] + (["export"] if s.need_export else [])
+    wanted = ["runtime", "edgespec", "onnxruntime-gpu", "cuda-python", "tensorrt"] + \
+        (["export"] if s.need_export else [])
     for g in wanted:
         if s.present.get(g):
             continue
-        if s.wheels:
+        if g == "edgespec" and s.present.get("setuptools"):  # builds from the checkout alone
+            p.installs.append((g, ["-q", "--disable-pip-version-check", "--no-build-isolation", *GROUPS[g][0]]))
+        elif s.wheels:
             p.installs.append((g, pip_args(g, s.wheels)))
         elif not s.reachable.get("pypi"):
             p.cannot[g] = (f"not installed, and no package index answers ({PYPI}; give a folder of wheels with "
@@ -158,14 +169,15 @@ def make_venv(venv: Path) -> Path:
             site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                        capture_output=True, text=True, check=True).stdout.strip())
             parent = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-            (site / "_parent_venv.pth").write_text("".join(f"{p}\n" for p in sorted(parent)))
+            # addsitedir, not a bare path line: the parent's own .pth files (editable installs) then work too
+            (site / "_parent_venv.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in sorted(parent)))
     return py
 
 
 def present(py: Path) -> tuple[dict[str, bool], dict[str, str]]:
     """group -> whether its check runs in the venv; and, for those that fail, the check's last line."""
     checks = {g: code.format(root=str(ROOT)) for g, (_, code) in GROUPS.items()}
-    checks["onnxruntime"] = CHECK_ORT
+    checks["onnxruntime"], checks["setuptools"] = CHECK_ORT, CHECK_SETUPTOOLS
     ok, errors = {}, {}
     for g, code in checks.items():
         r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import device_setup as ds  # noqa: E402
 
-ALL = {"runtime": True, "onnxruntime": True, "onnxruntime-gpu": True, "cuda-python": True, "tensorrt": True,
+ALL = {"runtime": True, "edgespec": True, "setuptools": True, "onnxruntime": True, "onnxruntime-gpu": True, "cuda-python": True, "tensorrt": True,
        "export": True}
 
 
@@ -56,6 +56,17 @@ def test_offline_without_wheels_cannot_install_and_says_how():
     why = ds.runnable(s, p.cannot, {})
     assert all(why[path] for path in ds.PATHS)  # even cpu: the engines cannot be exported
     assert why["cpu"].startswith("export (the engines are missing): not installed")
+
+
+def test_edgespec_itself_is_installed_from_the_checkout_with_no_index_when_setuptools_is_there():
+    p = ds.plan(state(missing=("edgespec",), pypi=False, nvidia=False))
+    (g, args), = p.installs
+    assert g == "edgespec" and args[-3:] == ["--no-deps", "-e", str(ROOT)] and "--no-build-isolation" in args
+    p = ds.plan(state(missing=("edgespec", "setuptools"), pypi=False, nvidia=False))
+    assert p.installs == [] and "no package index answers" in p.cannot["edgespec"]
+    p = ds.plan(state(missing=("edgespec", "setuptools")))  # the isolated build fetches setuptools
+    (g, args), = p.installs
+    assert "--no-build-isolation" not in args and args[-3:] == ["--no-deps", "-e", str(ROOT)]
 
 
 def test_a_wheel_folder_is_the_only_source():
@@ -108,7 +119,8 @@ def test_offline_machine_with_a_gpu_is_blocked_without_running_pip(tmp_path, mon
     assert ds.main(["--venv", str(tmp_path / "venv"), "--out", str(out)]) == ds.BLOCKED
     data = json.loads(out.read_text())
     rec = data["setup"]
-    assert rec["present"]["runtime"] and rec["present"]["onnxruntime"]  # numpy etc. seen through the venv
+    # numpy etc. and this checkout's editable edgespec (its .pth finder) are seen through the parent venv
+    assert rec["present"]["runtime"] and rec["present"]["onnxruntime"] and rec["present"]["edgespec"]
     assert rec["reachable"] == {"pypi": False, "nvidia": False}
     for p in ("cuda", "tensorrt", "native"):
         assert "no package index answers" in data["paths"][p]["unavailable"]
