@@ -197,13 +197,12 @@ def install(py: Path, group: str, args: list[str]) -> str | None:
     return f"pip failed (exit {r.returncode}): " + " | ".join(tail[-3:])
 
 
-def repair_onnxruntime(py: Path) -> None:
-    """A CPU onnxruntime installed into the venv after onnxruntime-gpu replaces its module: put the GPU one back."""
-    show = subprocess.run([str(py), "-m", "pip", "show", "-q", "onnxruntime"], capture_output=True)
-    gpu = subprocess.run([str(py), "-m", "pip", "show", "-q", "onnxruntime-gpu"], capture_output=True)
-    if show.returncode == 0 and gpu.returncode == 0:
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "onnxruntime", "onnxruntime-gpu"])
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", "onnxruntime-gpu"])
+def repair_onnxruntime(py: Path, wheels: str | None) -> str | None:
+    """onnxruntime-gpu installed but its CUDA EP missing: a CPU onnxruntime in the venv replaced the shared
+    module. Remove both from the venv and install the GPU build again; None when that worked."""
+    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "onnxruntime", "onnxruntime-gpu"],
+                   capture_output=True)
+    return install(py, "onnxruntime-gpu", ["--force-reinstall", "--no-deps", *pip_args("onnxruntime-gpu", wheels)])
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -259,8 +258,11 @@ def main(argv=None) -> int:
             print(f"device_setup: {g}: {err}", file=sys.stderr)
         record.setdefault("installed", {})[g] = err or f"ok in {time.time() - t:.0f}s"
     if pl.installs:
-        repair_onnxruntime(py)
         state.present, state.errors = present(py)
+        if "onnxruntime-gpu" in record.get("installed", {}) and "onnxruntime-gpu" not in failed \
+                and not state.present["onnxruntime-gpu"]:
+            record["onnxruntime_repair"] = repair_onnxruntime(py, args.wheels) or "reinstalled"
+            state.present, state.errors = present(py)
     why = runnable(state, pl.cannot, failed)
     record.update(reachable=state.reachable, present=state.present, check_errors=state.errors, cannot=pl.cannot,
                   failed=failed,

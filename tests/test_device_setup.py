@@ -146,3 +146,30 @@ def test_a_venv_that_cannot_be_made_is_a_clear_stop(tmp_path, monkeypatch):
     assert ds.main(["--venv", str(tmp_path / "v"), "--out", str(out)]) == ds.BLOCKED
     why = json.loads(out.read_text())["paths"]["native"]["unavailable"]
     assert "could not create the venv" in why and "python3-venv" in why
+
+
+def test_onnxruntime_gpu_shadowed_by_a_cpu_build_is_reinstalled(tmp_path, monkeypatch):
+    """Installed, yet its CUDA EP is missing (a CPU onnxruntime took the shared module): both are removed from
+    the venv and the GPU build goes back, from the same source; then the paths that need it run."""
+    monkeypatch.setattr(ds, "find_gpu", lambda: "Fake GPU, 580.0, 1 MiB")
+    monkeypatch.setattr(ds, "make_venv", lambda venv: venv / "bin" / "python")
+    monkeypatch.setattr(ds, "answers", lambda url, timeout=5.0: True)
+    before = {**ALL, "onnxruntime-gpu": False, "tensorrt": False}
+    checks = iter([(before, {}), (before, {"onnxruntime-gpu": "AssertionError"}),
+                   ({**ALL, "tensorrt": False}, {})])
+    monkeypatch.setattr(ds, "present", lambda py: next(checks))
+    calls = []
+    monkeypatch.setattr(ds, "install", lambda py, g, args: calls.append((g, args)) or
+                        ("pip failed (exit 1): no tensorrt" if g == "tensorrt" else None))
+    monkeypatch.setattr(ds.subprocess, "run", lambda *a, **k: calls.append(("uninstall", a[0][3:])))
+    (tmp_path / "v").mkdir()
+    wheels = tmp_path / "w"
+    wheels.mkdir()
+    assert ds.main(["--venv", str(tmp_path / "v"), "--out", str(tmp_path / "d.json"), "--wheels", str(wheels)]) == 0
+    assert [g for g, _ in calls] == ["onnxruntime-gpu", "tensorrt", "uninstall", "onnxruntime-gpu"]
+    assert calls[2][1] == ["uninstall", "-y", "-q", "onnxruntime", "onnxruntime-gpu"]
+    again = calls[3][1]
+    assert "--force-reinstall" in again and again[again.index("--find-links") + 1] == str(wheels)
+    rec = json.loads((tmp_path / "v" / "setup.json").read_text())
+    assert rec["onnxruntime_repair"] == "reinstalled"
+    assert rec["paths"]["cuda"] == "runs" and rec["paths"]["native"].startswith("tensorrt: pip failed")
