@@ -52,8 +52,11 @@ def cmd_export(args) -> int:
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
-    print(f"  parity vs reference: max |diff| {v['parity']['max_abs_diff']:.2e} (tolerance 1e-4)")
-    print(f"  verify pass vs single steps: max |diff| {v['verify']['max_abs_diff']:.2e} (tolerance 1e-4)")
+    for key, what in (("parity", "parity vs reference"), ("verify", "verify pass vs single steps")):
+        r = v[key]
+        print(f"  {what}: max |diff| {r['max_abs_diff']:.2e} (tolerance {r['tolerance']:.2e} = 1e-4 x max(1, "
+              f"max |logit| {r['max_abs_logit']:.3g}); top-1 equal on {r['top1']['decisive_tokens'] - r['top1']['disagree']}"
+              f" of {r['top1']['decisive_tokens']} decisive tokens)")
     if "agreement_vs_fp32" in v:
         a = v["agreement_vs_fp32"]
         print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "

@@ -252,6 +252,10 @@ def _field_problems(m: "Manifest") -> list[str]:
     want("input_mode", m.input_mode in INPUT_MODES, f"one of {INPUT_MODES}")
     want("sliding_window", m.sliding_window is None or (_is_int(m.sliding_window) and m.sliding_window > 0),
          "null or an integer > 0")
+    lw = m.layer_windows
+    want("layer_windows", lw is None or (isinstance(lw, list) and len(lw) == m.num_layers
+                                         and all(w is None or (_is_int(w) and w > 0) for w in lw)),
+         f"null or a list of num_layers ({m.num_layers}) windows, each null or an integer > 0")
     for name in OPTIONAL_STR_FIELDS:
         v = getattr(m, name)
         want(name, v is None or (isinstance(v, str) and _inside_folder(v)),
@@ -306,7 +310,8 @@ class Manifest:
     input_mode: str = "ids"
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # applied by the runtime in attention_bias (compat engines, older exports)
+    layer_windows: list | None = None  # each layer's window (null: global), applied inside the graph itself
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     tokenizer_file: str | None = "tokenizer.json"

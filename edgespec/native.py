@@ -138,10 +138,11 @@ class NativeEngine:
             raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
         if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
             raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
-        if m.input_mode != "ids" or m.kind != "decoder" or m.sliding_window or m.cache_dtype != "float32":
+        windowed = m.sliding_window or any(w for w in (m.layer_windows or []))
+        if m.input_mode != "ids" or m.kind != "decoder" or windowed or m.cache_dtype != "float32":
             raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders with a float32 cache and no "
                               f"sliding window; this folder has input_mode {m.input_mode!r}, sliding_window "
-                              f"{m.sliding_window}, cache {m.cache_dtype}: use provider 'cpu'")
+                              f"{m.sliding_window or m.layer_windows}, cache {m.cache_dtype}: use provider 'cpu'")
         with np.load(path) as z:
             self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
         intermediate = int(info["intermediate_size"])

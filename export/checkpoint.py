@@ -1,8 +1,23 @@
 """Read a Hugging Face checkpoint folder (config.json + *.safetensors) into a `ModelSpec` and a weight dict.
 
-Only the Llama, Qwen2 and Mistral decoder families are supported; anything else is refused with an
-error that names the supported ones. Weight problems (missing file, corrupt file, missing tensor,
-wrong shape) raise `CheckpointError` naming the file and the tensor.
+Families (config.json `model_type`) and what each adds to a plain Llama decoder:
+
+    llama        Llama 2 / 3 (rope scaling: linear, dynamic, llama3, yarn); attention_bias on q, k, v, o
+    mistral      a sliding window on every layer
+    qwen2        q/k/v biases; a window on layers >= max_window_layers when use_sliding_window
+    qwen3        q/k RMSNorm over each head (before rotary); attention_bias on q, k, v, o
+    gemma3_text  GeGLU (tanh GELU), embeddings scaled by sqrt(hidden), `1 + w` norms, a norm after attention
+                 and around the MLP, q/k norms, query_pre_attn_scalar, interleaved sliding-window and global
+                 layers with their own rotary bases
+    phi3         fused qkv_proj and gate_up_proj, partial rotary, longrope; Phi-3 and Phi-4-mini
+    smollm3      layers without rotary (no_rope_layers)
+
+Everything downstream (reference.py, contract_model.py, ort_graph.py, native.py) reads one canonical form:
+the weights under Llama's names (fused Phi-3 matrices split, Gemma's `1 + w` norms stored as their
+multipliers), and per layer a `LayerSpec` (its window and its rotary, or none). Anything else is refused
+with one line naming the file and the field, and the list of what is supported. Weight problems (missing
+file, corrupt file, missing tensor, wrong shape, a missing shard) raise `CheckpointError` naming the file
+and the tensor.
 """
 from __future__ import annotations
 
@@ -14,12 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = {  # model_type -> what differs from plain Llama
-    "llama": {"qkv_bias": False},
-    "mistral": {"qkv_bias": False},
-    "qwen2": {"qkv_bias": True},
+SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+REFUSED = {  # model_type -> why it is refused (a family close to a supported one)
+    "gemma3": "the multimodal Gemma 3 (image + text); export its text model (model_type gemma3_text)",
+    "gemma2": "Gemma 2's attention and final logit soft-capping are not implemented",
+    "gemma": "Gemma 1 is not implemented (Gemma 3's text model, gemma3_text, is)",
+    "llama4": "Llama 4 is a mixture of experts with chunked attention",
+    "qwen3_moe": "a mixture of experts", "qwen2_moe": "a mixture of experts", "mixtral": "a mixture of experts",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 class CheckpointError(ValueError):
@@ -36,22 +56,41 @@ class RopeSpec:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn; None = 0.1*ln(factor)+1
+    attention_factor: float | None = None  # yarn: None = 0.1*ln(factor)+1; longrope: None = from the factor
+    short_factor: list[float] | None = None  # longrope: per frequency, up to original_max_position_embeddings
+    long_factor: list[float] | None = None  # longrope: beyond it (export refuses those contexts)
 
     def __post_init__(self):
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise CheckpointError(f"rope type {self.rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
         if self.factor <= 0:
             raise CheckpointError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "longrope" and (self.short_factor is None or self.original_max_position_embeddings is None):
+            raise CheckpointError("longrope needs short_factor and original_max_position_embeddings, got "
+                                  f"{self.short_factor!r} and {self.original_max_position_embeddings!r}")
 
-    def inv_freq_and_scale(self, head_dim: int) -> tuple[np.ndarray, float]:
-        """(inv_freq [head_dim/2] float64, attention scaling applied to cos/sin), as transformers computes them."""
-        base = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
+    def inv_freq_and_scale(self, dim: int) -> tuple[np.ndarray, float]:
+        """(inv_freq [dim/2] float64, attention scaling applied to cos/sin) for `dim` rotary dims, as
+        transformers computes them."""
+        base = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float64) / dim))
         if self.rope_type in ("default", "dynamic"):
             # dynamic NTK equals default up to original_max_position_embeddings; export refuses longer contexts
             return base, 1.0
         if self.rope_type == "linear":
             return base / self.factor, 1.0
+        if self.rope_type == "longrope":
+            # short factors up to original_max_position_embeddings (export refuses longer contexts)
+            ext = np.asarray(self.short_factor, np.float32).astype(np.float64)
+            if ext.shape != base.shape:
+                raise CheckpointError(f"longrope short_factor has {ext.size} values; {dim} rotary dims need {base.size}")
+            # transformers: 1 / (ext * theta ** (arange / dim)) in float32
+            shape = (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+            inv = 1.0 / (ext.astype(np.float32) * np.float32(self.theta) ** shape)
+            att = self.attention_factor
+            if att is None:
+                att = 1.0 if self.factor <= 1 else math.sqrt(
+                    1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+            return inv.astype(np.float64), float(att)
         if self.rope_type == "llama3":
             old = self.original_max_position_embeddings or 8192
             low_wl, high_wl = old / self.low_freq_factor, old / self.high_freq_factor
@@ -67,21 +106,48 @@ class RopeSpec:
             0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0)
 
         def corr_dim(n_rot):
-            return (head_dim * math.log(old / (n_rot * 2 * math.pi))) / (2 * math.log(self.theta))
+            return (dim * math.log(old / (n_rot * 2 * math.pi))) / (2 * math.log(self.theta))
 
         low = max(math.floor(corr_dim(self.beta_fast)), 0)
-        high = min(math.ceil(corr_dim(self.beta_slow)), head_dim - 1)
+        high = min(math.ceil(corr_dim(self.beta_slow)), dim - 1)
         if low == high:
             high += 0.001
-        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
         extrap = 1 - ramp
         inv = (base / self.factor) * (1 - extrap) + base * extrap
         return inv, att
 
+    @property
+    def context_limit(self) -> int | None:
+        """The longest context this rotary is static up to (dynamic NTK and longrope change beyond it)."""
+        if self.rope_type in ("dynamic", "longrope"):
+            return self.original_max_position_embeddings
+        return None
+
+
+@dataclass
+class LayerSpec:
+    """What differs between the layers of one model: the attention window and the rotary embedding."""
+    window: int | None = None  # sliding window: query i sees keys j with i - j < window; None = every key
+    rope: RopeSpec | None = field(default_factory=RopeSpec)  # None: this layer has no rotary (SmolLM3)
+
 
 @dataclass
 class ModelSpec:
-    """Everything the reference model and the exporter need to know about a decoder checkpoint."""
+    """Everything the reference model and the exporter need to know about a decoder checkpoint.
+
+    Per layer, with x the residual stream (B, T, E) and norm(x, w) = w * x / sqrt(mean(x²) + eps):
+
+        h = norm(x, ln1);  q, k, v = h Wq + bq, h Wk + bk, h Wv + bv   (biases: qkv_bias)
+        q, k = norm(q, q_norm), norm(k, k_norm) per head               (qk_norm)
+        q, k = rotary(q, k) on the first rotary_dim dims of each head  (the layer's rope; none: skipped)
+        a = softmax(q kᵀ · attn_scale, causal and the layer's window) v Wo + bo   (bo: o_bias)
+        x = x + a                          (sandwich_norm: x + norm(a, ln_post_attn))
+        h = norm(x, ln2);  m = act(h Wg) * (h Wu) Wd
+        x = x + m                          (sandwich_norm: x + norm(m, ln_post_mlp))
+
+    with the embedding multiplied by embed_scale and, after the last layer, norm(x, final) Wlm.
+    """
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -94,76 +160,262 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
-    rope: RopeSpec = field(default_factory=RopeSpec)
-    sliding_window: int | None = None
+    rope: RopeSpec = field(default_factory=RopeSpec)  # the layers' rotary unless `layers` says otherwise
+    sliding_window: int | None = None  # every layer's window unless `layers` says otherwise
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    o_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    norm_plus_one: bool = False  # checkpoint norms store w - 1 (Gemma); loading turns them into w
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    rotary_dim: int | None = None  # None: head_dim (partial rotary: fewer)
+    fused_projections: bool = False  # checkpoint holds qkv_proj and gate_up_proj (Phi-3)
+    layers: list[LayerSpec] = field(default_factory=list)  # empty: num_layers of (sliding_window, rope)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                                   f"num_key_value_heads ({self.num_kv_heads})")
-        if self.hidden_act != "silu":
-            raise CheckpointError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS.values():
+            raise CheckpointError(f"hidden_act {self.hidden_act!r} is not supported; expected one of "
+                                  f"{sorted(SUPPORTED_ACTIVATIONS)}")
         if self.head_dim % 2:
             raise CheckpointError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is None:
+            self.rotary_dim = self.head_dim
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise CheckpointError(f"the rotary dims (head_dim x partial_rotary_factor) must be even and in "
+                                  f"1..head_dim {self.head_dim}, got {self.rotary_dim}")
+        if self.attn_scale is None:
+            self.attn_scale = self.head_dim ** -0.5
+        if not self.layers:
+            self.layers = [LayerSpec(self.sliding_window, self.rope) for _ in range(self.num_layers)]
+        if len(self.layers) != self.num_layers:
+            raise CheckpointError(f"{len(self.layers)} layer specs for num_hidden_layers {self.num_layers}")
+        for i, layer in enumerate(self.layers):
+            if layer.window is not None and not (isinstance(layer.window, int) and layer.window > 0):
+                raise CheckpointError(f"layer {i}: sliding_window must be an integer > 0, got {layer.window!r}")
+        windows = {layer.window for layer in self.layers}
+        self.sliding_window = windows.pop() if len(windows) == 1 else None  # uniform, or None when mixed
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [layer.window for layer in self.layers]
+
+    @property
+    def has_window(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    def ropes(self) -> list[RopeSpec]:
+        """The distinct rotary embeddings of the layers, in first-use order (layers share them by index)."""
+        out: list[RopeSpec] = []
+        for layer in self.layers:
+            if layer.rope is not None and layer.rope not in out:
+                out.append(layer.rope)
+        return out
+
+    def rope_index(self, i: int) -> int | None:
+        """Layer i's rotary as an index into ropes(), or None when the layer has none."""
+        rope = self.layers[i].rope
+        return None if rope is None else self.ropes().index(rope)
+
+    def context_limit(self) -> int:
+        """The longest context the export may build: the position limit, or less where a rotary changes."""
+        limit = self.max_position_embeddings
+        for rope in self.ropes():
+            if rope.context_limit:
+                limit = min(limit, rope.context_limit)
+        return limit
 
     @classmethod
     def from_config(cls, cfg: dict, source: str = "config.json") -> "ModelSpec":
         mt = cfg.get("model_type")
         if mt not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(f"{source}: unsupported architecture model_type={mt!r} "
+            why = f" ({REFUSED[mt]})" if mt in REFUSED else ""
+            raise CheckpointError(f"{source}: unsupported architecture model_type={mt!r}{why} "
                                   f"(architectures={cfg.get('architectures')}); supported: "
-                                  f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-            rtype = rp.get("rope_type", rp.get("type", "default"))
-            rope = RopeSpec(theta=theta, rope_type=rtype, factor=float(rp.get("factor", 1.0)),
-                            original_max_position_embeddings=rp.get("original_max_position_embeddings"),
-                            low_freq_factor=float(rp.get("low_freq_factor", 1.0)),
-                            high_freq_factor=float(rp.get("high_freq_factor", 4.0)),
-                            beta_fast=float(rp.get("beta_fast") or 32.0), beta_slow=float(rp.get("beta_slow") or 1.0),
-                            attention_factor=rp.get("attention_factor"))
-            if rope.rope_type == "yarn" and rope.original_max_position_embeddings is None:
-                rope.original_max_position_embeddings = int(cfg["max_position_embeddings"])
-            sliding = cfg.get("sliding_window")
-            if mt == "qwen2" and not cfg.get("use_sliding_window", False):
-                sliding = None
-            return cls(model_type=mt, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-                       intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-                       num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                       head_dim=int(cfg.get("head_dim") or hidden // heads),
-                       rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                       max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", mt == "qwen2")),
-                       qkv_bias=SUPPORTED_ARCHITECTURES[mt]["qkv_bias"], rope=rope,
-                       sliding_window=int(sliding) if sliding else None,
-                       bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
-                       hidden_act=cfg.get("hidden_act", "silu"))
+            return _from_config(cls, mt, cfg, source)
         except KeyError as e:
-            raise CheckpointError(f"{source}: missing required field {e.args[0]!r}") from None
+            raise CheckpointError(f"{source}: missing required field {e.args[0]!r} (model_type {mt!r} needs it)") from None
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """HF tensor name -> shape, for every weight the decoder needs."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    # -- weights -------------------------------------------------------------------------------
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensor names (as this family stores them) -> shape, for every weight needed."""
+        h, q, kv, d, inter = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                              self.head_dim, self.intermediate_size)
         out = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
             out["lm_head.weight"] = (self.vocab_size, h)
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                        p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                        p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                        p + "mlp.down_proj.weight": (h, self.intermediate_size)})
+            out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+            if self.fused_projections:
+                out.update({p + "self_attn.qkv_proj.weight": (q + 2 * kv, h), p + "self_attn.o_proj.weight": (h, q),
+                            p + "mlp.gate_up_proj.weight": (2 * inter, h)})
+            else:
+                out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)})
+            out[p + "mlp.down_proj.weight"] = (h, inter)
             if self.qkv_bias:
                 out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                             p + "self_attn.v_proj.bias": (kv,)})
+            if self.o_bias:
+                out[p + "self_attn.o_proj.bias"] = (h,)
+            if self.qk_norm:
+                out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+            if self.sandwich_norm:
+                out.update({p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)})
         return out
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical tensor name -> shape, as load_weights returns them (Llama's names; for sandwich norms:
+        post_attention_layernorm is the norm on the attention output, pre_feedforward_layernorm the MLP's
+        input norm, post_feedforward_layernorm the norm on its output)."""
+        h, q, kv, inter = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                           self.intermediate_size)
+        out = {k: v for k, v in self.checkpoint_shapes().items() if "qkv_proj" not in k and "gate_up_proj" not in k}
+        out["lm_head.weight"] = (self.vocab_size, h)
+        if self.fused_projections:
+            for i in range(self.num_layers):
+                p = f"model.layers.{i}."
+                out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                            p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
+                            p + "mlp.up_proj.weight": (inter, h)})
+        return out
+
+    def mlp_norm(self, i: int) -> str:
+        """Layer i's norm before the MLP (canonical name)."""
+        p = f"model.layers.{i}."
+        return p + ("pre_feedforward_layernorm.weight" if self.sandwich_norm else "post_attention_layernorm.weight")
+
+
+def _field(cfg: dict, name: str, source: str, kind=int, default=None, required: bool = False):
+    """cfg[name] converted by kind; a missing required field or a wrong type names the field."""
+    if name not in cfg or cfg[name] is None:
+        if required:
+            raise KeyError(name)
+        return default
+    try:
+        return kind(cfg[name])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source}: field {name!r} must be {kind.__name__}, got {cfg[name]!r}") from None
+
+
+def _rope_from(params: dict, cfg: dict, source: str, theta_default: float) -> RopeSpec:
+    rtype = params.get("rope_type", params.get("type", "default"))
+    if rtype in ("su", "yarn") and cfg.get("model_type") == "phi3":
+        rtype = "longrope"  # transformers' Phi-3 reads its old names so
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", theta_default)))
+    orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    factor = params.get("factor")
+    if rtype == "longrope" and factor is None and orig:  # Phi-3: the ratio of the two position limits
+        factor = float(cfg["max_position_embeddings"]) / float(orig)
+    if rtype == "yarn" and orig is None:
+        orig = int(cfg["max_position_embeddings"])
+    try:
+        return RopeSpec(theta=theta, rope_type=rtype, factor=float(factor if factor is not None else 1.0),
+                        original_max_position_embeddings=int(orig) if orig else None,
+                        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                        attention_factor=params.get("attention_factor"),
+                        short_factor=params.get("short_factor"), long_factor=params.get("long_factor"))
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: rope_parameters: {e}") from None
+
+
+def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
+    hidden = _field(cfg, "hidden_size", source, required=True)
+    heads = _field(cfg, "num_attention_heads", source, required=True)
+    n_layers = _field(cfg, "num_hidden_layers", source, required=True)
+    head_dim = _field(cfg, "head_dim", source) or hidden // heads
+    gemma, phi, qwen = mt == "gemma3_text", mt == "phi3", mt in ("qwen2", "qwen3")
+
+    act_name = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+    if act_name not in SUPPORTED_ACTIVATIONS:
+        field_name = "hidden_activation" if gemma else "hidden_act"
+        raise CheckpointError(f"{source}: {field_name} {act_name!r} is not supported; expected one of "
+                              f"{sorted(SUPPORTED_ACTIVATIONS)}")
+    for name in ("mlp_bias", "use_bidirectional_attention"):
+        if cfg.get(name):
+            raise CheckpointError(f"{source}: {name}=true is not supported for {mt} (expected false or absent)")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise CheckpointError(f"{source}: {name}={cfg[name]} is not supported (expected null: soft-capping "
+                                  f"is not implemented)")
+
+    # rotary: one spec, or Gemma's two (sliding layers, global layers)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if gemma:
+        if "full_attention" in params or "sliding_attention" in params:
+            full = _rope_from(params.get("full_attention") or {}, cfg, source, 1_000_000.0)
+            local = _rope_from(params.get("sliding_attention") or {}, cfg, source, 10_000.0)
+        else:  # the Hub's format: rope_theta + rope_local_base_freq + rope_scaling for the global layers
+            full = _rope_from(params, cfg, source, 1_000_000.0)
+            local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
+    else:
+        full = local = _rope_from(params, cfg, source, 10_000.0)
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * float(prf))
+
+    # which layers slide, and which have a rotary at all
+    window = _field(cfg, "sliding_window", source)
+    if mt in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
+        window = None
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not (isinstance(types, list) and len(types) == n_layers and all(t in LAYER_TYPES for t in types)):
+            raise CheckpointError(f"{source}: layer_types must list one of {LAYER_TYPES} per layer "
+                                  f"({n_layers}), got {types!r}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif gemma:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        sliding = [bool((i + 1) % pattern) for i in range(n_layers)]
+    elif qwen:
+        first = int(cfg.get("max_window_layers", n_layers))
+        sliding = [i >= first for i in range(n_layers)]
+    else:  # mistral, phi3, llama (no window field), smollm3 (see below)
+        sliding = [True] * n_layers
+    use_rope = [True] * n_layers
+    if mt == "smollm3":
+        nope = cfg.get("no_rope_layers")
+        if nope is None:
+            interval = int(cfg.get("no_rope_layer_interval", 4))
+            nope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if not (isinstance(nope, list) and len(nope) == n_layers):
+            raise CheckpointError(f"{source}: no_rope_layers must hold one 0/1 per layer ({n_layers}), got {nope!r}")
+        use_rope = [bool(x) for x in nope]
+        if types is None:
+            sliding = [not r for r in use_rope]
+    if window is not None and not (isinstance(window, int) and window > 0):
+        raise CheckpointError(f"{source}: sliding_window must be null or an integer > 0, got {window!r}")
+    layers = [LayerSpec(window if (window and s) else None, ((local if s else full) if r else None))
+              for s, r in zip(sliding, use_rope)]
+    if gemma:  # the rotary follows the layer type even where the window is off
+        layers = [LayerSpec(window if s else None, local if s else full) for s in sliding]
+
+    attention_bias = bool(cfg.get("attention_bias", False))
+    eos = cfg.get("eos_token_id")
+    return cls(model_type=mt, vocab_size=_field(cfg, "vocab_size", source, required=True), hidden_size=hidden,
+               intermediate_size=_field(cfg, "intermediate_size", source, required=True), num_layers=n_layers,
+               num_heads=heads, num_kv_heads=_field(cfg, "num_key_value_heads", source) or heads, head_dim=head_dim,
+               rms_norm_eps=_field(cfg, "rms_norm_eps", source, float, 1e-6),
+               max_position_embeddings=_field(cfg, "max_position_embeddings", source, int, 2048),
+               tie_word_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "smollm3"))),
+               qkv_bias=(mt == "qwen2") or (attention_bias and mt != "phi3"),
+               o_bias=attention_bias and mt not in ("qwen2", "phi3"),
+               rope=full, bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
+               hidden_act=SUPPORTED_ACTIVATIONS[act_name], qk_norm=mt in ("qwen3", "gemma3_text"),
+               sandwich_norm=gemma, norm_plus_one=gemma,
+               embed_scale=float(np.float32(hidden ** 0.5)) if gemma else 1.0,
+               attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+               rotary_dim=rotary_dim, fused_projections=phi, layers=layers)
 
 
 def read_config(ckpt_dir: Path) -> dict:
@@ -171,20 +423,26 @@ def read_config(ckpt_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no config.json in the checkpoint folder {ckpt_dir}")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def weight_files(ckpt_dir: Path) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError) as e:
+            raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map' of tensor -> file ({e!r})") from None
         files = [ckpt_dir / n for n in names]
         for f in files:
             if not f.is_file():
-                raise CheckpointError(f"{f}: listed in {index.name} but missing")
+                raise CheckpointError(f"{f}: shard listed in {index.name} is missing")
         return files
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
@@ -193,7 +451,8 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
 
 
 def load_weights(ckpt_dir: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
-    """All decoder weights as float32 numpy arrays, checked against the config's shapes."""
+    """All decoder weights as float32 numpy arrays under their canonical names (ModelSpec.expected_shapes),
+    checked against the config's shapes."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -208,7 +467,7 @@ def load_weights(ckpt_dir: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
             tensors[k] = v
             origin[k] = f.name
     out = {}
-    for name, shape in spec.expected_shapes().items():
+    for name, shape in spec.checkpoint_shapes().items():
         if name not in tensors:
             raise CheckpointError(f"{ckpt_dir}: tensor {name!r} is missing from the weight files "
                                   f"({', '.join(sorted(set(origin.values())))})")
@@ -217,9 +476,27 @@ def load_weights(ckpt_dir: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)} but config.json "
                                   f"implies {shape}: the config is inconsistent with the weights")
         out[name] = t.astype(np.float32)
+    return canonical(spec, out)
+
+
+def canonical(spec: ModelSpec, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors -> the canonical form: fused projections split, `1 + w` norms as multipliers,
+    the tied LM head named."""
+    q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        if spec.fused_projections:
+            qkv = w.pop(p + "self_attn.qkv_proj.weight")
+            w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"], w[p + "self_attn.v_proj.weight"] = (
+                qkv[:q], qkv[q:q + kv], qkv[q + kv:])
+            gu = w.pop(p + "mlp.gate_up_proj.weight")
+            w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
+    if spec.norm_plus_one:  # Gemma stores w - 1; its norm multiplies by (1 + w) in float32
+        for name in [k for k in w if k.endswith("norm.weight")]:
+            w[name] = (np.float32(1.0) + w[name]).astype(np.float32)
     if spec.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+        w["lm_head.weight"] = w["model.embed_tokens.weight"]
+    return w
 
 
 def _load_any_dtype(path: Path, load_file) -> dict[str, np.ndarray]:

@@ -33,10 +33,10 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
     odd = {k: v for k, v in sizes.items() if v % PANEL} | ({"head_dim": spec.head_dim} if spec.head_dim % 8 else {})
     if odd:
         raise CheckpointError(f"the native step needs multiples of {PANEL} (head_dim: of 8); got {odd}")
-    if spec.qkv_bias or spec.sliding_window:
-        raise CheckpointError(f"the native step computes Llama-style decoders without attention biases or sliding "
-                              f"windows; this {spec.model_type} has qkv_bias={spec.qkv_bias}, "
-                              f"sliding_window={spec.sliding_window}")
+    unsupported = native_unsupported(spec)
+    if unsupported:
+        raise CheckpointError(f"the native step computes Llama-style decoders; this {spec.model_type} has "
+                              f"{', '.join(unsupported)}")
 
     def f16(name: str, w: np.ndarray) -> np.ndarray:
         h = w.astype(np.float16)
@@ -63,6 +63,23 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
         out[f"layers.{i}.wgu"] = pack(f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
             [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0)))
         out[f"layers.{i}.wd"] = pack(f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight")))
+    return out
+
+
+def native_unsupported(spec: ModelSpec) -> list[str]:
+    """What this checkpoint has that native_step.c does not compute (empty: the step runs it)."""
+    out = []
+    for flag, what in ((spec.qkv_bias, "q/k/v biases"), (spec.o_bias, "an output projection bias"),
+                       (spec.has_window, f"sliding windows {sorted({w for w in spec.windows if w})}"),
+                       (spec.qk_norm, "q/k norms"), (spec.sandwich_norm, "norms after attention and the MLP"),
+                       (spec.hidden_act != "silu", f"activation {spec.hidden_act}"),
+                       (spec.embed_scale != 1.0, "an embedding scale"),
+                       (spec.rotary_dim != spec.head_dim, f"partial rotary ({spec.rotary_dim} of {spec.head_dim} dims)"),
+                       (len(spec.ropes()) > 1, "more than one rotary"),
+                       (any(layer.rope is None for layer in spec.layers), "layers without rotary"),
+                       (abs(spec.attn_scale - spec.head_dim ** -0.5) > 1e-12, "an attention scale other than 1/sqrt(D)")):
+        if flag:
+            out.append(what)
     return out
 
 

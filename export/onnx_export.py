@@ -48,16 +48,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
-    limit = spec.max_position_embeddings
-    if spec.rope.rope_type == "dynamic":  # dynamic NTK rescales beyond this; our graph is static
-        limit = min(limit, spec.rope.original_max_position_embeddings or limit)
+    limit = spec.context_limit()  # dynamic NTK and longrope change beyond their original limit; the graph is static
     if max_context is None:
         return min(limit, DEFAULT_MAX_CONTEXT)
     if max_context <= 8:
         raise ValueError(f"--max-context must be > 8, got {max_context}")
     if max_context > limit:
-        raise ValueError(f"--max-context {max_context} exceeds the model's position limit {limit} "
-                         f"(max_position_embeddings in config.json)")
+        why = ("max_position_embeddings in config.json" if limit == spec.max_position_embeddings else
+               "original_max_position_embeddings of its dynamic or longrope rotary: beyond it the rotary changes")
+        raise ValueError(f"--max-context {max_context} exceeds the model's position limit {limit} ({why})")
     return max_context
 
 
@@ -72,7 +71,7 @@ def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode
                       num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                       hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, max_context=max_context,
                       precision=precision, input_mode=input_mode, inputs=inputs, outputs=outputs,
-                      sliding_window=spec.sliding_window, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
+                      layer_windows=spec.windows if spec.has_window else None, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
                       argmax_ids=list(argmax_ids) if argmax_ids else None, flavor=flavor,
                       edgespec_version=edgespec.__version__)
 
@@ -211,7 +210,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         # 3) embedding table for inputs_embeds engines
         embed = None
         if input_mode == "embeds":
-            embed = weights["model.embed_tokens.weight"].astype(np.float32)
+            # what the graph takes for a token: its row times the family's embedding scale (Gemma: sqrt(E))
+            embed = (weights["model.embed_tokens.weight"] * np.float32(spec.embed_scale)).astype(np.float32)
             np.save(stage / "embedding.npy", embed)
             manifest.embedding_file = "embedding.npy"
         manifest.source_sha256 = hash_files(weight_files(ckpt_dir) + [ckpt_dir / "config.json"])

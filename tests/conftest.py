@@ -25,8 +25,23 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
     "mistral-window": lambda: transformers.MistralConfig(**TINY, sliding_window=8),
+    "qwen2-window": lambda: transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8,
+                                                     max_window_layers=1),  # layer 0 global, layer 1 windowed
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=8, attention_bias=True, tie_word_embeddings=False),
+    "gemma3": lambda: transformers.Gemma3TextConfig(  # a windowed and a global layer, each with its rotary
+        **TINY, head_dim=8, query_pre_attn_scalar=12, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+    "phi3": lambda: transformers.Phi3Config(  # partial rotary, longrope (short factors up to 64 positions)
+        **TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}),
+    "smollm3": lambda: transformers.SmolLM3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                  no_rope_layers=[1, 0], attention_bias=True),
 }
-MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+MODEL_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "smollm3": "SmolLM3ForCausalLM"}
 
 
 def make_checkpoint(family: str, path, seed: int = 0):

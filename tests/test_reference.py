@@ -28,13 +28,14 @@ def test_sliding_window_changes_the_output(tiny_checkpoints):
     ref = ReferenceDecoder.from_pretrained(path)
     ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
     windowed = ref(ids)
-    ref.spec.sliding_window = None
+    for layer in ref.spec.layers:
+        layer.window = None
     assert (ref(ids) - windowed)[:, 9:].abs().max() > 1e-3
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(CheckpointError, match="gpt2.*supported: llama, mistral, qwen2"):
+    with pytest.raises(CheckpointError, match="gpt2.*supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3, smollm3"):
         load_checkpoint(tmp_path)
 
 
