@@ -1,0 +1,318 @@
+"""Stand-in checkpoints (export/standin.py): a small Llama inflated to a bigger shape computes the same function.
+
+Small random sources (transformers' LlamaForCausalLM, fp16-rounded weights) are inflated in every dimension (hidden,
+heads, KV heads, head_dim x2 or x4, MLP, layers) and compared with the source through transformers (fp32, with its
+KV cache) and through the reference decoder; one run inflates the bundled demo target and compares greedy ids on
+real prompts. The source's rms_norm_eps is large (0.02) so that an eps left unscaled would show.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the stand-in tests need the export extra (torch)")
+transformers = pytest.importorskip("transformers", reason="the stand-in tests need the export extra (transformers)")
+
+from edgespec.export import standin  # noqa: E402
+from edgespec.export.reference import ReferenceDecoder  # noqa: E402
+from edgespec.export.standin import PRESETS, Shape, StandinError, make_standin  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 160
+SRC = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=0.02,
+           bos_token_id=None, eos_token_id=None, pad_token_id=None)
+SOURCES = {
+    "tied-default": dict(tie_word_embeddings=True),
+    "untied-llama3": dict(tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+# bigger in every dimension: E'/E = 1.5 (norm weights rounded after the sqrt(2/3) scale), head_dim x2 (q rounded
+# after the sqrt(2) scale), 2 -> 4 query heads per KV head
+BIG = Shape(hidden_size=96, num_attention_heads=12, num_key_value_heads=3, head_dim=32, intermediate_size=136,
+            num_hidden_layers=5)
+# power-of-4 ratios (E x4, head_dim x4): every rescale is a power of two, so the stand-in is exact in float16
+EXACT = Shape(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=64, intermediate_size=200,
+              num_hidden_layers=4)
+CASES = {"big": ("tied-default", BIG), "big-untied-llama3": ("untied-llama3", BIG), "exact": ("tied-default", EXACT)}
+TOL = {"big": 5e-3, "big-untied-llama3": 5e-3, "exact": 1e-4}  # max |logit diff| / max |logit|
+
+
+def _make_source(path: Path, extra: dict, seed: int) -> Path:
+    cfg = transformers.LlamaConfig(**SRC, **extra)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)  # HF inits small; wider so that mistakes show
+            p.copy_(p.half().float())  # the stand-in is float16: start from float16 values
+        if cfg.tie_word_embeddings:
+            model.tie_weights()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """case -> (source dir, stand-in dir)."""
+    root = tmp_path_factory.mktemp("standin")
+    srcs = {k: _make_source(root / k, extra, i) for i, (k, extra) in enumerate(SOURCES.items())}
+    out = {}
+    for case, (src, shape) in CASES.items():
+        # a small shard size: the index and several shards are exercised
+        make_standin(srcs[src], root / f"out-{case}", shape, seed=3, shard_bytes=96 << 10, progress=False)
+        out[case] = (srcs[src], root / f"out-{case}")
+    return out
+
+
+def _hf(path):
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (1, n), generator=g) for n in (3, 7, 12, 20)]
+
+
+def _greedy(model, ids, n=24):
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_standin_matches_the_source_through_transformers(made, case):
+    src_dir, out_dir = made[case]
+    src, big = _hf(src_dir), _hf(out_dir)
+    assert big.config.hidden_size == CASES[case][1].hidden_size
+    assert {p.dtype for p in transformers.LlamaForCausalLM.from_pretrained(out_dir).parameters()} == {torch.float16}
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = src(ids).logits, big(ids).logits
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    assert rel < TOL[case], f"{case}: max |stand-in - source| / max |logit| = {rel:.2e}"
+    for p in _prompts():
+        assert torch.equal(_greedy(src, p), _greedy(big, p)), f"{case}: greedy ids differ on prompt {p.tolist()}"
+
+
+@pytest.mark.parametrize("case", ["big-untied-llama3", "exact"])
+def test_standin_matches_the_source_through_the_reference_decoder(made, case):
+    src_dir, out_dir = made[case]
+    src, big = ReferenceDecoder.from_pretrained(src_dir), ReferenceDecoder.from_pretrained(out_dir)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    want, got = src(ids), big(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < TOL[case]
+    for p in _prompts()[:2]:
+        a, b = p, p
+        for _ in range(16):
+            a = torch.cat([a, src(a)[:, -1:].argmax(-1)], 1)
+            b = torch.cat([b, big(b)[:, -1:].argmax(-1)], 1)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_padded_residual_dims_stay_exactly_zero(made, case):
+    src_dir, out_dir = made[case]
+    e = transformers.AutoConfig.from_pretrained(src_dir).hidden_size
+    big = _hf(out_dir)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hs = big(ids, output_hidden_states=True).hidden_states
+    assert len(hs) == CASES[case][1].num_hidden_layers + 1
+    for i, h in enumerate(hs):
+        assert h[..., :e].abs().max() > 0
+        assert torch.count_nonzero(h[..., e:]) == 0, f"{case}: padded dims nonzero after layer {i}"
+
+
+def test_config_layout_and_recipe(made):
+    src_dir, out_dir = made["big"]
+    cfg = json.loads((out_dir / "config.json").read_text())
+    assert cfg["rms_norm_eps"] == pytest.approx(0.02 * 64 / 96, rel=1e-12)
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+            cfg["intermediate_size"], cfg["num_hidden_layers"]) == (96, 12, 3, 32, 136, 5)
+    assert cfg["dtype"] == "float16" and cfg["architectures"] == ["LlamaForCausalLM"]
+    index = json.loads((out_dir / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 1 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    from safetensors import safe_open
+    total, count = 0, 0
+    for f in files:
+        with safe_open(str(out_dir / f), "np") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                assert t.dtype == np.float16
+                total, count = total + t.nbytes, count + t.size
+    rec = json.loads((out_dir / "standin.json").read_text())
+    assert index["metadata"]["total_size"] == total == rec["bytes"]
+    assert rec["params"] == count == standin.param_count(BIG, VOCAB) == _hf(out_dir).num_parameters()
+    assert rec["real_layers"] == [0, 1, 3]  # source layer i -> i * 5 // 3
+
+
+def test_structure_required_zeros_and_random_dead_weights(made):
+    """The required zeros are there; everything else dead is noise of the source tensor's scale, not zeros."""
+    src_dir, out_dir = made["big"]
+    _, sw = standin.load_checkpoint(src_dir)
+    _, w = standin.load_checkpoint(out_dir)
+    e, i = 64, 96
+    emb = w["model.embed_tokens.weight"]
+    assert not emb[:, e:].any() and np.array_equal(emb[:, :e], sw["model.embed_tokens.weight"])
+    for p, (s, real) in enumerate([(0, True), (1, True), (1, False), (2, True), (2, False)]):
+        pre = f"model.layers.{p}."
+        o, down = w[pre + "self_attn.o_proj.weight"], w[pre + "mlp.down_proj.weight"]
+        if not real:
+            assert not o.any() and not down.any()
+        else:
+            assert not o[e:].any() and not down[e:].any() and not down[:, i:].any()
+            assert np.array_equal(down[:e, :i], sw[f"model.layers.{s}.mlp.down_proj.weight"])
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"):
+            t, ref = w[pre + part + ".weight"], sw[f"model.layers.{s}.{part}.weight"]
+            dead = t[np.any(t != 0, axis=1)][:, e:]  # reads the padded dims: noise (q's zero RoPE rows aside)
+            assert dead.shape[0] >= t.shape[0] * 5 // 6
+            assert np.count_nonzero(dead) > 0.99 * dead.size
+            ratio = dead.std() / ref.std() / (np.sqrt(2) if part == "self_attn.q_proj" else 1)
+            assert 0.8 < ratio < 1.25, (pre + part, ratio)
+
+
+def test_rope_frequencies_map_exactly_when_head_dim_grows():
+    """transformers' own inv_freq: new pair r*i has the source pair i's frequency, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    for extra in SOURCES.values():
+        rp = extra.get("rope_parameters")
+        kw = {"rope_parameters": rp} if rp else {}
+        a = LlamaRotaryEmbedding(transformers.LlamaConfig(**{**SRC, **kw}))
+        for r in (2, 4):
+            b = LlamaRotaryEmbedding(transformers.LlamaConfig(**{**SRC, **kw, "head_dim": 16 * r}))
+            assert torch.equal(b.inv_freq[::r], a.inv_freq) and a.attention_scaling == b.attention_scaling
+    m = standin.head_dim_map(16, 32)
+    assert m[:8].tolist() == [0, 2, 4, 6, 8, 10, 12, 14] and m[8:].tolist() == [16, 18, 20, 22, 24, 26, 28, 30]
+
+
+def test_deterministic_from_the_seed(made, tmp_path):
+    src_dir, out_dir = made["big"]
+    again = make_standin(src_dir, tmp_path / "a", BIG, seed=3, shard_bytes=96 << 10, progress=False)
+    for f in again["files"]:
+        assert (tmp_path / "a" / f).read_bytes() == (out_dir / f).read_bytes()
+    assert make_standin(src_dir, tmp_path / "a", BIG, seed=3, shard_bytes=96 << 10, progress=False).get("reused")
+    other = make_standin(src_dir, tmp_path / "b", BIG, seed=4, progress=False)
+    _, wa = standin.load_checkpoint(out_dir)
+    _, wb = standin.load_checkpoint(tmp_path / "b")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not np.array_equal(wa[q], wb[q]) and np.array_equal(wa[q][:, :64][:16], wb[q][:, :64][:16])
+    assert other["params"] == again["params"]
+
+
+def test_demo_target_inflated_keeps_its_greedy_output(tmp_path):
+    from tokenizers import Tokenizer
+    demo = REPO / "models" / "demo-target"
+    shape = Shape(hidden_size=640, num_attention_heads=10, num_key_value_heads=5, head_dim=128,
+                  intermediate_size=1600, num_hidden_layers=10)
+    make_standin(demo, tmp_path / "s", shape, progress=False)
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "s" / f).read_bytes() == (demo / f).read_bytes()
+    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    src, big = _hf(demo), _hf(tmp_path / "s")
+    for text in ("def read_config(path):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self"):
+        ids = torch.tensor([tok.encode(text).ids])
+        a, b = _greedy(src, ids), _greedy(big, ids)
+        assert torch.equal(a, b), f"{text!r}: {tok.decode(a[0].tolist())!r} vs {tok.decode(b[0].tolist())!r}"
+
+
+# -------------------------------------------------------------------------------------------- refusals
+
+def _shape(**kw):
+    return {**asdict(BIG), **kw}
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(hidden_size=32), r"shape\.hidden_size: expected >= 64 \(the source's\), got 32"),
+    (dict(num_attention_heads=2, num_key_value_heads=2), r"shape\.num_attention_heads: expected >= 4"),
+    (dict(num_key_value_heads=1, num_attention_heads=12), r"shape\.num_key_value_heads: expected >= 2"),
+    (dict(head_dim=8), r"shape\.head_dim: expected >= 16"),
+    (dict(intermediate_size=64), r"shape\.intermediate_size: expected >= 96"),
+    (dict(num_hidden_layers=2), r"shape\.num_hidden_layers: expected >= 3"),
+    (dict(num_attention_heads=12, num_key_value_heads=12), r"expected >= 2 query heads per KV head .* got 12/12 = 1"),
+    (dict(num_attention_heads=16, num_key_value_heads=6), r"num_attention_heads: expected a multiple of num_key_value_heads"),
+    (dict(num_attention_heads=16, num_key_value_heads=4, hidden_size=100), r"shape\.hidden_size: expected a multiple of num_attention_heads"),
+    (dict(head_dim=24), r"shape\.head_dim: expected a multiple of the source's 16"),
+    (dict(intermediate_size=VOCAB), r"shape\.intermediate_size: expected a width other than vocab_size 160.*got 160"),
+    (dict(hidden_size=160, num_attention_heads=10, num_key_value_heads=5), r"shape\.hidden_size: expected a width other than vocab_size"),
+    (dict(num_key_value_heads=5, num_attention_heads=10, head_dim=32, hidden_size=120), r"num_key_value_heads\*head_dim: expected a width other than vocab"),
+    (dict(head_dim="x"), r"shape\.head_dim: expected a positive integer, got 'x'"),
+    (dict(heads=3), r"shape: unknown field 'heads'"),
+])
+def test_bad_shapes_are_refused(made, tmp_path, kw, match):
+    src_dir, _ = made["big"]
+    with pytest.raises(StandinError, match=match):
+        make_standin(src_dir, tmp_path / "x", _shape(**kw), progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_other_families_and_inexact_rope_are_refused(made, tmp_path):
+    src_dir, _ = made["big"]
+    cfg = json.loads((src_dir / "config.json").read_text())
+    for patch, match in ((dict(model_type="qwen2"), r"model_type: expected 'llama' .*got 'qwen2'"),
+                         (dict(attention_bias=True), r"attention_bias: expected False .*got True"),
+                         (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+                          r"shape\.head_dim: expected 16 .* with rope_type 'yarn'.*got 32")):
+        d = tmp_path / patch.__repr__()[:20].replace(" ", "_").replace("'", "")
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, **patch}))
+        with pytest.raises(StandinError, match=match):
+            make_standin(d, tmp_path / "out", BIG, progress=False)
+    with pytest.raises(StandinError, match=r"source: expected a Hugging Face checkpoint folder"):
+        make_standin(tmp_path / "nowhere", tmp_path / "out", BIG, progress=False)
+
+
+def test_a_foreign_out_folder_is_not_overwritten(made, tmp_path):
+    src_dir, _ = made["big"]
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("mine")
+    with pytest.raises(StandinError, match="out: expected an empty folder or an earlier stand-in"):
+        make_standin(src_dir, tmp_path / "o", BIG, progress=False)
+    assert (tmp_path / "o" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_errors_are_one_line(made, tmp_path, capsys):
+    src_dir, _ = made["big"]
+    rc = standin.main(["--source", str(src_dir), "--out", str(tmp_path / "c"), "--no-progress",
+                       "--shape", "hidden_size=96,num_attention_heads=12,num_key_value_heads=3,head_dim=32,"
+                                  f"intermediate_size={VOCAB},num_hidden_layers=5"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and err.startswith("error: shape.intermediate_size: expected a width other")
+    assert standin.main(["--shape", "hidden_size=96", "--source", str(src_dir)]) == 2
+    assert standin.main(["--preset", "llama-3.2-1b", "--shape", "hidden_size=96"]) == 2
+
+
+def test_cli_makes_a_custom_shape(made, tmp_path, capsys):
+    src_dir, _ = made["big"]
+    shape = ",".join(f"{k}={v}" for k, v in _shape().items())
+    assert standin.main(["--source", str(src_dir), "--out", str(tmp_path / "c"), "--no-progress", "--shape", shape]) == 0
+    assert "M params" in capsys.readouterr().out
+    assert (tmp_path / "c" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ presets
+
+def test_presets_fit_the_demo_pair_and_list(capsys):
+    tgt, dft = standin.read_source(REPO / "models" / "demo-target"), standin.read_source(REPO / "models" / "demo-draft")
+    for name, p in PRESETS.items():
+        standin.check_shape(tgt, p.target)
+        standin.check_shape(dft, p.draft)
+        t, d = standin.param_count(p.target, tgt.vocab_size), standin.param_count(p.draft, dft.vocab_size)
+        assert 10 <= t / d <= 30, name
+        for shape in (p.target, p.draft):  # transformers accepts the shape
+            transformers.LlamaConfig(vocab_size=tgt.vocab_size, **asdict(shape))
+    # the real models' published parameter counts
+    assert PRESETS["llama-3.2-1b"].real.params == 1_235_814_400
+    assert PRESETS["llama-3.2-3b"].real.params == 3_212_749_824
+    assert PRESETS["qwen2.5-0.5b"].real.params == 494_032_768
+    assert standin.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in PRESETS) and "fp16" in out
