@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Virtual environments for the peer systems the benchmark compares against. Run from the repo root:
 #
-#     bash bench/setup_peers.sh            # all three environments
+#     bash bench/setup_peers.sh            # all four environments
 #     bash bench/setup_peers.sh genai      # only .venv-genai
 #     bash bench/setup_peers.sh hf         # only .venv-hf
 #     bash bench/setup_peers.sh optimum    # only .venv-optimum (optimum-onnx pins an older transformers)
+#     bash bench/setup_peers.sh llamacpp   # only .venv-llamacpp + llama.cpp built from source (~25 min, 2 cores)
 #
 # .venv-genai  ONNX Runtime GenAI + what its model builder needs (onnx, onnx-ir, torch, transformers,
 #              numpy, onnxruntime), for bench/peers/genai_runner.py
 # .venv-hf     torch + transformers (+ psutil), for bench/peers/hf_runner.py
 # .venv-optimum  torch + optimum-onnx + onnxruntime, for bench/peers/optimum_runner.py
+# .venv-llamacpp llama-cpp-python (its PyPI sdist, whose vendor/llama.cpp is built here with cmake: llama-server,
+#              llama-quantize, llama-speculative(-simple), llama-lookup, llama-completion, llama-tokenize and the
+#              shared libraries the Python binding loads) + gguf + what convert_hf_to_gguf.py needs, for
+#              bench/peers/llamacpp_runner.py. The build lives in .cache/llamacpp/ (LLAMACPP_DIR); the venv's
+#              llamacpp.json names it.
 #
 # bench/bench_peers.py runs every runner from these environments (GenAI with its default threading and
 # with edgespec's, k / n-gram sweeps, HF assisted and prompt lookup sweeps) in one run.
@@ -19,7 +25,8 @@
 # non-zero on failure. torch is always pinned to 2.13.0 (this machine's CPU wheel; an unpinned torch
 # resolves to a multi-GB CUDA build). Versions can be overridden with the environment variables
 # below (PYTHON, GENAI_VERSION, ORT_VERSION, ONNX_VERSION, ONNX_IR_VERSION, TRANSFORMERS_VERSION,
-# TORCH_VERSION); the runners were verified with the defaults.
+# TORCH_VERSION, LLAMA_CPP_PYTHON_VERSION, GGUF_VERSION, LLAMACPP_DIR, LLAMACPP_JOBS); the runners were
+# verified with the defaults.
 set -uo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -126,11 +133,117 @@ setup_optimum() {
     setup_venv .venv-optimum "$OPTIMUM_CHECK" "" "${OPTIMUM_REQS[@]}"
 }
 
+# ---- llama.cpp ------------------------------------------------------------------------------------------------
+# llama-cpp-python's sdist carries llama.cpp's source (vendor/llama.cpp, the commit its CHANGELOG names). That one
+# source is built once with cmake (Release, GGML_NATIVE, shared libraries): the programs the runner uses and the
+# libraries llama-cpp-python loads (it is installed with -DLLAMA_BUILD=OFF, so pip does not build llama.cpp a
+# second time; LLAMA_CPP_LIB_PATH points it at this build). Nothing is downloaded at build time (no curl, no
+# OpenSSL, no web UI assets). The venv's llamacpp.json records where the build is, the versions, the flags and
+# how long the build took.
+LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+GGUF_VERSION=${GGUF_VERSION:-0.19.0}
+LLAMACPP_DIR=${LLAMACPP_DIR:-.cache/llamacpp}
+LLAMACPP_JOBS=${LLAMACPP_JOBS:-$(nproc 2>/dev/null || echo 2)}
+LLAMACPP_TARGETS=(llama-server llama-quantize llama-speculative llama-speculative-simple llama-lookup
+                  llama-completion llama-tokenize)
+LLAMACPP_CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=OFF
+                      -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF
+                      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF)
+# what convert_hf_to_gguf.py imports (its requirements file pins torch 2.11 and transformers 4.57; this machine's
+# CPU torch and the other peers' transformers convert these Llama checkpoints), and llama-cpp-python's own deps
+LLAMACPP_REQS=("torch==${TORCH_VERSION}" "transformers==${TRANSFORMERS_VERSION}" "gguf==${GGUF_VERSION}" "numpy"
+               "safetensors" "sentencepiece" "protobuf" "tokenizers" "typing-extensions" "diskcache" "jinja2")
+
+LLAMACPP_CHECK=$(cat <<'EOF'
+import json, os, sys, torch, gguf, transformers, tokenizers
+from importlib.metadata import version
+info = json.load(open(os.path.join(sys.prefix, "llamacpp.json")))
+os.environ["LLAMA_CPP_LIB_PATH"] = info["bin"]
+import llama_cpp
+want = sys.argv[1]
+assert llama_cpp.__version__ == want, f"llama-cpp-python {llama_cpp.__version__} installed, {want} wanted"
+assert torch.version.cuda is None, f"torch {torch.__version__} is a CUDA build; a CPU build is needed"
+for prog in ("llama-server", "llama-quantize", "llama-speculative", "llama-speculative-simple", "llama-lookup",
+             "llama-completion", "llama-tokenize"):
+    p = os.path.join(info["bin"], prog)
+    assert os.access(p, os.X_OK), f"{p} missing"
+assert os.path.isfile(os.path.join(info["src"], "convert_hf_to_gguf.py")), "convert_hf_to_gguf.py missing"
+llama_cpp.llama_backend_init()
+print(f"llama-cpp-python {llama_cpp.__version__} (llama.cpp {info['llama_cpp_commit']}, built in "
+      f"{info['build_s']} s), gguf {version('gguf')}, torch {torch.__version__}, transformers "
+      f"{transformers.__version__}; programs in {info['bin']}")
+EOF
+)
+
+llamacpp_build() {  # llamacpp_build SRC BUILD: cmake configure + build of the vendored llama.cpp (incremental)
+    local src=$1 build=$2
+    cmake -S "${src}/vendor/llama.cpp" -B "$build" "${LLAMACPP_CMAKE_FLAGS[@]}" > "${build}.configure.log" 2>&1 \
+        || { tail -20 "${build}.configure.log" >&2; echo "ERROR: cmake configure failed (log: ${build}.configure.log)" >&2; return 1; }
+    cmake --build "$build" --config Release -j "$LLAMACPP_JOBS" --target "${LLAMACPP_TARGETS[@]}" \
+        > "${build}.build.log" 2>&1 \
+        || { tail -30 "${build}.build.log" >&2; echo "ERROR: cmake build failed (log: ${build}.build.log)" >&2; return 1; }
+}
+
+write_llamacpp_info() {  # write_llamacpp_info OUT SRC BUILD VERSION COMMIT SECONDS
+    "${dir}/bin/python" -c '
+import json, sys
+out, src, build, ver, commit, took = sys.argv[1:7]
+json.dump({"src": src + "/vendor/llama.cpp", "bin": build + "/bin", "llama_cpp_python": ver,
+           "llama_cpp_commit": commit or None, "build_s": int(took), "cmake_flags": sys.argv[7:]},
+          open(out, "w"), indent=1)
+' "$@" "${LLAMACPP_CMAKE_FLAGS[@]}"
+}
+
+setup_llamacpp() {
+    local dir=.venv-llamacpp
+    local src="${LLAMACPP_DIR}/src-${LLAMA_CPP_PYTHON_VERSION}" build="${LLAMACPP_DIR}/build-${LLAMA_CPP_PYTHON_VERSION}"
+    local stamp="${dir}/.edgespec-peers-stamp" want
+    want="$("$PYTHON" -V 2>&1) llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION} ${LLAMACPP_CMAKE_FLAGS[*]} ${LLAMACPP_TARGETS[*]} ${LLAMACPP_REQS[*]}"
+    if [ -x "${dir}/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] \
+        && "${dir}/bin/python" -c "$LLAMACPP_CHECK" "$LLAMA_CPP_PYTHON_VERSION" >/dev/null 2>&1; then
+        echo "==> ${dir}: up to date ($("${dir}/bin/python" -c "$LLAMACPP_CHECK" "$LLAMA_CPP_PYTHON_VERSION" 2>/dev/null))"
+        return 0
+    fi
+    command -v cmake >/dev/null 2>&1 || die "cmake not found (apt-get install cmake): llama.cpp is built with it"
+    command -v c++ >/dev/null 2>&1 || die "no C++ compiler found (apt-get install g++): llama.cpp is built with it"
+    mkdir -p "$LLAMACPP_DIR" || die "cannot create ${LLAMACPP_DIR}"
+    local sdist="${LLAMACPP_DIR}/llama_cpp_python-${LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+    if [ ! -f "${src}/vendor/llama.cpp/CMakeLists.txt" ]; then
+        if [ ! -f "$sdist" ]; then
+            step "download the llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION} sdist" "$PYTHON" -m pip download \
+                --quiet --no-binary :all: --no-deps -d "$LLAMACPP_DIR" "llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION}"
+        fi
+        [ -f "$sdist" ] || die "no ${sdist} after the download"
+        rm -rf "$src" "${src}.partial" && mkdir -p "${src}.partial" || die "cannot create ${src}.partial"
+        step "unpack ${sdist}" tar xzf "$sdist" -C "${src}.partial" --strip-components=1
+        mv "${src}.partial" "$src" || die "cannot move ${src}.partial to ${src}"
+    fi
+    local commit
+    commit=$(sed -n 's/.*update llama.cpp to ggml-org\/llama.cpp@\([0-9a-f]*\).*/\1/p' "${src}/CHANGELOG.md" | head -1)
+    echo "==> build llama.cpp ${commit:-?} (from llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION}) with cmake," \
+         "${LLAMACPP_JOBS} jobs, into ${build}: ${LLAMACPP_TARGETS[*]}"
+    local t0=$SECONDS
+    llamacpp_build "$src" "$build" || die "llama.cpp build failed in ${build}"
+    local took=$((SECONDS - t0))
+    echo "==> llama.cpp built in ${took} s"
+    if [ ! -x "${dir}/bin/python" ]; then
+        step "create ${dir}" "$PYTHON" -m venv "$dir"
+    fi
+    step "install into ${dir}: ${LLAMACPP_REQS[*]}" "${dir}/bin/python" -m pip install --quiet "${LLAMACPP_REQS[@]}"
+    step "install llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION} from ${src} (no library build: it loads ${build}/bin)" \
+        env CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${dir}/bin/python" -m pip install --quiet --no-deps "$src"
+    write_llamacpp_info "${dir}/llamacpp.json" "$(cd "$src" && pwd)" "$(cd "$build" && pwd)" \
+        "$LLAMA_CPP_PYTHON_VERSION" "$commit" "$took" || die "cannot write ${dir}/llamacpp.json"
+    step "check ${dir}" "${dir}/bin/python" -c "$LLAMACPP_CHECK" "$LLAMA_CPP_PYTHON_VERSION"
+    echo "$want" > "$stamp" || die "cannot write ${stamp}"
+}
+
 case "${1:-all}" in
-    all) setup_genai; setup_hf; setup_optimum ;;
+    all) setup_genai; setup_hf; setup_optimum; setup_llamacpp ;;
     genai) setup_genai ;;
     hf) setup_hf ;;
     optimum) setup_optimum ;;
-    *) die "unknown argument '$1' (expected: all, genai, hf or optimum)" ;;
+    llamacpp) setup_llamacpp ;;
+    *) die "unknown argument '$1' (expected: all, genai, hf, optimum or llamacpp)" ;;
 esac
 echo "peer environments ready"
