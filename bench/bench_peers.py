@@ -1,4 +1,4 @@
-"""edgespec vs ONNX Runtime GenAI, Hugging Face transformers and optimum: each mode at its best setting, one run.
+"""edgespec vs ONNX Runtime GenAI, Hugging Face transformers, optimum and llama.cpp: each mode at its best setting, one run.
 
     bash bench/setup_peers.sh && python bench/bench_peers.py --out bench/results/peers.json
 
@@ -8,7 +8,9 @@ one process schedule, and nothing from any other run:
   1. sweep: every configuration of every mode (edgespec γ 2..6 and auto, its draft+lookup γ (and auto) × lookup ×
      lookup γ (the most proposals of a round drafted by lookup), its n-gram γ × max_ngram; GenAI's k, adaptive
      k (min_adaptive_k..K), n-gram size, chained lookup, an fp32 and an int8 draft model, and both its default
-     threading and edgespec's threads; HF's draft lengths and prompt-lookup settings) decodes a subset of the
+     threading and edgespec's threads; HF's draft lengths and prompt-lookup settings; llama.cpp's plain, draft and
+     lookup modes at each GGUF precision (--llamacpp-precisions: f16, q8_0, q4_0), over threads, draft length,
+     p_min and draft threads, and n-gram size and lookup draft length) decodes a subset of the
      prompts once (--sweep-prompts), configurations interleaved across systems;
   1b. runoff: each mode's --runoff (3) fastest configurations decode the subset twice more, in two passes of
      opposite order; the selection takes each one's median of its three speeds, so that one lucky or unlucky
@@ -24,13 +26,21 @@ one process schedule, and nothing from any other run:
 The defaults (195 sweep configurations on 6 prompts, a runoff of each mode's 3 fastest twice, then 13 rows × 3
 repeats on 24 prompts × 128 tokens, then 36 head-to-head trials) took 40 minutes on the 2-core CPU in run
 47a123ad3a60 (29 without the runoff); the script
-prints its estimate first and a progress bar after.
+prints its estimate first and a progress bar after. llama.cpp's default sweep adds 156 configurations (3
+precisions × (2 plain + 30 draft + 20 lookup)) and 9 rows, not yet timed in a full run (--llamacpp-precisions
+none leaves them out).
 
 Draft models: edgespec's demo draft is its int8 weight-only engine (MatMulNBits, blocks of 32, accuracy level
 4). GenAI's draft is swept at fp32 and int8 (--genai-draft-precisions), each built by GenAI's own model builder
 with that recipe where the builder takes it (bench/peers/genai_runner.py QUANT_OPTIONS); both targets are fp32.
 A draft's precision cannot change the output (the target verifies every token), so each side may use its
 fastest draft. The configuration column names the draft precision and, for GenAI, fixed or adaptive k.
+
+llama.cpp (bench/peers/llamacpp_runner.py: llama-server, prompts sent as edgespec's token ids, llama.cpp's own
+timings): one mode per weight precision, "llama.cpp plain f16", "llama.cpp draft q8_0", "llama.cpp lookup q4_0"
+and so on, since the comparisons the issue names are precision against precision (fp16 weights against f16,
+int8 against q8_0, int4 against q4_0); the draft GGUF is the target's precision unless
+--llamacpp-draft-precisions names others. Its rows stop at EOS like every other row.
 
 Every system runs in its own process (so peak RSS is its own): edgespec through this script's
 `--edgespec-runner` mode, the peers through bench/peers/*_runner.py in their virtual environments. Greedy
@@ -46,7 +56,8 @@ Smoke test (2 prompts, 16 tokens, small sweeps; 4-8 minutes, mostly process star
         --sweep-prompts 2 --max-new-tokens 16 --repeats 1 --gammas 2,4 --max-ngrams 3 \\
         --genai-ngram-sizes 3 --genai-chained off --hf-lookup-ngrams 2 --lookup-gammas 4 --lookups 2 \
         --genai-draft-ks 4 --genai-adaptive-ks 4 --genai-min-adaptive-k 2 --lookup-lengths 0,8 \
-        --paired-rounds 1 --paired-chunks 2
+        --paired-rounds 1 --paired-chunks 2 --llamacpp-precisions q4_0 --llamacpp-threads 2 \
+        --llamacpp-draft-ks 4 --llamacpp-draft-p-mins 0 --llamacpp-ngram-sizes 3 --llamacpp-lookup-lengths 8
 """
 from __future__ import annotations
 
@@ -84,8 +95,8 @@ class Config:
 class Mode:
     """One row of the final table: a system's decoding mode, tried in each of its configurations."""
     name: str  # "ORT GenAI ngram"
-    system: str  # "edgespec", "ORT GenAI", "HF transformers", "optimum": best against best is per system
-    runner: str  # "edgespec", "genai", "hf", "optimum"
+    system: str  # "edgespec", "ORT GenAI", "HF transformers", "optimum", "llama.cpp": best against best is per system
+    runner: str  # "edgespec", "genai", "hf", "optimum", "llamacpp"
     configs: tuple
 
 
@@ -168,8 +179,55 @@ def plan(args) -> list[Mode]:
                    for n in _ints(args.hf_lookup_ngrams) for x in sorted(set(g) | {10}))),
         Mode("optimum ORTModelForCausalLM plain", "optimum", "optimum", (Config("intra-op threads 2", ()),)),
     ]
+    modes += llamacpp_modes(args)
     only = set(args.modes.split(",")) if args.modes else None
     return [m for m in modes if only is None or m.name in only or m.name == "edgespec plain"]
+
+
+LLAMACPP_SWEEP = dict(llamacpp_precisions="f16,q8_0,q4_0", llamacpp_threads="1,2", llamacpp_draft_threads="0,1",
+                      llamacpp_draft_ks="2,3,4,6,8", llamacpp_draft_p_mins="0,0.75", llamacpp_draft_precisions="same",
+                      llamacpp_lookup_types="ngram-simple,ngram-cache", llamacpp_ngram_sizes="2,3,4",
+                      llamacpp_lookup_lengths="4,8,16")  # main()'s defaults
+
+
+def llamacpp_modes(args) -> list[Mode]:
+    """llama.cpp's modes, one per weight precision (--llamacpp-precisions; "" or "none": no llama.cpp rows):
+    plain over threads; draft over draft length (--spec-draft-n-max) × p_min × draft precision × threads (with
+    draft threads: 0 = the target's, llama.cpp's default, plus each smaller count); lookup over its --spec-type
+    (ngram-simple: n-gram size × draft length; ngram-cache, llama-lookup's cache, has neither) × threads."""
+    get = lambda k: getattr(args, k, LLAMACPP_SWEEP[k])  # noqa: E731 (a Namespace from before llama.cpp: defaults)
+    precs = [p for p in get("llamacpp_precisions").split(",") if p and p != "none"]
+    threads = _ints(get("llamacpp_threads"))
+    pairs = [(t, 0) for t in threads] + [(t, d) for t in threads for d in _ints(get("llamacpp_draft_threads"))
+                                         if 0 < d < t]
+    tlab = lambda t, d: f"threads {t}" + (f", draft threads {d}" if d else "")  # noqa: E731
+    targ = lambda t, d: ("--threads", str(t)) + (("--draft-threads", str(d)) if d else ())  # noqa: E731
+    p_mins = [x.strip() for x in get("llamacpp_draft_p_mins").split(",") if x.strip()]
+    out = []
+    for p in precs:
+        dprecs = list(dict.fromkeys(p if d == "same" else d for d in get("llamacpp_draft_precisions").split(",") if d))
+        lookups = []
+        for typ in [x for x in get("llamacpp_lookup_types").split(",") if x]:
+            if typ == "ngram-cache":
+                lookups.append(("ngram-cache (llama-lookup's n-gram cache, 8 draft tokens)", ("--lookup-type", typ)))
+            else:
+                lookups += [(f"{typ} n={n}, draft {m}", ("--lookup-type", typ, "--ngram-size", str(n),
+                                                         "--lookup-max", str(m)))
+                            for n in _ints(get("llamacpp_ngram_sizes")) for m in _ints(get("llamacpp_lookup_lengths"))]
+        out += [
+            Mode(f"llama.cpp plain {p}", "llama.cpp", "llamacpp",
+                 tuple(Config(f"{p}, threads {t}", ("--mode", "plain", "--precision", p, "--threads", str(t)))
+                       for t in threads)),
+            Mode(f"llama.cpp draft {p}", "llama.cpp", "llamacpp",
+                 tuple(Config(f"draft max {k}, p_min {pm}, {dp} draft, {tlab(t, d)}",
+                              ("--mode", "draft", "--precision", p, "--draft-precision", dp, "--draft-max", str(k),
+                               "--draft-p-min", pm) + targ(t, d))
+                       for dp in dprecs for t, d in pairs for pm in p_mins for k in _ints(get("llamacpp_draft_ks")))),
+            Mode(f"llama.cpp lookup {p}", "llama.cpp", "llamacpp",
+                 tuple(Config(f"{lab}, threads {t}", ("--mode", "lookup", "--precision", p) + la + targ(t, 0))
+                       for t in threads for lab, la in lookups)),
+        ]
+    return [m for m in out if m.configs]
 
 
 # ---- the edgespec side ---------------------------------------------------------------------------------------
@@ -408,6 +466,13 @@ def mode_ratios(systems: dict) -> dict:
              ("edgespec ngram", "ORT GenAI ngram"),
              ("edgespec draft", "HF assisted"), ("edgespec ngram", "HF prompt lookup")]
     pairs += [(n, "ORT GenAI plain") for n in t if n.startswith("ORT GenAI draft")]
+    # llama.cpp: each speculative mode over plain at its precision, and edgespec's against its f16 rows (edgespec
+    # plain native: float16 weights, like f16)
+    pairs += [(n, "llama.cpp plain " + n.split()[-1]) for n in t
+              if n.startswith(("llama.cpp draft ", "llama.cpp lookup "))]
+    pairs += [("edgespec plain", "llama.cpp plain f16"), (PLAIN_NATIVE, "llama.cpp plain f16"),
+              ("edgespec draft", "llama.cpp draft f16"), ("edgespec draft+lookup", "llama.cpp draft f16"),
+              ("edgespec ngram", "llama.cpp lookup f16")]
     if genai_draft:
         pairs += [("edgespec draft", genai_draft), ("edgespec draft+lookup", genai_draft)]
     return {f"{a} / {b}": t[a] / t[b] for a, b in pairs if a in t and b in t}
@@ -433,6 +498,11 @@ CONFIGURATIONS = (
     "builder with edgespec's recipe where the builder takes it (-p int8 --extra_options block_size=32 accuracy_level=4 is_symmetric=false; "
     "the target stays fp32 like edgespec's, and the target verifies every token, so the draft's precision changes "
     "speed, never the output); the exact builder commands of each selected GenAI row are in its `builds`. "
+    "llama.cpp (llama-server, edgespec's prompt token ids, llama.cpp's own timings; one row per GGUF precision: "
+    "f16 from convert_hf_to_gguf.py, q8_0 and q4_0 from llama-quantize): plain over threads; draft "
+    "(--spec-type draft-simple) over --spec-draft-n-max × --spec-draft-p-min × threads and draft threads (0: the "
+    "target's); lookup over --spec-type ngram-simple's n-gram size × draft length and ngram-cache (llama-lookup's "
+    "cache), × threads; the exact conversion commands of each selected llama.cpp row are in its `builds`. "
     "Nothing is dropped as dominated: every configuration listed in the sweep ran.")
 
 
@@ -488,8 +558,8 @@ def paired_summary(a: str, b: str, trials: list[dict]) -> dict:
 # ---- the run -------------------------------------------------------------------------------------------------
 class Progress:
     """A one-line progress bar on stderr, by estimated seconds of work (tokens / a rough speed + start-up)."""
-    SPEED = {"edgespec": 350.0, "genai": 350.0, "hf": 90.0, "optimum": 140.0}  # rough tok/s, for the ETA only
-    START_S = {"edgespec": 4.0, "genai": 2.5, "hf": 12.0, "optimum": 10.0}  # process start, load, warm-up
+    SPEED = {"edgespec": 350.0, "genai": 350.0, "hf": 90.0, "optimum": 140.0, "llamacpp": 400.0}  # rough tok/s, ETA
+    START_S = {"edgespec": 4.0, "genai": 2.5, "hf": 12.0, "optimum": 10.0, "llamacpp": 2.0}  # start, load, warm-up
 
     def __init__(self, total: float):
         self.total, self.done, self.t0 = total, 0.0, time.time()
@@ -541,6 +611,27 @@ def main(argv=None) -> int:
     ap.add_argument("--genai-min-adaptive-k", default="1,2", help="GenAI draft: min_adaptive_k of adaptive k")
     ap.add_argument("--genai-draft-precisions", default="fp32,int8",
                     help="GenAI draft: the draft model's build (fp32, int8, int4; the target stays fp32)")
+    ap.add_argument("--llamacpp-precisions", default=LLAMACPP_SWEEP["llamacpp_precisions"],
+                    help="llama.cpp: GGUF weight precisions, one row per mode each (f16, q8_0, q4_0; none: no "
+                         "llama.cpp rows)")
+    ap.add_argument("--llamacpp-threads", default=LLAMACPP_SWEEP["llamacpp_threads"],
+                    help="llama.cpp: threads swept (-t and -tb)")
+    ap.add_argument("--llamacpp-draft-threads", default=LLAMACPP_SWEEP["llamacpp_draft_threads"],
+                    help="llama.cpp draft: draft threads (0: the target's, llama.cpp's default; others only below "
+                         "the target's)")
+    ap.add_argument("--llamacpp-draft-ks", default=LLAMACPP_SWEEP["llamacpp_draft_ks"],
+                    help="llama.cpp draft: --spec-draft-n-max swept")
+    ap.add_argument("--llamacpp-draft-p-mins", default=LLAMACPP_SWEEP["llamacpp_draft_p_mins"],
+                    help="llama.cpp draft: --spec-draft-p-min swept (drafting stops below this draft probability)")
+    ap.add_argument("--llamacpp-draft-precisions", default=LLAMACPP_SWEEP["llamacpp_draft_precisions"],
+                    help="llama.cpp draft: the draft GGUF's precisions (same: the target's)")
+    ap.add_argument("--llamacpp-lookup-types", default=LLAMACPP_SWEEP["llamacpp_lookup_types"],
+                    help="llama.cpp lookup: --spec-type values (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, "
+                         "ngram-cache)")
+    ap.add_argument("--llamacpp-ngram-sizes", default=LLAMACPP_SWEEP["llamacpp_ngram_sizes"],
+                    help="llama.cpp lookup: the n-gram looked up (size-n)")
+    ap.add_argument("--llamacpp-lookup-lengths", default=LLAMACPP_SWEEP["llamacpp_lookup_lengths"],
+                    help="llama.cpp lookup: the draft length after a match (size-m)")
     ap.add_argument("--edgespec-providers", default="cpu,cpu-native",
                     help="edgespec speculative modes: the target's providers swept (plain runs on each as its own mode)")
     ap.add_argument("--runoff", type=int, default=3, help="after the sweep, each mode's N fastest configurations "
@@ -592,7 +683,9 @@ def main(argv=None) -> int:
             "hf": [str(ROOT / ".venv-hf" / "bin" / "python"), str(HERE / "peers" / "hf_runner.py"),
                    "--target", tgt, "--draft", dft] + tokens,
             "optimum": [str(ROOT / ".venv-optimum" / "bin" / "python"), str(HERE / "peers" / "optimum_runner.py"),
-                        "--target", tgt, "--work", str(work / "optimum")] + tokens}
+                        "--target", tgt, "--work", str(work / "optimum")] + tokens,
+            "llamacpp": [str(ROOT / ".venv-llamacpp" / "bin" / "python"), str(HERE / "peers" / "llamacpp_runner.py"),
+                         "--target", tgt, "--draft", dft, "--work", str(work / "llamacpp")] + tokens}
 
     def cmd(mode: Mode, cfg: Config, prompts_file: Path, extra=()) -> list[str]:
         return base[mode.runner] + ["--prompts", str(prompts_file), "--repeats", "1"] + list(cfg.argv) + list(extra)
@@ -863,10 +956,15 @@ def markdown(r: dict) -> str:
         cfg = s.get("config", "") + (f" (best of {s['selected_from']})" if s.get("selected_from", 1) > 1 else "")
         rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | {s['ttft_ms_median']:.1f} | "
                     f"{acc} | {apr} | {s.get('identical_prompts', '–')} | {s['peak_rss_mib']:.0f} | {cfg} |")
-    builds = [(n, s["builds"]) for n, s in r["systems"].items() if s.get("builds")]
+    builds = [(n, s["builds"]) for n, s in r["systems"].items() if s.get("builds") and not n.startswith("llama.cpp")]
     if builds:
         rows += ["", "GenAI model builds of the rows above (exact builder commands):", ""]
         rows += [f"- {n}: " + "; ".join(f"{role} `{cmd}`" for role, cmd in b.items()) for n, b in builds]
+    ggufs = [(n, s["builds"]) for n, s in r["systems"].items() if s.get("builds") and n.startswith("llama.cpp")]
+    if ggufs:
+        rows += ["", "llama.cpp GGUF conversions of the rows above (exact commands; <CONVERT_WRAPPER> is "
+                     "bench/peers/llamacpp_runner.py's CONVERT_WRAPPER around convert_hf_to_gguf.py):", ""]
+        rows += [f"- {n}: " + "; ".join(f"{role} `{cmd}`" for role, cmd in b.items()) for n, b in ggufs]
     rows += ["", "| ratio (best configuration of each) | value |", "|---|---|"] + \
         [f"| {k} | {v:.2f}x |" for k, v in r["ratios"].items()]
     rf = r["roofline"]
@@ -930,7 +1028,8 @@ def plot(r: dict, path: Path) -> None:
     med = [ok[n]["tokens_per_s"]["median"] for n in names]
     err = [[m - ok[n]["tokens_per_s"]["min"] for n, m in zip(names, med)],
            [ok[n]["tokens_per_s"]["max"] - m for n, m in zip(names, med)]]
-    colors = ["tab:green" if n.startswith("edgespec") else "tab:blue" if "GenAI" in n else "tab:orange" for n in names]
+    colors = ["tab:green" if n.startswith("edgespec") else "tab:blue" if "GenAI" in n else
+              "tab:purple" if n.startswith("llama.cpp") else "tab:orange" for n in names]
     ax.barh([f"{n}\n{ok[n].get('config', '')}" for n in names], med, xerr=err, color=colors)
     ax.axvline(r["roofline"]["roofline_tokens_per_s"], color="grey", ls="--", lw=1, label="plain-decode roofline")
     ax.invert_yaxis()

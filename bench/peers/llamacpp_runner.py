@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2, help="target threads (-t and -tb)")
     ap.add_argument("--draft-threads", type=int, default=0,
                     help="draft threads (-td and -tbd); 0 = llama.cpp's default (the target's)")
-    ap.add_argument("--draft-max", type=int, default=16, help="--spec-draft-n-max (llama.cpp's default 16)")
+    ap.add_argument("--draft-max", type=int, default=3, help="--spec-draft-n-max (llama.cpp's default 3)")
     ap.add_argument("--draft-min", type=int, default=0, help="--spec-draft-n-min")
     ap.add_argument("--draft-p-min", type=float, default=0.0,
                     help="--spec-draft-p-min: stop drafting below this draft probability (greedy)")
