@@ -36,6 +36,13 @@ from .memory import HostMemory
 SOURCE = Path(__file__).with_name("native_step.c")
 NATIVE_FILE = "native.npz"
 LAYER_KEYS = ("ln1", "ln2", "wqkv", "wo", "wgu", "wd")  # per layer, as "layers.{i}.{key}"
+OPTIONAL_KEYS = ("bqkv", "bo", "qn", "kn", "post_attn", "post_mlp")  # per layer where the model has them
+FORMAT = 2  # native.npz's layout (extra["native"]["format"]; absent: 1, one rotary over all dims, no options)
+# extra["native"]["features"]: what the folder's model uses beyond a plain Llama, and the arrays each adds
+FEATURES = {"qkv_bias": ("bqkv",), "o_bias": ("bo",), "qk_norm": ("qn", "kn"), "sandwich_norm": ("post_attn", "post_mlp"),
+            "gelu_tanh": (), "embed_scale": (), "attn_scale": (), "partial_rotary": (), "several_rotaries": (),
+            "layers_without_rotary": (), "windows": ()}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # es_model.act
 
 
 def cache_dir() -> Path:
@@ -78,10 +85,13 @@ def build_library() -> Path:
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("E", "H", "Hkv", "D", "I", "V", "L", "argmax_lo", "argmax_hi")] + [
-        ("eps", ctypes.c_float), ("rope_scale", ctypes.c_float),
-        ("inv_freq", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
-        ("norm", ctypes.c_void_p)] + [(k, ctypes.POINTER(ctypes.c_void_p)) for k in LAYER_KEYS]
+    """native_step.c's es_model, field for field."""
+    _fields_ = [(n, ctypes.c_int64) for n in ("E", "H", "Hkv", "D", "I", "V", "L", "argmax_lo", "argmax_hi", "R",
+                                              "n_ropes", "act")] + [
+        ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float), ("attn_scale", ctypes.c_float),
+        ("inv_freq", ctypes.c_void_p), ("rope_scale", ctypes.c_void_p), ("layer_rope", ctypes.c_void_p),
+        ("layer_window", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
+        ("norm", ctypes.c_void_p)] + [(k, ctypes.POINTER(ctypes.c_void_p)) for k in LAYER_KEYS + OPTIONAL_KEYS]
 
 
 def _library():
@@ -91,7 +101,7 @@ def _library():
                                P, P, P, P, ctypes.c_int]
     lib.es_forward.restype = ctypes.c_int
     lib.es_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.es_scratch_floats.restype = ctypes.c_int
+    lib.es_scratch_floats.restype = ctypes.c_int64
     return lib
 
 
@@ -107,16 +117,41 @@ def pack(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
 
 
-def expected_shapes(m: Manifest, intermediate: int) -> dict[str, tuple]:
-    """native.npz's arrays and their shapes for manifest m (matrices packed: pack())."""
+def expected_shapes(m: Manifest, info: dict) -> dict[str, tuple]:
+    """native.npz's arrays and their shapes for manifest m and its extra["native"] record `info` (matrices
+    packed: pack(); the optional arrays of info["features"])."""
     e, h, hk, d, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
-    packed = lambda n, k: (n // PANEL, k, PANEL)
-    shapes = {"embed": (v, e), "lm_head": packed(v, e), "norm": (e,), "inv_freq": (d // 2,), "scalars": (2,)}
-    for i in range(m.num_layers):
+    inter, n_layers = int(info["intermediate_size"]), m.num_layers
+    rot, ropes = int(info.get("rotary_dim", d)), int(info.get("ropes", 1))
+    packed = lambda n, k: (n // PANEL, k, PANEL)  # noqa: E731
+    shapes = {"embed": (v, e), "lm_head": packed(v, e), "norm": (e,), "inv_freq": (ropes, rot // 2),
+              "rope_scale": (ropes,), "layer_rope": (n_layers,), "layer_window": (n_layers,), "scalars": (3,)}
+    optional = {"bqkv": ((h + 2 * hk) * d,), "bo": (e,), "qn": (d,), "kn": (d,), "post_attn": (e,), "post_mlp": (e,)}
+    present = [k for f in info.get("features", []) for k in FEATURES.get(f, ())]
+    for i in range(n_layers):
         shapes.update({f"layers.{i}.ln1": (e,), f"layers.{i}.ln2": (e,),
                        f"layers.{i}.wqkv": packed((h + 2 * hk) * d, e), f"layers.{i}.wo": packed(e, h * d),
-                       f"layers.{i}.wgu": packed(2 * intermediate, e), f"layers.{i}.wd": packed(e, intermediate)})
+                       f"layers.{i}.wgu": packed(2 * inter, e), f"layers.{i}.wd": packed(e, inter)})
+        shapes.update({f"layers.{i}.{k}": optional[k] for k in present})
     return shapes
+
+
+def upgrade_format1(arrays: dict[str, np.ndarray], m: Manifest) -> None:
+    """A native.npz of format 1 (exported before the families: one rotary over all head dims, scalars = eps
+    and its scaling, no options) -> format 2's arrays, in place."""
+    eps, scale = (float(x) for x in arrays.pop("scalars"))
+    arrays["scalars"] = np.array([eps, 1.0, 1.0 / np.sqrt(np.float32(m.head_dim))], np.float32)
+    arrays["inv_freq"] = np.ascontiguousarray(arrays["inv_freq"].reshape(1, -1))
+    arrays["rope_scale"] = np.array([scale], np.float32)
+    arrays["layer_rope"] = np.zeros(m.num_layers, np.int64)
+    arrays["layer_window"] = np.zeros(m.num_layers, np.int64)
+
+
+def manifest_windows(m: Manifest) -> list[int]:
+    """Each layer's window as engine.json says (0: every row): layer_windows, else the uniform sliding_window."""
+    if m.layer_windows:
+        return [int(w or 0) for w in m.layer_windows]
+    return [int(m.sliding_window or 0)] * m.num_layers
 
 
 class NativeEngine:
@@ -138,17 +173,28 @@ class NativeEngine:
             raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
         if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
             raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
-        windowed = m.sliding_window or any(w for w in (m.layer_windows or []))
-        if m.input_mode != "ids" or m.kind != "decoder" or windowed or m.cache_dtype != "float32":
-            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders with a float32 cache and no "
-                              f"sliding window; this folder has input_mode {m.input_mode!r}, sliding_window "
-                              f"{m.sliding_window or m.layer_windows}, cache {m.cache_dtype}: use provider 'cpu'")
+        if m.input_mode != "ids" or m.kind != "decoder" or m.cache_dtype != "float32":
+            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders with a float32 cache; this "
+                              f"folder has input_mode {m.input_mode!r}, kind {m.kind!r}, cache {m.cache_dtype}: use "
+                              f"provider 'cpu'")
+        fmt = int(info.get("format", 1))
+        if fmt not in (1, FORMAT):
+            raise EngineError(f"{path}: native weights of format {fmt}; this edgespec reads formats 1 and {FORMAT} "
+                              f"(re-add them with `python -m edgespec.export.native {self.dir} --checkpoint ...`)")
         with np.load(path) as z:
             self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
+        if fmt == 1 and "scalars" in self.arrays and self.arrays["scalars"].shape == (2,):
+            upgrade_format1(self.arrays, m)
         intermediate = int(info["intermediate_size"])
-        want = expected_shapes(m, intermediate)
-        bad = [f"{k}: expected {s}, got {self.arrays[k].shape if k in self.arrays else 'nothing'}"
-               for k, s in want.items() if k not in self.arrays or self.arrays[k].shape != s]
+        want = expected_shapes(m, info)
+        a = self.arrays
+        bad = [f"{k}: expected {s}, got {a[k].shape if k in a else 'nothing'}"
+               for k, s in want.items() if k not in a or a[k].shape != s]
+        bad += [f"{k}: not expected (engine.json's extra.native.features: {info.get('features', [])})"
+                for k in sorted(set(a) - set(want))]
+        unknown = sorted(set(info.get("features", [])) - set(FEATURES))
+        if unknown:
+            bad.append(f"features {unknown} are not computed by this edgespec's native step")
         for what, n in (("hidden_size", m.hidden_size), ("vocab_size", m.vocab_size),
                         ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
             if n % PANEL:
@@ -158,22 +204,44 @@ class NativeEngine:
         if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
             bad.append(f"head_dim <= 512 and num_heads a multiple of num_kv_heads, got {m.head_dim}, "
                        f"{m.num_heads}/{m.num_kv_heads}")
+        rot = int(info.get("rotary_dim", m.head_dim))
+        if not (0 < rot <= m.head_dim and rot % 2 == 0):
+            bad.append(f"rotary_dim must be even and in 1..head_dim {m.head_dim}, got {rot}")
+        if info.get("activation", "silu") not in ACTIVATIONS:
+            bad.append(f"activation {info.get('activation')!r}: the native step computes {sorted(ACTIVATIONS)}")
+        if not bad:  # the per-layer tables against engine.json and the record
+            if a["layer_window"].tolist() != manifest_windows(m):
+                bad.append(f"layer_window {a['layer_window'].tolist()} differs from engine.json's windows "
+                           f"{manifest_windows(m)}")
+            ropes = want["rope_scale"][0]
+            if not all(-1 <= j < ropes for j in a["layer_rope"].tolist()):
+                bad.append(f"layer_rope {a['layer_rope'].tolist()} names rotaries outside -1..{ropes - 1}")
         if bad:
             raise EngineError(f"{path}: does not fit {self.dir}/engine.json:\n  - " + "\n  - ".join(bad))
+        self.info = info
         self.intermediate = intermediate
         self.threads = threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1
         self.lib = _library()
         self.model = self._model()
 
     def _model(self) -> _Model:
-        m, a = self.manifest, self.arrays
+        m, a, info = self.manifest, self.arrays, self.info
         lo, hi = m.argmax_range
-        eps, scale = (float(x) for x in a["scalars"])
+        eps, embed_scale, attn_scale = (float(x) for x in a["scalars"])
+        for k in ("layer_rope", "layer_window"):
+            a[k] = np.ascontiguousarray(a[k], np.int64)
+        for k in ("inv_freq", "rope_scale"):
+            a[k] = np.ascontiguousarray(a[k], np.float32)
         st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, self.intermediate, m.vocab_size,
-                    m.num_layers, lo, hi, eps, scale, a["inv_freq"].ctypes.data, a["embed"].ctypes.data,
-                    a["lm_head"].ctypes.data, a["norm"].ctypes.data)
+                    m.num_layers, lo, hi, int(info.get("rotary_dim", m.head_dim)), a["rope_scale"].shape[0],
+                    ACTIVATIONS[info.get("activation", "silu")], eps, embed_scale, attn_scale,
+                    a["inv_freq"].ctypes.data, a["rope_scale"].ctypes.data, a["layer_rope"].ctypes.data,
+                    a["layer_window"].ctypes.data, a["embed"].ctypes.data, a["lm_head"].ctypes.data,
+                    a["norm"].ctypes.data)
         self._tables = []  # keeps the pointer tables alive with the struct
-        for key in LAYER_KEYS:
+        for key in LAYER_KEYS + OPTIONAL_KEYS:
+            if f"layers.0.{key}" not in a:
+                continue  # an absent option: NULL
             table = (ctypes.c_void_p * m.num_layers)(*[a[f"layers.{i}.{key}"].ctypes.data for i in range(m.num_layers)])
             self._tables.append(table)
             setattr(st, key, ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p)))

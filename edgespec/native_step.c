@@ -1,4 +1,5 @@
-/* One decoder call of a Llama-style contract model on the CPU, with float16 weights and float32 arithmetic.
+/* One decoder call of a contract model (every family export/checkpoint.py reads) on the CPU, with float16
+   weights and float32 arithmetic.
 
    The bundled checkpoints store float16 weights; the fp32 ONNX engine reads each of them as 4 bytes. This
    step reads them as the 2 bytes they are, converts each to float32 on the fly (exact: every float16 is a
@@ -16,7 +17,20 @@
      hidden (S, E) or NULL        the final normed hidden state
    Every matrix product goes through matmul (below): weights packed in panels of 16 output columns, each
    output one fused multiply-add chain over the inputs in order, whatever S is, so a token's row does not
-   depend on the call's S. N is a multiple of 16 and head_dim of 8 (native.py checks). */
+   depend on the call's S. N is a multiple of 16 and head_dim of 8 (native.py checks).
+
+   Per layer l (export/checkpoint.py's ModelSpec writes the same computation out), with the family options
+   as fields of es_model: a NULL table is an absent option, so Llama runs the same code with nothing added
+   in its loops (every option is tested once per layer or per (head, row), never per element):
+
+     h = rmsnorm(x, ln1);  q, k, v = h Wqkv + bqkv                     (bqkv: q/k/v biases, else NULL)
+     q, k = rmsnorm(q, qn), rmsnorm(k, kn) over each head's D dims      (qn, kn: q/k norms, else NULL)
+     q, k rotated over their first R dims with rotary layer_rope[l]     (-1: that layer has no rotary)
+     a = softmax(q k^T attn_scale over rows max(0, p - window + 1)..p) v Wo + bo   (window 0: rows 0..p)
+     x += a, or x += rmsnorm(a, post_attn)                              (post_attn, post_mlp: sandwich norms)
+     h = rmsnorm(x, ln2);  m = act(h Wg) * (h Wu) Wd                    (act: SiLU, or tanh GELU)
+     x += m, or x += rmsnorm(m, post_mlp)
+   with the embedding rows times embed_scale, and logits = rmsnorm(x, norm) lm_head. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,19 +47,34 @@
 #endif
 #define MAX_ROWS 12 /* rows of x per pass over a panel */
 
+enum { ES_SILU = 0, ES_GELU_TANH = 1 };
+
 typedef struct {
     int64_t E, H, Hkv, D, I, V, L, argmax_lo, argmax_hi;
-    float eps, rope_scale;
-    const float *inv_freq;     /* (D/2) */
+    int64_t R;                 /* rotary dims of each head (even, <= D): the first R rotate, the rest pass */
+    int64_t n_ropes;           /* distinct rotaries (0: no layer has one) */
+    int64_t act;               /* ES_SILU (SwiGLU) or ES_GELU_TANH (GeGLU) */
+    float eps, embed_scale, attn_scale; /* embed_scale multiplies the embedding rows (1: none) */
+    const float *inv_freq;     /* (n_ropes, R/2) */
+    const float *rope_scale;   /* (n_ropes): attention scaling folded into cos and sin */
+    const int64_t *layer_rope; /* (L): layer l's rotary, -1 = none; NULL = rotary 0 everywhere */
+    const int64_t *layer_window; /* (L): layer l's window, 0 = every row; NULL = no windows */
     const uint16_t *embed;     /* (V, E) fp16 */
     const uint16_t *lm_head;   /* (V, E) fp16 */
     const float *norm;         /* (E) */
     const float *const *ln1;   /* L x (E) */
-    const float *const *ln2;   /* L x (E) */
+    const float *const *ln2;   /* L x (E): the MLP's input norm */
     const uint16_t *const *wqkv; /* L x ((H + 2 Hkv) D, E) */
     const uint16_t *const *wo;   /* L x (E, H D) */
     const uint16_t *const *wgu;  /* L x (2 I, E): gate rows, then up rows */
     const uint16_t *const *wd;   /* L x (E, I) */
+    /* options: NULL = absent */
+    const float *const *bqkv;      /* L x ((H + 2 Hkv) D): q, k, v biases */
+    const float *const *bo;        /* L x (E): output projection bias */
+    const float *const *qn;        /* L x (D): q norm over each head */
+    const float *const *kn;        /* L x (D): k norm over each head */
+    const float *const *post_attn; /* L x (E): norm of the attention output before its residual add */
+    const float *const *post_mlp;  /* L x (E): norm of the MLP output before its residual add */
 } es_model;
 
 static float half_to_float(uint16_t h) {
@@ -181,15 +210,21 @@ static void rows_panels(const float *const *x, int R, const uint16_t *p, int np,
 }
 #endif
 
-static void put(float *dst, const float *v, int n, int residual) {
-    for (int j = 0; j < n; j++) dst[j] = residual ? dst[j] + v[j] : v[j];
+/* dst[0..n) [+]= v (+ b): the bias (NULL: none) is added to the product, then the product to the residual */
+static void put(float *dst, const float *v, int n, int residual, const float *b) {
+    if (!b)
+        for (int j = 0; j < n; j++) dst[j] = residual ? dst[j] + v[j] : v[j];
+    else
+        for (int j = 0; j < n; j++) dst[j] = residual ? dst[j] + (v[j] + b[j]) : v[j] + b[j];
 }
 
-/* y (S, N) [+]= x (S, K) @ W (N columns in panels), the panels split across the threads of the enclosing
-   parallel region. residual: y += (the reference adds the product to the residual stream). S = 1 runs 4
+/* y (S, N) [+]= x (S, K) @ W (N columns in panels) (+ b (N), NULL: none), the panels split across the threads
+   of the enclosing parallel region. residual: y += (the reference adds the product to the residual stream),
+   the bias added to the product first. S = 1 runs 4
    panels at a time (8 chains in flight while the weights stream in); S > 1 runs each panel over groups of up
    to MAX_ROWS rows, so a panel is read once per group. */
-static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int64_t N, float *y, int residual) {
+static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int64_t N, float *y, int residual,
+                   const float *b) {
     const int64_t panels = N / PANEL;
     if (S == 1) {
 #pragma omp for schedule(static)
@@ -197,7 +232,7 @@ static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int6
             int np = panels - p < 4 ? (int)(panels - p) : 4;
             float out[4 * PANEL];
             row_panels(x, w + p * K * PANEL, np, K, out);
-            put(y + p * PANEL, out, np * PANEL, residual);
+            put(y + p * PANEL, out, np * PANEL, residual, b ? b + p * PANEL : NULL);
         }
         return;
     }
@@ -215,7 +250,8 @@ static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int6
                 rows_panels(rows, R, w + q * K * PANEL, np, K, out);
                 for (int r = 0; r < R; r++)
                     for (int j = 0; j < np; j++)
-                        put(y + (s + r) * N + (q + j) * PANEL, out + (r * np + j) * PANEL, PANEL, residual);
+                        put(y + (s + r) * N + (q + j) * PANEL, out + (r * np + j) * PANEL, PANEL, residual,
+                            b ? b + (q + j) * PANEL : NULL);
             }
         }
     }
@@ -284,6 +320,26 @@ static void silu_mul(const float *gate, const float *up, float *act, int64_t n) 
     for (; i < n; i++) act[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
 }
 
+/* act[0..n) = gelu_tanh(gate) * up: 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), computed as
+   x / (1 + e^(-2u)) (the same number: 0.5 (1 + tanh(u)) = 1 / (1 + e^(-2u))), with the vector exp */
+static void gelu_mul(const float *gate, const float *up, float *act, int64_t n) {
+    const float c2 = -2.0f * 0.7978845608028654f, k3 = 0.044715f;
+    int64_t i = 0;
+#ifdef ES_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), vc = _mm256_set1_ps(c2), vk = _mm256_set1_ps(k3);
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_loadu_ps(gate + i);
+        __m256 t = _mm256_mul_ps(vc, _mm256_fmadd_ps(_mm256_mul_ps(vk, _mm256_mul_ps(a, a)), a, a));
+        __m256 e = exp8(t);
+        _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        float a = gate[i];
+        act[i] = a / (1.0f + expf(c2 * fmaf(k3 * (a * a), a, a))) * up[i];
+    }
+}
+
 /* scores of 8 rows: out[j] = q . k_j over D, each as dotD computes it (lanes of 8, reduce8's order) */
 static void dot8rows(const float *q, const float *k, int64_t D, float *out) {
 #ifdef ES_AVX2
@@ -331,21 +387,33 @@ static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, 
     }
 }
 
-/* h (S, E) = w * x * rsqrt(mean(x^2) + eps), the reference's order: normalise, then scale */
+/* one row: h (E) = w * x * rsqrt(mean(x^2) + eps), the reference's order: normalise, then scale (h may be x) */
+static void norm_row(const float *x, const float *w, int64_t E, float eps, float *h) {
+    float ss = 0.f;
+    for (int64_t e = 0; e < E; e++) ss += x[e] * x[e];
+    float r = 1.0f / sqrtf(ss / (float)E + eps);
+    for (int64_t e = 0; e < E; e++) h[e] = w[e] * (x[e] * r);
+}
+
+/* h (S, E) = rmsnorm of each row of x */
 static void rmsnorm(const float *x, const float *w, int64_t S, int64_t E, float eps, float *h) {
 #pragma omp for schedule(static)
+    for (int64_t s = 0; s < S; s++) norm_row(x + s * E, w, E, eps, h + s * E);
+}
+
+/* sandwich norm: y (S, E) += rmsnorm of each row of t (S, E), t normed in place */
+static void add_normed(float *t, const float *w, int64_t S, int64_t E, float eps, float *y) {
+#pragma omp for schedule(static)
     for (int64_t s = 0; s < S; s++) {
-        const float *xs = x + s * E;
-        float ss = 0.f;
-        for (int64_t e = 0; e < E; e++) ss += xs[e] * xs[e];
-        float r = 1.0f / sqrtf(ss / (float)E + eps);
-        for (int64_t e = 0; e < E; e++) h[s * E + e] = w[e] * (xs[e] * r);
+        norm_row(t + s * E, w, E, eps, t + s * E);
+        for (int64_t e = 0; e < E; e++) y[s * E + e] += t[s * E + e];
     }
 }
 
-/* x (D) rotated: x*cos + rotate_half(x)*sin, with cs = cos, sn = sin (D/2 each) of its position */
-static void rope(float *x, int64_t D, const float *cs, const float *sns) {
-    int64_t half = D / 2;
+/* the first R dims of x rotated: x*cos + rotate_half(x)*sin, with cs = cos, sn = sin (R/2 each) of its
+   position; dims R.. pass */
+static void rope(float *x, int64_t R, const float *cs, const float *sns) {
+    int64_t half = R / 2;
     for (int64_t i = 0; i < half; i++) {
         float c = cs[i], sn = sns[i];
         float a = x[i], b = x[i + half];
@@ -354,28 +422,32 @@ static void rope(float *x, int64_t D, const float *cs, const float *sns) {
     }
 }
 
-int es_scratch_floats(const es_model *m, int64_t S, int64_t cap, int threads) {
+int64_t es_scratch_floats(const es_model *m, int64_t S, int64_t cap, int threads) {
     int64_t qkv = (m->H + 2 * m->Hkv) * m->D;
-    return (int)(S * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->D) + (int64_t)threads * cap);
+    return S * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->n_ropes * m->R) + (int64_t)threads * cap;
 }
 
 /* returns 0, or -1 when a position does not fit the cache */
 int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, float *const *kc, float *const *vc,
                int64_t cap, float *logits, int64_t *next_ids, float *hidden, float *scratch, int threads) {
     if (start < 0 || start + S > cap) return -1;
-    const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, g = H / Hkv;
+    const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, g = H / Hkv, R = m->R;
     const int64_t NQKV = (H + 2 * Hkv) * D;
     float *x = scratch, *h = x + S * E, *qkv = h + S * E, *att = qkv + S * NQKV, *gu = att + S * H * D,
-          *act = gu + S * 2 * I, *rc = act + S * I, *scores = rc + S * D; /* scores: cap per thread */
-    const float qscale = 1.0f / sqrtf((float)D);
+          *act = gu + S * 2 * I, *rc = act + S * I, *scores = rc + m->n_ropes * S * R; /* scores: cap per thread */
+    const float qscale = m->attn_scale, escale = m->embed_scale; /* x 1 is exact: no branch */
     for (int64_t s = 0; s < S; s++)
-        for (int64_t e = 0; e < E; e++) x[s * E + e] = half_to_float(m->embed[ids[s] * E + e]);
-    /* rc (S, D): cos then sin (D/2 each) of each row's position times inv_freq, scaled: once per call */
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t i = 0; i < D / 2; i++) {
-            float f = (float)(start + s) * m->inv_freq[i];
-            rc[s * D + i] = cosf(f) * m->rope_scale;
-            rc[s * D + D / 2 + i] = sinf(f) * m->rope_scale;
+        for (int64_t e = 0; e < E; e++) x[s * E + e] = half_to_float(m->embed[ids[s] * E + e]) * escale;
+    /* rc (n_ropes, S, R): per rotary, cos then sin (R/2 each) of each row's position times inv_freq, scaled:
+       once per call */
+    for (int64_t j = 0; j < m->n_ropes; j++)
+        for (int64_t s = 0; s < S; s++) {
+            float *c = rc + (j * S + s) * R;
+            for (int64_t i = 0; i < R / 2; i++) {
+                float f = (float)(start + s) * m->inv_freq[j * (R / 2) + i];
+                c[i] = cosf(f) * m->rope_scale[j];
+                c[R / 2 + i] = sinf(f) * m->rope_scale[j];
+            }
         }
 
 #pragma omp parallel num_threads(threads)
@@ -386,26 +458,37 @@ int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, 
 #endif
         float *sc = scores + (int64_t)tid * cap;
         for (int64_t l = 0; l < m->L; l++) {
+            /* this layer's options, once */
+            const int64_t rj = m->layer_rope ? m->layer_rope[l] : (m->n_ropes ? 0 : -1);
+            const float *lrc = rj >= 0 ? rc + rj * S * R : NULL; /* NULL: no rotary in this layer */
+            const int64_t win = m->layer_window ? m->layer_window[l] : 0;
+            const float *qn = m->qn ? m->qn[l] : NULL, *kn = m->kn ? m->kn[l] : NULL;
+            const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
+            const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
+
             rmsnorm(x, m->ln1[l], S, E, m->eps, h);
-            matmul(h, S, m->wqkv[l], E, NQKV, qkv, 0);
-            /* keys and values of the S new rows into the cache, keys rotated */
+            matmul(h, S, m->wqkv[l], E, NQKV, qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
+            /* keys and values of the S new rows into the cache, keys normed and rotated */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < Hkv * S; t++) {
                 int64_t kh = t / S, s = t % S, row = start + s;
                 float *kd = kc[l] + (kh * cap + row) * D, *vd = vc[l] + (kh * cap + row) * D;
                 memcpy(kd, qkv + s * NQKV + H * D + kh * D, D * sizeof(float));
                 memcpy(vd, qkv + s * NQKV + (H + Hkv) * D + kh * D, D * sizeof(float));
-                rope(kd, D, rc + s * D, rc + s * D + D / 2);
+                if (kn) norm_row(kd, kn, D, m->eps, kd);
+                if (lrc) rope(kd, R, lrc + s * R, lrc + s * R + R / 2);
             }
-            /* attention of each (head, query) over its rows 0..start+s */
+            /* attention of each (head, query) over its rows lo..start+s: 0.., or the last `win` of them */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < H * S; t++) {
-                int64_t hh = t / S, s = t % S, kh = hh / g, n = start + s + 1;
+                int64_t hh = t / S, s = t % S, kh = hh / g, pos = start + s;
+                int64_t lo = win && pos + 1 > win ? pos + 1 - win : 0, n = pos + 1 - lo;
                 float q[512];
                 memcpy(q, qkv + s * NQKV + hh * D, D * sizeof(float));
-                rope(q, D, rc + s * D, rc + s * D + D / 2);
+                if (qn) norm_row(q, qn, D, m->eps, q);
+                if (lrc) rope(q, R, lrc + s * R, lrc + s * R + R / 2);
                 for (int64_t d = 0; d < D; d++) q[d] *= qscale;
-                const float *K = kc[l] + kh * cap * D, *Vv = vc[l] + kh * cap * D;
+                const float *K = kc[l] + (kh * cap + lo) * D, *Vv = vc[l] + (kh * cap + lo) * D;
                 int64_t r = 0;
                 for (; r + 8 <= n; r += 8) dot8rows(q, K + r * D, D, sc + r);
                 for (; r < n; r++) sc[r] = dotD(q, K + r * D, D);
@@ -415,15 +498,29 @@ int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, 
                 for (r = 0; r < n; r++) sc[r] = sc[r] / sum;
                 weighted_rows(sc, Vv, n, D, att + s * H * D + hh * D);
             }
-            matmul(att, S, m->wo[l], H * D, E, x, 1);
+            const float *bo = m->bo ? m->bo[l] : NULL;
+            if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed there */
+                matmul(att, S, m->wo[l], H * D, E, h, 0, bo);
+                add_normed(h, post_attn, S, E, m->eps, x);
+            } else
+                matmul(att, S, m->wo[l], H * D, E, x, 1, bo);
             rmsnorm(x, m->ln2[l], S, E, m->eps, h);
-            matmul(h, S, m->wgu[l], E, 2 * I, gu, 0);
+            matmul(h, S, m->wgu[l], E, 2 * I, gu, 0, NULL);
+            if (m->act == ES_GELU_TANH) {
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
-            matmul(act, S, m->wd[l], I, E, x, 1);
+                for (int64_t s = 0; s < S; s++) gelu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
+            } else {
+#pragma omp for schedule(static)
+                for (int64_t s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
+            }
+            if (post_mlp) { /* x += norm(m): the product into h (free again), normed there */
+                matmul(act, S, m->wd[l], I, E, h, 0, NULL);
+                add_normed(h, post_mlp, S, E, m->eps, x);
+            } else
+                matmul(act, S, m->wd[l], I, E, x, 1, NULL);
         }
         rmsnorm(x, m->norm, S, E, m->eps, h);
-        matmul(h, S, m->lm_head, E, V, logits, 0);
+        matmul(h, S, m->lm_head, E, V, logits, 0, NULL);
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < S; s++) {
             const float *row = logits + s * V;

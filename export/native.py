@@ -18,16 +18,36 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.native import NATIVE_FILE, PANEL, pack
+from edgespec.native import ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, pack
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
 LOGIT_TOLERANCE = 1e-3
 
 
+def native_features(spec: ModelSpec) -> list[str]:
+    """What this model uses beyond a plain Llama decoder (edgespec.native.FEATURES' names, in that order):
+    engine.json's extra["native"]["features"]; the loader expects each one's arrays in native.npz."""
+    ropes = spec.ropes()
+    used = {"qkv_bias": spec.qkv_bias, "o_bias": spec.o_bias, "qk_norm": spec.qk_norm,
+            "sandwich_norm": spec.sandwich_norm, "gelu_tanh": spec.hidden_act == "gelu_tanh",
+            "embed_scale": spec.embed_scale != 1.0,
+            "attn_scale": abs(spec.attn_scale - spec.head_dim ** -0.5) > 1e-12,
+            "partial_rotary": spec.rotary_dim != spec.head_dim, "several_rotaries": len(ropes) > 1,
+            "layers_without_rotary": any(layer.rope is None for layer in spec.layers), "windows": spec.has_window}
+    return [f for f in FEATURES if used[f]]
+
+
+def native_record(spec: ModelSpec) -> dict:
+    """The model's part of engine.json's extra["native"] (the loader reads native.npz's shapes from it)."""
+    return {"format": FORMAT, "intermediate_size": spec.intermediate_size, "rotary_dim": spec.rotary_dim,
+            "ropes": len(spec.ropes()), "activation": spec.hidden_act, "features": native_features(spec)}
+
+
 def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The native engine's arrays; CheckpointError naming the first tensor that is not exactly a float16, or
-    a model the native step does not compute (biases, sliding windows)."""
+    """The native engine's arrays (edgespec.native.expected_shapes names them); CheckpointError naming the
+    first matrix that is not exactly a float16, or what the native step does not compute
+    (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
     sizes = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size,
              "num_heads x head_dim": spec.num_heads * spec.head_dim}
     odd = {k: v for k, v in sizes.items() if v % PANEL} | ({"head_dim": spec.head_dim} if spec.head_dim % 8 else {})
@@ -35,7 +55,7 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
         raise CheckpointError(f"the native step needs multiples of {PANEL} (head_dim: of 8); got {odd}")
     unsupported = native_unsupported(spec)
     if unsupported:
-        raise CheckpointError(f"the native step computes Llama-style decoders; this {spec.model_type} has "
+        raise CheckpointError(f"the native step does not compute this {spec.model_type}: it has "
                               f"{', '.join(unsupported)}")
 
     def f16(name: str, w: np.ndarray) -> np.ndarray:
@@ -46,38 +66,46 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
                                   f"engine would round them (it keeps weights as float16), so it is not built")
         return h
 
-    inv, scale = spec.rope.inv_freq_and_scale(spec.head_dim)
+    f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+    ropes = [rope.inv_freq_and_scale(spec.rotary_dim) for rope in spec.ropes()]  # as the graphs compute them
+    layer_rope = [spec.rope_index(i) for i in range(spec.num_layers)]
     out = {"embed": f16("model.embed_tokens.weight", weights["model.embed_tokens.weight"]),
            "lm_head": pack(f16("lm_head.weight", weights["lm_head.weight"])),
-           "norm": weights["model.norm.weight"].astype(np.float32),
-           "inv_freq": np.asarray(inv, np.float32),
-           "scalars": np.array([spec.rms_norm_eps, scale], np.float32)}
+           "norm": f32(weights["model.norm.weight"]),
+           "inv_freq": np.array([inv for inv, _ in ropes], np.float32).reshape(len(ropes), spec.rotary_dim // 2),
+           "rope_scale": np.array([scale for _, scale in ropes], np.float32),
+           "layer_rope": np.array([-1 if j is None else j for j in layer_rope], np.int64),
+           "layer_window": np.array([w or 0 for w in spec.windows], np.int64),
+           "scalars": np.array([spec.rms_norm_eps, spec.embed_scale, spec.attn_scale], np.float32)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        w = lambda n: weights[p + n]
-        out[f"layers.{i}.ln1"] = w("input_layernorm.weight").astype(np.float32)
-        out[f"layers.{i}.ln2"] = w("post_attention_layernorm.weight").astype(np.float32)
+        w = lambda n: weights[p + n]  # noqa: E731
+        out[f"layers.{i}.ln1"] = f32(w("input_layernorm.weight"))
+        out[f"layers.{i}.ln2"] = f32(weights[spec.mlp_norm(i)])
         out[f"layers.{i}.wqkv"] = pack(f16(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
             [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0)))
         out[f"layers.{i}.wo"] = pack(f16(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight")))
         out[f"layers.{i}.wgu"] = pack(f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
             [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0)))
         out[f"layers.{i}.wd"] = pack(f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight")))
+        if spec.qkv_bias:
+            out[f"layers.{i}.bqkv"] = f32(np.concatenate([w(f"self_attn.{n}_proj.bias") for n in "qkv"], 0))
+        if spec.o_bias:
+            out[f"layers.{i}.bo"] = f32(w("self_attn.o_proj.bias"))
+        if spec.qk_norm:
+            out[f"layers.{i}.qn"], out[f"layers.{i}.kn"] = f32(w("self_attn.q_norm.weight")), f32(w("self_attn.k_norm.weight"))
+        if spec.sandwich_norm:
+            out[f"layers.{i}.post_attn"] = f32(w("post_attention_layernorm.weight"))
+            out[f"layers.{i}.post_mlp"] = f32(w("post_feedforward_layernorm.weight"))
     return out
 
 
 def native_unsupported(spec: ModelSpec) -> list[str]:
-    """What this checkpoint has that native_step.c does not compute (empty: the step runs it)."""
+    """What this checkpoint has that native_step.c does not compute (empty: the step runs it). Every family
+    option of checkpoint.ModelSpec is computed now; what remains is a size limit of the step."""
     out = []
-    for flag, what in ((spec.qkv_bias, "q/k/v biases"), (spec.o_bias, "an output projection bias"),
-                       (spec.has_window, f"sliding windows {sorted({w for w in spec.windows if w})}"),
-                       (spec.qk_norm, "q/k norms"), (spec.sandwich_norm, "norms after attention and the MLP"),
-                       (spec.hidden_act != "silu", f"activation {spec.hidden_act}"),
-                       (spec.embed_scale != 1.0, "an embedding scale"),
-                       (spec.rotary_dim != spec.head_dim, f"partial rotary ({spec.rotary_dim} of {spec.head_dim} dims)"),
-                       (len(spec.ropes()) > 1, "more than one rotary"),
-                       (any(layer.rope is None for layer in spec.layers), "layers without rotary"),
-                       (abs(spec.attn_scale - spec.head_dim ** -0.5) > 1e-12, "an attention scale other than 1/sqrt(D)")):
+    for flag, what in ((spec.head_dim > 512, f"head_dim {spec.head_dim} (the step holds a query head in 512 floats)"),
+                       (spec.hidden_act not in ACTIVATIONS, f"activation {spec.hidden_act}")):
         if flag:
             out.append(what)
     return out
@@ -121,8 +149,8 @@ def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.nd
         os.close(fd)
         np.savez(tmp, **arrays)
         os.replace(tmp, engine_dir / NATIVE_FILE)
-        info = {"file": NATIVE_FILE, "sha256": C.file_sha256(engine_dir / NATIVE_FILE),
-                "intermediate_size": spec.intermediate_size, "weights": "float16", "arithmetic": "float32",
+        info = {"file": NATIVE_FILE, "sha256": C.file_sha256(engine_dir / NATIVE_FILE), **native_record(spec),
+                "weights": "float16", "arithmetic": "float32",
                 # what a token reads: every array but the embedding table, of which it reads one row
                 "weight_bytes_per_token": int(sum(a.nbytes for k, a in arrays.items() if k != "embed"))}
         m.extra["native"] = info
