@@ -48,7 +48,8 @@ def cmd_export(args) -> int:
 
     m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
                       input_mode=args.inputs, force=args.force, progress=not args.quiet,
-                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor, hidden=args.hidden)
+                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor, hidden=args.hidden,
+                      max_memory=None if args.max_memory is None else int(args.max_memory * 2**30))
     v = m.extra["validation"]
     print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
           f"{m.num_layers} layers, vocab {m.vocab_size})")
@@ -57,6 +58,11 @@ def cmd_export(args) -> int:
         print(f"  {what}: max |diff| {r['max_abs_diff']:.2e} (tolerance {r['tolerance']:.2e} = 1e-4 x max(1, "
               f"max |logit| {r['max_abs_logit']:.3g}); top-1 equal on {r['top1']['decisive_tokens'] - r['top1']['disagree']}"
               f" of {r['top1']['decisive_tokens']} decisive tokens)")
+    em = m.extra.get("export_memory") or {}
+    if em:
+        est = em.get("estimate_bytes") or {}
+        print(f"  peak RSS {em['peak_rss_bytes'] / 2**30:.2f} GiB (estimated {est.get('total_bytes', 0) / 2**30:.2f} "
+              f"GiB), {m.extra.get('parameters', 0) / 1e6:.1f}M parameters, {m.extra.get('export_seconds')} s")
     if "agreement_vs_fp32" in v:
         a = v["agreement_vs_fp32"]
         print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "
@@ -310,8 +316,9 @@ DEMO_PROMPTS = [
 
 DEMO_ENGINES = {"demo-target": ("demo-target", "fp32"),  # engine folder -> (checkpoint, precision)
                 "demo-draft": ("demo-draft", "int8")}  # int8 draft: 4x fewer bytes to stream per draft step
-DEMO_RECIPE = 3  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8; 3: the target
-#                 carries native weights for provider cpu-native): re-exported on use
+DEMO_RECIPE = 4  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8; 3: the target
+#                 carries native weights for provider cpu-native; 4: both flavours emitted by graph.py, per-layer
+#                 windows in the graph): re-exported on use
 
 
 def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
@@ -479,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
     p.add_argument("--hidden", action="store_true",
                    help="also output the final hidden state (what the feature-level text draft head reads)")
+    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                   help="memory the export may use, GiB (default: what the machine has available); an export "
+                        "whose estimated peak is larger is refused before any work")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--tensorrt", action="store_true",

@@ -189,8 +189,9 @@ def file_sha256(path: Path) -> str:
 
 TENSOR_DTYPES = ("int64", "int32", "float32", "float16")  # what a contract or optimum graph binds
 POSITIVE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context")
-OPTIONAL_STR_FIELDS = ("tokenizer_file", "embedding_file")
-SHA256_FIELDS = ("tokenizer_sha256", "source_sha256", "model_sha256")
+OPTIONAL_STR_FIELDS = ("tokenizer_file", "embedding_file", "model_data_file")
+SHA256_FIELDS = ("tokenizer_sha256", "source_sha256", "model_sha256", "model_data_sha256")
+DATA_HASH_LIMIT = 2 << 30  # bytes: an external data file up to this size is hashed at load; a larger one sized
 
 
 def read_json_object(path: Path, what: str, error: type[Exception]) -> dict:
@@ -264,6 +265,8 @@ def _field_problems(m: "Manifest") -> list[str]:
         v = getattr(m, name)
         want(name, v is None or (isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)),
              "null or 64 lowercase hex digits")
+    want("model_data_bytes", m.model_data_bytes is None or (_is_int(m.model_data_bytes) and m.model_data_bytes >= 0),
+         "null or an integer >= 0")
     want("edgespec_version", isinstance(m.edgespec_version, str), "a string")
     want("contract_version", _is_int(m.contract_version), "an integer")
     want("extra", isinstance(m.extra, dict), "a JSON object")
@@ -319,6 +322,9 @@ class Manifest:
     source_sha256: str | None = None
     model_sha256: str | None = None
     embedding_file: str | None = None  # embeds engines: the token embedding table, to embed ids on the host
+    model_data_file: str | None = None  # the model's external data (its weights), beside it; None: inside it
+    model_data_sha256: str | None = None
+    model_data_bytes: int | None = None
     argmax_ids: list[int] | None = None  # [lo, hi): the ids next_ids picks among (None: the whole vocabulary)
     flavor: str = "portable"  # FLAVORS; folders exported before flavours existed are portable
     fusion: dict = field(default_factory=dict)  # ort flavour: FUSABLE_OPS name -> "fused" or why it is not
@@ -382,6 +388,18 @@ class Manifest:
         if hashes and self.model_sha256 and file_sha256(model) != self.model_sha256:
             problems.append(f"{self.model_file}: sha256 differs from the manifest's model_sha256 "
                             f"(the model file was changed or replaced after export)")
+        if self.model_data_file:
+            data = engine_dir / self.model_data_file
+            if not data.is_file():
+                problems.append(f"model data file {self.model_data_file} (the weights of {self.model_file}) is "
+                                f"missing from {engine_dir}")
+            elif self.model_data_bytes is not None and data.stat().st_size != self.model_data_bytes:
+                problems.append(f"{self.model_data_file}: {data.stat().st_size} bytes, but the manifest's "
+                                f"model_data_bytes is {self.model_data_bytes} (changed or truncated after export)")
+            elif (hashes and self.model_data_sha256 and data.stat().st_size <= DATA_HASH_LIMIT
+                  and file_sha256(data) != self.model_data_sha256):
+                problems.append(f"{self.model_data_file}: sha256 differs from the manifest's model_data_sha256 "
+                                f"(the weights were changed after export)")
         if self.tokenizer_file:
             tok = engine_dir / self.tokenizer_file
             if not tok.is_file():

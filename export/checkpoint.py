@@ -12,7 +12,7 @@ Families (config.json `model_type`) and what each adds to a plain Llama decoder:
     phi3         fused qkv_proj and gate_up_proj, partial rotary, longrope; Phi-3 and Phi-4-mini
     smollm3      layers without rotary (no_rope_layers)
 
-Everything downstream (reference.py, contract_model.py, ort_graph.py, native.py) reads one canonical form:
+Everything downstream (reference.py, graph.py, native.py) reads one canonical form:
 the weights under Llama's names (fused Phi-3 matrices split, Gemma's `1 + w` norms stored as their
 multipliers), and per layer a `LayerSpec` (its window and its rotary, or none). Anything else is refused
 with one line naming the file and the field, and the list of what is supported. Weight problems (missing
@@ -450,9 +450,10 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(ckpt_dir: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
-    """All decoder weights as float32 numpy arrays under their canonical names (ModelSpec.expected_shapes),
-    checked against the config's shapes."""
+def load_weights(ckpt_dir: Path, spec: ModelSpec, dtype=np.float32) -> dict[str, np.ndarray]:
+    """All decoder weights as numpy arrays under their canonical names (ModelSpec.expected_shapes), checked
+    against the config's shapes: float32 (dtype), or with dtype None as stored (float16 and float32 stay; bf16,
+    which numpy cannot hold, becomes float32), so that a large checkpoint is not widened all at once."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -475,7 +476,8 @@ def load_weights(ckpt_dir: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
         if tuple(t.shape) != shape:
             raise CheckpointError(f"{origin[name]}: tensor {name!r} has shape {tuple(t.shape)} but config.json "
                                   f"implies {shape}: the config is inconsistent with the weights")
-        out[name] = t.astype(np.float32)
+        out[name] = t.astype(np.float32) if dtype is not None or t.dtype not in (np.float16, np.float32) else t
+    del tensors
     return canonical(spec, out)
 
 
@@ -493,7 +495,7 @@ def canonical(spec: ModelSpec, w: dict[str, np.ndarray]) -> dict[str, np.ndarray
             w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:inter], gu[inter:]
     if spec.norm_plus_one:  # Gemma stores w - 1; its norm multiplies by (1 + w) in float32
         for name in [k for k in w if k.endswith("norm.weight")]:
-            w[name] = (np.float32(1.0) + w[name]).astype(np.float32)
+            w[name] = (np.float32(1.0) + w[name].astype(np.float32)).astype(np.float32)
     if spec.tie_word_embeddings:
         w["lm_head.weight"] = w["model.embed_tokens.weight"]
     return w
@@ -519,9 +521,10 @@ def hash_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def load_checkpoint(ckpt_dir: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+def load_checkpoint(ckpt_dir: Path, dtype=np.float32) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """(spec, weights): weights as load_weights gives them (float32, or with dtype None as stored)."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir}: not a folder; expected a Hugging Face checkpoint folder")
     spec = ModelSpec.from_config(read_config(ckpt_dir), source=str(ckpt_dir / "config.json"))
-    return spec, load_weights(ckpt_dir, spec)
+    return spec, load_weights(ckpt_dir, spec, dtype)

@@ -71,16 +71,18 @@ DYNAMIC = ("int8-dynamic",)
 INTEGER_PRECISIONS = tuple(WEIGHT_ONLY) + DYNAMIC
 
 
-def quantize(precision: str, src: Path, dst: Path, settings: WeightOnly | None = None) -> dict:
-    """fp32 graph `src` -> integer-precision graph `dst`; returns the record engine.json keeps."""
+def quantize(precision: str, src: Path, dst: Path, settings: WeightOnly | None = None,
+             external: bool = False) -> dict:
+    """fp32 graph `src` -> integer-precision graph `dst`; returns the record engine.json keeps (with
+    `external`, the weights go to a data file beside dst: the record's "external_data" names it)."""
     if precision in WEIGHT_ONLY:
-        return weight_only(src, dst, settings or WEIGHT_ONLY[precision])
+        return weight_only(src, dst, settings or WEIGHT_ONLY[precision], external)
     if precision in DYNAMIC:
-        return dynamic_int8(src, dst)
+        return dynamic_int8(src, dst, external)
     raise ValueError(f"integer precision must be one of {INTEGER_PRECISIONS}, got {precision!r}")
 
 
-def weight_only(src: Path, dst: Path, settings: WeightOnly) -> dict:
+def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = False) -> dict:
     """Every MatMul with a constant [K, N] weight -> MatMulNBits (module docstring)."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -100,13 +102,15 @@ def weight_only(src: Path, dst: Path, settings: WeightOnly) -> dict:
     if not nbits:
         raise ValueError(f"{src}: no MatMul with a constant weight to quantize (expected the exported decoder's "
                          f"projections, got {matmuls} MatMul nodes, none quantized)")
-    onnx.save(out, str(dst))
+    from .onnx_export import save_model
+    data = save_model(out, Path(dst), external)
     return {"method": "weight-only MatMulNBits (onnxruntime MatMulNBitsQuantizer, round to nearest)",
             **asdict(settings), "head": head, "quantized_matmuls": len(nbits),
-            "activation_matmuls": matmuls - len(nbits)}  # attention scores: no constant weight
+            "activation_matmuls": matmuls - len(nbits),  # attention scores: no constant weight
+            **({"external_data": data} if data else {})}
 
 
-def dynamic_int8(src: Path, dst: Path) -> dict:
+def dynamic_int8(src: Path, dst: Path, external: bool = False) -> dict:
     """Dynamic int8 quantization of the MatMul weights, per output channel (CPU / ARM)."""
     from onnx import TensorProto
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -114,10 +118,12 @@ def dynamic_int8(src: Path, dst: Path) -> dict:
     # DefaultTensorType: ONNX shape inference gives contrib ops' outputs (the ort flavour's) no type; all float32
     with _quiet():
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
-                         op_types_to_quantize=["MatMul", "Gemm"],
+                         op_types_to_quantize=["MatMul", "Gemm"], use_external_data_format=external,
                          extra_options={"DefaultTensorType": TensorProto.FLOAT})
+    data = Path(dst).name + ".data"
     return {"method": "dynamic int8 (onnxruntime quantize_dynamic: int8 weights per output channel, activations "
-                      "quantized at run time)", "bits": 8, "per_channel": True}
+                      "quantized at run time)", "bits": 8, "per_channel": True,
+            **({"external_data": data} if external and (Path(dst).parent / data).is_file() else {})}
 
 
 def output_projection(model) -> str | None:
@@ -164,9 +170,9 @@ def _kind(node, index: int, array: np.ndarray) -> str:
 def weight_bytes_per_token(model_path: str | Path) -> dict:
     """Bytes of weights one decode step reads (module docstring): {"total": n, "by_kind": {kind: n}}."""
     import onnx
-    from onnx import numpy_helper
+    from onnx import helper
 
-    model = onnx.load(str(model_path))
+    model = onnx.load(str(model_path), load_external_data=False)  # sizes from the dims: no weight is read
     tensors = {t.name: t for t in model.graph.initializer}
     for n in model.graph.node:  # Constant nodes hold weights too in some exports
         if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
@@ -176,10 +182,12 @@ def weight_bytes_per_token(model_path: str | Path) -> dict:
         for i, name in enumerate(node.input):
             if name not in tensors:
                 continue
-            a = numpy_helper.to_array(tensors[name])
-            size = a.nbytes
-            if i in ROW_TABLES.get(node.op_type, ()) and a.ndim >= 1 and a.shape[0]:
-                size //= a.shape[0]  # one row per token
+            t = tensors[name]
+            a = np.empty(0, helper.tensor_dtype_to_np_dtype(t.data_type))  # the dtype, for the kind
+            dims = list(t.dims)
+            size = int(np.prod(dims, dtype=np.int64)) * a.itemsize
+            if i in ROW_TABLES.get(node.op_type, ()) and dims and dims[0]:
+                size //= dims[0]  # one row per token
             if size >= read.get(name, (-1, ""))[0]:
                 read[name] = (int(size), _kind(node, i, a))
     by_kind: dict[str, int] = {}

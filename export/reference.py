@@ -41,11 +41,25 @@ def act(spec: ModelSpec, x: torch.Tensor) -> torch.Tensor:
     return F.silu(x) if spec.hidden_act == "silu" else F.gelu(x, approximate="tanh")
 
 
+class _Widened(dict):
+    """name -> float32 torch tensor, widened from the stored array when read: a float16 checkpoint is held once,
+    as float16, and each weight exists in float32 only while its layer computes."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        super().__init__(weights)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(super().__getitem__(name), dtype=np.float32))
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+
 class ReferenceDecoder(torch.nn.Module):
     def __init__(self, spec: ModelSpec, weights: dict[str, np.ndarray]):
         super().__init__()
         self.spec = spec
-        self.w = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in weights.items()}
+        self.w = _Widened(weights)
 
     @classmethod
     def from_pretrained(cls, ckpt_dir) -> "ReferenceDecoder":
@@ -72,7 +86,9 @@ class ReferenceDecoder(torch.nn.Module):
         taken as they are (the embedding scale, where a family has one, belongs to the ids path)."""
         s, w = self.spec, self.w
         if inputs_embeds is None:
-            x = w["model.embed_tokens.weight"][input_ids] * torch.tensor(s.embed_scale, dtype=torch.float32)
+            table = dict.__getitem__(w, "model.embed_tokens.weight")  # (V, E) as stored: one row per token widened
+            rows = torch.from_numpy(np.ascontiguousarray(table[input_ids.numpy()], dtype=np.float32))
+            x = rows * torch.tensor(s.embed_scale, dtype=torch.float32)
         else:
             x = inputs_embeds.float()
         b, t, _ = x.shape

@@ -180,22 +180,32 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def agreement(base_engine, variant_engine, token_rows: list, embed=None, embed_variant=None) -> dict:
-    """Teacher-force each row through both engines; top-1 agreement (over the manifest's argmax range: the ids
-    the runtime picks among) and mean KL(base || variant). A row is token ids (S,), or (x, start): x token
-    ids (S,) or input embeddings (S, E), only positions >= start scored (e.g. a policy's prefix is context,
-    its actions are what is decoded)."""
-    lo, hi = base_engine.manifest.argmax_range
-    agree, kls, n = 0, [], 0
+def teacher_forced(engine, token_rows: list, embed=None) -> list[np.ndarray]:
+    """Each row through `engine` from an empty cache: its logits (S, V). A row is token ids (S,), or (x, start):
+    x token ids (S,) or input embeddings (S, E)."""
+    out = []
     for row in token_rows:
-        x, start = row if isinstance(row, tuple) else (row, 0)
+        x, _ = row if isinstance(row, tuple) else (row, 0)
         x = np.asarray(x)
         embedded = x.dtype.kind == "f"  # (S, E) embeddings go in as they are
         feed = x.astype(np.float32)[None] if embedded else x.astype(np.int64)[None]
         cap = feed.shape[1]
-        a = step(base_engine, feed, _empty_past(base_engine.manifest, 1, cap), 0, None if embedded else embed)[0]
-        b = step(variant_engine, feed, _empty_past(variant_engine.manifest, 1, cap), 0,
-                 None if embedded else embed_variant)[0]
+        out.append(step(engine, feed, _empty_past(engine.manifest, 1, cap), 0, None if embedded else embed)[0])
+    return out
+
+
+def agreement(base_engine, variant_engine, token_rows: list, embed=None, embed_variant=None) -> dict:
+    """Teacher-force each row through both engines; top-1 agreement (over the manifest's argmax range: the ids
+    the runtime picks among) and mean KL(base || variant). A row is token ids (S,), or (x, start): x token
+    ids (S,) or input embeddings (S, E), only positions >= start scored (e.g. a policy's prefix is context,
+    its actions are what is decoded). base_engine may also be the base's logits from teacher_forced(), so
+    that the two engines need not be in memory together."""
+    lo, hi = variant_engine.manifest.argmax_range
+    base = base_engine if isinstance(base_engine, list) else teacher_forced(base_engine, token_rows, embed)
+    variant = teacher_forced(variant_engine, token_rows, embed_variant)
+    agree, kls, n = 0, [], 0
+    for row, a, b in zip(token_rows, base, variant):
+        start = row[1] if isinstance(row, tuple) else 0
         a, b = a[start:], b[start:]
         la, lb = log_softmax(a), log_softmax(b)
         agree += int((a[:, lo:hi].argmax(-1) == b[:, lo:hi].argmax(-1)).sum())

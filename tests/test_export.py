@@ -130,19 +130,20 @@ def test_inputs_embeds_variant_matches_ids(tiny_checkpoints, tmp_path, llama_eng
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_gate_catches_a_wrong_graph(tiny_checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("flavor", ["portable", "ort"])
+def test_gate_catches_a_wrong_graph(tiny_checkpoints, tmp_path, monkeypatch, flavor):
     """A graph without RoPE on the keys must fail the parity gate and leave nothing behind."""
-    from edgespec.export import contract_model
-    real = contract_model.ContractDecoder._rope
+    from edgespec.export import graph
+    real = graph._StandardAttention._rope
     calls = {"n": 0}
 
-    def broken(x, cos, sin):
+    def broken(self, x, j):
         calls["n"] += 1
-        return x if calls["n"] % 2 == 0 else real(x, cos, sin)  # every key left unrotated
-    monkeypatch.setattr(contract_model.ContractDecoder, "_rope", staticmethod(broken))
+        return x if calls["n"] % 2 == 0 else real(self, x, j)  # every key left unrotated
+    monkeypatch.setattr(graph._StandardAttention, "_rope", broken)
     with pytest.raises(GateError, match="parity vs reference.*worst"):
-        export_engine(tiny_checkpoints["llama"][0], tmp_path / "bad", progress=False)
-    assert os.listdir(tmp_path) == []  # no engine folder, no staging folder
+        export_engine(tiny_checkpoints["llama"][0], tmp_path / "bad", flavor=flavor, progress=False)
+    assert calls["n"] > 0 and os.listdir(tmp_path) == []  # no engine folder, no staging folder
 
 
 def test_interrupted_export_leaves_no_folder(tiny_checkpoints, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The `ort` flavour (export/ort_graph.py: GroupQueryAttention with the cache in place, skip + simplified layer
+"""The `ort` flavour (export/graph.py: GroupQueryAttention with the cache in place, skip + simplified layer
 norm) against the portable graph and the torch reference: same greedy ids, speculative = plain, mixed-length
 batches, rollback, NaN scrubbing, the per-op fallback (a head size GroupQueryAttention's CPU kernel refuses)."""
 import json
