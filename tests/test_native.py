@@ -197,3 +197,27 @@ def test_folder_problems_are_clear_errors(native_engines, tmp_path, monkeypatch)
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
     with pytest.raises(EngineError, match="no C compiler.*provider 'cpu'"):
         open_engine(target, "cpu-native")
+
+
+def test_a_folder_with_format_1_native_weights_still_loads(native_engines, tmp_path):
+    """native.npz as exported before the families (one rotary over all dims, scalars = eps and its scaling,
+    no per-layer tables, no format in engine.json): read as format 2, the same logits."""
+    target, _ = native_engines
+    old = tmp_path / "old"
+    shutil.copytree(target, old)
+    with np.load(old / "native.npz") as z:
+        arrays = dict(z)
+    assert arrays["layer_window"].tolist() == [0, 0] and arrays["layer_rope"].tolist() == [0, 0]
+    arrays["scalars"] = np.array([arrays["scalars"][0], arrays["rope_scale"][0]], np.float32)
+    arrays["inv_freq"] = arrays["inv_freq"][0]
+    for k in ("rope_scale", "layer_rope", "layer_window"):
+        del arrays[k]
+    np.savez(old / "native.npz", **arrays)
+    m = Manifest.read(old)
+    for k in ("format", "features", "rotary_dim", "ropes", "activation"):
+        del m.extra["native"][k]
+    m.extra["native"]["sha256"] = None
+    m.write(old)
+    toks = np.random.default_rng(4).integers(0, 96, (1, 30))
+    new, fmt1 = (open_engine(f, "cpu-native").decoder() for f in (target, old))
+    assert np.array_equal(np.array(new(toks)), np.array(fmt1(toks)))
