@@ -7,9 +7,15 @@ the CPU is bound by reading the weights, so `native_step.c` keeps them as float1
 export gate and the tests compare the two), at half the weight bytes per token.
 
     engine folder: engine.json, whose extra["native"] names
-                   native.npz   the weights (float16 matrices, float32 norms and rope frequencies), written by
-                                `edgespec export` (or `python -m edgespec.export.native`) when every weight is
-                                exactly a float16
+                   native.npz   the weights (float16 matrices; float32 norms, biases, rope frequencies and
+                                scalings; int64 per-layer rotary index and window), written by `edgespec export`
+                                (or `python -m edgespec.export.native`) when every weight matrix is exactly a
+                                float16; extra["native"] records its layout (format 2, features, rotary_dim,
+                                ropes, activation: expected_shapes reads them)
+
+Every family export/checkpoint.py reads runs here (native_step.c's header lists the per-layer computation);
+the load checks native.npz against engine.json (shapes, the features' arrays and no others, the per-layer
+windows against layer_windows). A format 1 file (before the families: plain Llama) is read as format 2.
 
 The C source is compiled on first use with the system C compiler (`cc`, OpenMP) for this CPU, into
 $EDGESPEC_CACHE (default ~/.cache/edgespec)/native/; `NativeEngine.decoder()` gives a `Decoder` whose calls

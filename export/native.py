@@ -5,7 +5,9 @@
 Written only when every weight matrix is exactly a float16 (a checkpoint stored in float16 or rounded to
 it), so the native engine computes the fp32 engine's function: nothing is rounded here. Then a gate runs the
 native engine against the folder's ONNX Runtime engine on held-out tokens: the same greedy ids, and logits
-within 1e-3 (they differ in summation order only). `edgespec export` calls `add_native` for fp32 targets.
+within 1e-3 (they differ in summation order only). `edgespec export` calls `add_native` for fp32 ids-input
+exports of every family; engine.json's extra["native"] records which family options the folder uses
+(`features`), the npz layout (`format`), and the gate.
 """
 from __future__ import annotations
 
