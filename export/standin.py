@@ -20,9 +20,10 @@ greedy output is the demo's). The construction (docs/standins.md has the algebra
              the other q heads and KV heads are dead: o_proj columns of dead q heads are zero
   head_dim   D -> D' = r*D (r integer; RoPE types default, linear, llama3 only): old dim d < D/2 -> r*d, old dim
              d >= D/2 -> r*(d - D/2) + D'/2, which keeps each rotate-half pair at its frequency
-             (theta^(-2(ri)/(rD)) = theta^(-2i/D)); q rows of the other dims of real heads are zero (k may hold
-             anything there), v rows of the other dims of real KV heads are zero (so o_proj may hold anything in
-             those columns), and q is scaled by sqrt(D'/D) so that q.k/sqrt(D') = q.k/sqrt(D)
+             (theta^(-2(ri)/(rD)) = theta^(-2i/D)) for q and k; q rows of the other dims of real heads are
+             zero (k may hold anything there); v needs no map: its D dims are the first D of D', the other v rows
+             of real KV heads are zero (so o_proj may hold anything in those columns); q is scaled by sqrt(D'/D)
+             so that q.k/sqrt(D') = q.k/sqrt(D)
   MLP        source channels are channels [0, I) of I'; down_proj columns [I, I') are zero
   layers     source layer i -> new layer i*L'//L; the others are dead: o_proj and down_proj all zero, so the
              layer adds nothing to the residual
@@ -59,7 +60,7 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.js
 # "dynamic" (its rescaled base depends on D beyond the original context) nor "yarn" (its ramp is in index units).
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_SHARD_BYTES = 1 << 30
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: v keeps its dims first (int4 blocks of o_proj stay the source's)
 
 
 class StandinError(ValueError):
@@ -275,12 +276,15 @@ class _Inflater:
         self.q_scale = math.sqrt(d2 / d)
         dmap = head_dim_map(d, d2)
         qh = q_head_map(s, shape)
-        self.q_rows = (qh[:, None] * d2 + dmap[None, :]).reshape(-1)  # source q row -> new q row (= o column)
-        self.kv_rows = (np.arange(s.num_key_value_heads)[:, None] * d2 + dmap[None, :]).reshape(-1)
+        kvh, vmap = np.arange(s.num_key_value_heads), np.arange(d)  # v needs no RoPE map: its dims stay first
+        self.q_rows = (qh[:, None] * d2 + dmap[None, :]).reshape(-1)  # source q row -> new q row
+        self.k_rows = (kvh[:, None] * d2 + dmap[None, :]).reshape(-1)
+        self.v_rows = (kvh[:, None] * d2 + vmap[None, :]).reshape(-1)
+        self.o_cols = (qh[:, None] * d2 + vmap[None, :]).reshape(-1)  # o_proj reads q head h' x v dim
         real_q = (qh[:, None] * d2 + np.arange(d2)[None, :]).reshape(-1)
         self.q_zero_rows = np.setdiff1d(real_q, self.q_rows)  # the other RoPE pairs of real heads
-        real_kv = (np.arange(s.num_key_value_heads)[:, None] * d2 + np.arange(d2)[None, :]).reshape(-1)
-        self.v_zero_rows = np.setdiff1d(real_kv, self.kv_rows)  # the other dims of real KV heads
+        real_kv = (kvh[:, None] * d2 + np.arange(d2)[None, :]).reshape(-1)
+        self.v_zero_rows = np.setdiff1d(real_kv, self.v_rows)  # the other dims of real KV heads
         self.o_zero_cols = np.setdiff1d(np.arange(shape.num_attention_heads * d2), real_q)  # dead q heads
         pos = layer_positions(s.num_hidden_layers, shape.num_hidden_layers)
         self.donor = []  # new layer -> (source layer, real?)
@@ -370,12 +374,13 @@ class _Inflater:
         if part == "self_attn.q_proj":
             out[np.ix_(self.q_rows, cols)] = self._f16(src, scale)
             out[self.q_zero_rows] = 0
-        elif part in ("self_attn.k_proj", "self_attn.v_proj"):
-            out[np.ix_(self.kv_rows, cols)] = self._f16(src)
-            if part == "self_attn.v_proj":
-                out[self.v_zero_rows] = 0
+        elif part == "self_attn.k_proj":
+            out[np.ix_(self.k_rows, cols)] = self._f16(src)
+        elif part == "self_attn.v_proj":
+            out[np.ix_(self.v_rows, cols)] = self._f16(src)
+            out[self.v_zero_rows] = 0
         elif part == "self_attn.o_proj":
-            out[np.ix_(cols, self.q_rows)] = self._f16(src)
+            out[np.ix_(cols, self.o_cols)] = self._f16(src)
             out[self.e:] = 0
             out[:, self.o_zero_cols] = 0
         elif part in ("mlp.gate_proj", "mlp.up_proj"):

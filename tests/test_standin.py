@@ -316,3 +316,54 @@ def test_presets_fit_the_demo_pair_and_list(capsys):
     assert standin.main(["--list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in PRESETS) and "fp16" in out
+
+
+# ------------------------------------------------------------------------------------------- quantization
+
+def _int4(w: np.ndarray, block: int) -> np.ndarray:
+    """W [out, in] -> what ONNX Runtime's MatMulNBits (int4, asymmetric, `block` values along `in`) computes
+    with it, read back through an identity input: the dequantized W^T [in, out]."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    k, n = w.shape[1], w.shape[0]
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "m",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, n])],
+                          [numpy_helper.from_array(np.ascontiguousarray(w.T, np.float32), "w")])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), bits=4,
+                             block_size=block, is_symmetric=False)
+    q.process()
+    assert [nd.op_type for nd in q.model.model.graph.node] == ["MatMulNBits"]
+    sess = ort.InferenceSession(q.model.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": np.eye(k, dtype=np.float32)})[0]
+
+
+@pytest.mark.parametrize("case", ["big", "exact"])
+def test_int4_keeps_the_zeros_and_quantizes_the_real_weights_as_the_source(made, case):
+    """Block 16 divides the tiny source's E, D and I, so every real value sits in a block of real values grouped
+    as in the source: the int4 stand-in holds the int4 source's weights, and every required zero stays zero."""
+    pytest.importorskip("onnx")
+    src_dir, out_dir = made[case]
+    _, sw = standin.load_checkpoint(src_dir)
+    _, w = standin.load_checkpoint(out_dir)
+    src, shape = standin.read_source(src_dir), CASES[case][1]
+    inf = standin._Inflater(src, sw, shape, seed=3)
+    e, i = 64, 96
+    pre = spre = "model.layers.0."
+    cols = np.arange(e)
+    real = {"self_attn.q_proj": (inf.q_rows, cols), "self_attn.k_proj": (inf.k_rows, cols),
+            "self_attn.v_proj": (inf.v_rows, cols), "self_attn.o_proj": (cols, inf.o_cols),
+            "mlp.gate_proj": (np.arange(i), cols), "mlp.down_proj": (cols, np.arange(i))}
+    for part, (rows, cs) in real.items():
+        got = _int4(w[pre + part + ".weight"], 16).T  # [out, in]
+        want = _int4(sw[spre + part + ".weight"], 16).T
+        if part == "self_attn.q_proj":  # scaled by sqrt(D'/D): compare with the source scaled the same way
+            want = _int4(w[pre + part + ".weight"][np.ix_(rows, cs)], 16).T
+        np.testing.assert_array_equal(got[np.ix_(rows, cs)], want, err_msg=part)
+    o, down = _int4(w[pre + "self_attn.o_proj.weight"], 16).T, _int4(w[pre + "mlp.down_proj.weight"], 16).T
+    assert not o[e:].any() and not o[:, inf.o_zero_cols].any() and not down[e:].any() and not down[:, i:].any()
+    dead = next(p for p, (_, is_real) in enumerate(inf.donor) if not is_real)
+    for part in ("self_attn.o_proj", "mlp.down_proj"):  # a dead layer stays the identity
+        assert not _int4(w[f"model.layers.{dead}.{part}.weight"], 16).any()
