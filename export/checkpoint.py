@@ -453,19 +453,19 @@ def weight_files(ckpt_dir: Path) -> list[Path]:
 def load_weights(ckpt_dir: Path, spec: ModelSpec, dtype=np.float32) -> dict[str, np.ndarray]:
     """All decoder weights as numpy arrays under their canonical names (ModelSpec.expected_shapes), checked
     against the config's shapes: float32 (dtype), or with dtype None as stored (float16 and float32 stay; bf16,
-    which numpy cannot hold, becomes float32), so that a large checkpoint is not widened all at once."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
+    which numpy cannot hold, becomes float32), so that a large checkpoint is not widened all at once. Tensors
+    the decoder does not use are read and dropped file by file."""
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
     for f in weight_files(ckpt_dir):
         try:
-            part = _load_any_dtype(f, load_file)
-        except (SafetensorError, OSError, ValueError) as e:
+            part = read_safetensors(f)
+        except (OSError, ValueError) as e:
             raise CheckpointError(f"{f}: corrupt or unreadable safetensors file ({e})") from None
+        wanted = spec.checkpoint_shapes()
         for k, v in part.items():
-            tensors[k] = v
+            if k in wanted or k not in tensors:
+                tensors[k] = v if k in wanted else np.empty(0)  # an unused tensor: its name only
             origin[k] = f.name
     out = {}
     for name, shape in spec.checkpoint_shapes().items():
@@ -501,15 +501,46 @@ def canonical(spec: ModelSpec, w: dict[str, np.ndarray]) -> dict[str, np.ndarray
     return w
 
 
-def _load_any_dtype(path: Path, load_file) -> dict[str, np.ndarray]:
-    """safetensors.numpy cannot hold bf16; read those through torch when it is there."""
-    try:
-        return load_file(str(path))
-    except (TypeError, ValueError) as e:
-        if "bf16" not in str(e).lower() and "bfloat16" not in str(e).lower():
-            raise
-        from safetensors.torch import load_file as load_torch
-        return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+                      "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A .safetensors file's tensors, each read straight into its own array (no memory map and no whole-file
+    buffer beside the arrays, so reading a shard costs what it holds); BF16 becomes float32 (numpy has no
+    bfloat16: its bits are the top half of a float32's). ValueError for a file that is not safetensors."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes: too short for a safetensors header")
+        n = int.from_bytes(head, "little")
+        if not 2 <= n <= min(size - 8, 100 << 20):
+            raise ValueError(f"header length {n} does not fit a {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = SAFETENSORS_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"tensor {name!r}: unsupported or malformed entry {info!r}") from None
+            arr = np.empty(shape, dtype)
+            if arr.nbytes != end - begin or 8 + n + end > size:
+                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not hold {shape} {info['dtype']}")
+            f.seek(8 + n + begin)
+            if f.readinto(memoryview(arr.reshape(-1)).cast("B")) != arr.nbytes:
+                raise ValueError(f"tensor {name!r}: file ends inside its data")
+            if info["dtype"] == "BF16":
+                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            out[name] = arr
+        return out
 
 
 def hash_files(paths: list[Path]) -> str:

@@ -231,7 +231,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
     manifest.model_file = fp32_name
     steps = spec.num_layers + 6
     bar = tqdm(total=steps, desc="export", disable=not progress,
-               bar_format="{desc}: {n}/{total} {bar} {elapsed}<{remaining}")
+               bar_format="{desc}: {n}/{total} {bar} {elapsed}<{remaining} {postfix}")
 
     def stage_done(name: str, n: int = 1):
         mem.mark(name)

@@ -91,28 +91,35 @@ def _top1(got: np.ndarray, want: np.ndarray, tol: float) -> tuple[int, int]:
 
 
 def parity_gate(engine, reference, max_context: int, seed: int = 0, embed=None) -> dict:
-    """Worst |ORT - reference| over logits of a prefill and of a 4-token step at three past lengths, against
-    the logits' scale, with top-1 agreement on every decisive position."""
+    """Worst |ORT - reference| over the logits of a 4-token call at past length 0, and of one sequence of
+    max_context tokens fed in chunks: a prefill to half, a 4-token step there (mid), a prefill to near
+    capacity and a 4-token step at the end (near_capacity), every position compared; against the logits'
+    scale, with top-1 agreement on every decisive position. The cache starts as garbage in every row."""
     import torch
 
     m = engine.manifest
     rng = np.random.default_rng(seed)
     s = 4
     report, pairs = {}, []
-    for label, past_len in (("past0", 0), ("mid", max_context // 2), ("near_capacity", max_context - s)):
-        past_len = max(0, min(past_len, max_context - s))
-        ids = rng.integers(0, m.vocab_size, size=(1, past_len + s), dtype=np.int64)
+    mid, near = max(0, min(max_context // 2, max_context - 2 * s)), max(0, max_context - s)
+    ids0 = rng.integers(0, m.vocab_size, size=(1, s), dtype=np.int64)
+    ids = rng.integers(0, m.vocab_size, size=(1, max(near + s, mid + s)), dtype=np.int64)
+    for label, seq, cuts in (("past0", ids0, [(0, s)]),
+                             ("long", ids, [(0, mid), (mid, mid + s), (mid + s, near), (near, near + s)])):
         with torch.no_grad():
-            want = reference(torch.from_numpy(ids)).numpy()  # (1, P+S, V)
+            want = reference(torch.from_numpy(seq)).numpy()  # (1, T, V): one forward for every chunk
         buffers = _empty_past(m, 1, max_context, rng)  # garbage everywhere: stale rows must be masked
-        got = []
-        if past_len:
-            got.append(step(engine, ids[:, :past_len], buffers, 0, embed))
-        got.append(step(engine, ids[:, past_len:], buffers, past_len, embed))
-        got = np.concatenate(got, axis=1)
-        worst = float(np.max(np.abs(got - want)))  # np.max keeps a NaN
-        report[label] = {"past_length": past_len, "max_abs_diff": worst, "max_abs_logit": float(np.abs(want).max())}
-        pairs.append((got, want))
+        for a, b in cuts:
+            if b <= a:
+                continue
+            got = step(engine, seq[:, a:b], buffers, a, embed)
+            w = want[:, a:b]
+            name = {0: "past0", mid: "mid", near: "near_capacity"}.get(a) if b - a == s else None
+            worst = float(np.max(np.abs(got - w)))  # np.max keeps a NaN
+            key = name or f"prefill_{a}_{b}"
+            report[key] = {"past_length": a, "tokens": b - a, "max_abs_diff": worst,
+                           "max_abs_logit": float(np.abs(w).max())}
+            pairs.append((got, w))
     scale = max(r["max_abs_logit"] for r in report.values())
     tol = scaled_tolerance(scale)
     wrong = decisive = 0

@@ -97,3 +97,20 @@ def test_the_estimate_counts_each_stage(tiny_checkpoints):
     assert fp16["largest_stage_bytes"] == int(memory.VARIANT_BYTES_PER_PARAM["fp16"] * n)
     assert memory.estimate(spec, 2 * n, "fp32")["largest_stage_bytes"] == int((memory.SESSION_BYTES_PER_PARAM + 2) * n)
     assert memory.estimate(spec, 10 * n, "fp16")["checkpoint_bytes"] == 4 * n  # an odd file size: bf16 widened
+
+
+def test_a_bf16_checkpoint_reads_without_torch_as_its_exact_float32_values(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from edgespec.export.checkpoint import read_safetensors
+    t = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.randn(7).half(), "c": torch.arange(4)}
+    save_file(t, str(tmp_path / "m.safetensors"))
+    got = read_safetensors(tmp_path / "m.safetensors")
+    assert got["a"].dtype == np.float32 and np.array_equal(got["a"], t["a"].float().numpy())
+    assert got["b"].dtype == np.float16 and np.array_equal(got["b"], t["b"].numpy())
+    assert np.array_equal(got["c"], t["c"].numpy())
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[:-3])
+    with pytest.raises(ValueError, match="do not hold|ends inside"):
+        read_safetensors(tmp_path / "cut.safetensors")

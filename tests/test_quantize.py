@@ -89,11 +89,14 @@ def test_weight_bytes_per_token_counts_the_packed_blocks(exported):
     assert int4["by_kind"]["block zero points"] == sum(n * ceil(ceil(k, bs), 8 // b) for k, n, b in shapes)
     quantized = sum(v for k, v in int4["by_kind"].items() if k.startswith(("4-bit", "8-bit", "block ")))
     assert fp32["total"] - sum(4 * k * n for k, n, _ in shapes) == int4["total"] - quantized  # the rest: unchanged
-    m = C.Manifest.read(exported["fp32"])
-    stored = sum(onnx.numpy_helper.to_array(t).nbytes
-                 for t in onnx.load(str(exported["fp32"] / "model.onnx")).graph.initializer)
-    table, row = 4 * m.vocab_size * m.hidden_size, 4 * m.hidden_size  # embedding: one row per token
-    assert stored - table + row <= fp32["total"] <= stored - table + row + 4096  # + the graph's small constants
+    graph = onnx.load(str(exported["fp32"] / "model.onnx")).graph
+    arrays = {t.name: onnx.numpy_helper.to_array(t) for t in graph.initializer}
+    stored = sum(a.nbytes for a in arrays.values())
+    tables = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in arrays
+              and arrays[n.input[0]].ndim == 2}  # the embedding and the rotary tables: one row per token
+    assert len(tables) >= 1 and "embed_tokens" in tables
+    rows = sum(arrays[t].nbytes - arrays[t].nbytes // arrays[t].shape[0] for t in tables)
+    assert stored - rows <= fp32["total"] <= stored - rows + 4096  # + the graph's small constants
     assert int4["total"] < 0.3 * fp32["total"]
 
 
