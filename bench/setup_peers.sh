@@ -175,6 +175,42 @@ print(f"llama-cpp-python {llama_cpp.__version__} (llama.cpp {info['llama_cpp_com
 EOF
 )
 
+# AMX: a CPU that lists amx_tile makes -march=native compile ggml's AMX kernels, which q8_0 / q4_0 weights then
+# run on; where the machine (a VM that does not pass the tile state through) faults on AMX instructions, llama.cpp
+# dies loading them (SIGILL for q8_0, SIGSEGV for q4_0, seen on this project's 2-core machine). A 10-line probe
+# (ask the kernel for the tile state, load a tile configuration, zero a tile) decides, before the build: if it
+# faults, AMX is compiled out (-mno-amx-*); everything else stays native.
+AMX_PROBE=$(cat <<'EOF'
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return 2;
+    unsigned char cfg[64];
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;  /* palette 1; tile 0: 16 rows of 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+EOF
+)
+
+amx_faults() {  # true when -march=native would compile AMX in and this machine faults on AMX instructions
+    [ "$(uname -m)" = x86_64 ] || return 1
+    cc -march=native -dM -E -x c /dev/null 2>/dev/null | grep __AMX_TILE__ >/dev/null || return 1  # not -q: pipefail
+    local d rc
+    d=$(mktemp -d) || return 1
+    printf '%s\n' "$AMX_PROBE" > "$d/probe.c"
+    if ! cc -O1 -mamx-tile "$d/probe.c" -o "$d/probe" >/dev/null 2>&1; then rm -rf "$d"; return 1; fi
+    "$d/probe" >/dev/null 2>&1
+    rc=$?
+    rm -rf "$d"
+    [ $rc -ne 0 ]
+}
+
 llamacpp_build() {  # llamacpp_build SRC BUILD: cmake configure + build of the vendored llama.cpp (incremental)
     local src=$1 build=$2
     cmake -S "${src}/vendor/llama.cpp" -B "$build" "${LLAMACPP_CMAKE_FLAGS[@]}" > "${build}.configure.log" 2>&1 \
@@ -198,6 +234,11 @@ setup_llamacpp() {
     local dir=.venv-llamacpp
     local src="${LLAMACPP_DIR}/src-${LLAMA_CPP_PYTHON_VERSION}" build="${LLAMACPP_DIR}/build-${LLAMA_CPP_PYTHON_VERSION}"
     local stamp="${dir}/.edgespec-peers-stamp" want
+    if amx_faults; then
+        echo "==> this CPU lists AMX but faults on AMX instructions: llama.cpp is built without AMX (-mno-amx-*)"
+        LLAMACPP_CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                               "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    fi
     want="$("$PYTHON" -V 2>&1) llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION} ${LLAMACPP_CMAKE_FLAGS[*]} ${LLAMACPP_TARGETS[*]} ${LLAMACPP_REQS[*]}"
     if [ -x "${dir}/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] \
         && "${dir}/bin/python" -c "$LLAMACPP_CHECK" "$LLAMA_CPP_PYTHON_VERSION" >/dev/null 2>&1; then

@@ -409,3 +409,88 @@ def test_predicted_vs_measured_takes_the_paired_speedup_when_the_head_to_head_ra
     assert "1.12x from every measured cost (1.22x from draft and verify calls alone, the paper's formula)" in md
     assert ("edgespec draft", "edgespec plain native") in head_to_head_pairs(systems, report(systems)["system_of"])
     assert mode_ratios(systems)["edgespec draft / edgespec plain native"] == 2.0
+
+
+# ---- llama.cpp ---------------------------------------------------------------------------------------------------
+def test_llamacpp_has_a_plain_draft_and_lookup_mode_per_precision_each_swept(monkeypatch):
+    modes = _plan(monkeypatch)  # a Namespace without the llama.cpp options: bench_peers' defaults
+    names = [n for n in modes if n.startswith("llama.cpp")]
+    assert names == [f"llama.cpp {k} {p}" for p in ("f16", "q8_0", "q4_0") for k in ("plain", "draft", "lookup")]
+    assert all(modes[n].system == "llama.cpp" and modes[n].runner == "llamacpp" for n in names)
+    plain = modes["llama.cpp plain q8_0"].configs
+    assert [c.label for c in plain] == ["q8_0, threads 1", "q8_0, threads 2"]
+    assert [c.argv for c in plain] == [("--mode", "plain", "--precision", "q8_0", "--threads", t) for t in ("1", "2")]
+    draft = modes["llama.cpp draft f16"].configs
+    got = {(_opt(c, "--draft-max"), _opt(c, "--draft-p-min"), _opt(c, "--threads"), _opt(c, "--draft-threads", "0"),
+            _opt(c, "--draft-precision")) for c in draft}
+    assert got == {(k, pm, t, d, "f16") for k in ("2", "3", "4", "6", "8") for pm in ("0", "0.75")
+                   for t, d in (("1", "0"), ("2", "0"), ("2", "1"))}
+    assert len(draft) == len(got) == 30 and all(c.argv[:4] == ("--mode", "draft", "--precision", "f16") for c in draft)
+    assert "draft max 4, p_min 0.75, f16 draft, threads 2, draft threads 1" in [c.label for c in draft]
+    lookup = modes["llama.cpp lookup q4_0"].configs
+    assert len(lookup) == 2 * (9 + 1)
+    assert lookup[0].label == "ngram-simple n=2, draft 4, threads 1"
+    assert lookup[0].argv == ("--mode", "lookup", "--precision", "q4_0", "--lookup-type", "ngram-simple",
+                              "--ngram-size", "2", "--lookup-max", "4", "--threads", "1")
+    assert lookup[-1].argv == ("--mode", "lookup", "--precision", "q4_0", "--lookup-type", "ngram-cache",
+                               "--threads", "2")
+
+
+def test_llamacpp_sweep_options_narrow_it_and_none_leaves_it_out(monkeypatch):
+    modes = _plan(monkeypatch, llamacpp_precisions="q4_0", llamacpp_threads="2", llamacpp_draft_threads="0",
+                  llamacpp_draft_ks="4", llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same,q8_0",
+                  llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8")
+    assert [n for n in modes if n.startswith("llama.cpp")] == ["llama.cpp plain q4_0", "llama.cpp draft q4_0",
+                                                              "llama.cpp lookup q4_0"]
+    assert [c.label for c in modes["llama.cpp draft q4_0"].configs] == [
+        "draft max 4, p_min 0, q4_0 draft, threads 2", "draft max 4, p_min 0, q8_0 draft, threads 2"]
+    assert [c.label for c in modes["llama.cpp lookup q4_0"].configs] == ["ngram-simple n=3, draft 8, threads 2"]
+    assert not any(n.startswith("llama.cpp") for n in _plan(monkeypatch, llamacpp_precisions="none"))
+    only = _plan(monkeypatch, modes="llama.cpp draft f16")
+    assert set(only) == {"edgespec plain", "llama.cpp draft f16"}
+
+
+def test_llamacpp_rows_are_summarised_compared_and_their_conversions_listed():
+    from bench_peers import summarize
+    ref = {"results": [{"prompt_index": i, "repeat": 0, "token_ids": [1, 2, 3]} for i in range(2)]}
+    out = {"system": "llama.cpp 0c1e570 (llama-cpp-python 0.3.36)", "peak_rss_bytes": 2 ** 20,
+           "speculative_stats": {"draft_tokens_proposed": 40, "draft_tokens_accepted": 30},
+           "results": [{"prompt_index": i, "repeat": 0, "token_ids": t, "new_tokens": 3, "decode_s": 0.01,
+                        "ttft_s": 0.002} for i, t in enumerate(([1, 2, 3], [1, 2, 4]))]}
+    s = summarize(out, ref, 2)
+    assert s["status"] == "ok" and s["acceptance_rate"] == 0.75 and s["identical_prompts"] == "1/2"
+    assert s["token_agreement_with_edgespec"] == pytest.approx((1 + 2 / 3) / 2)
+    assert s["tokens_per_s"]["median"] == pytest.approx(300.0)
+    cmd = (f".venv-llamacpp/bin/python -c '<CONVERT_WRAPPER>' {ROOT}/.cache/llamacpp/src/vendor/llama.cpp "
+           f"{ROOT}/models/demo-target --outtype f16 --outfile x-f16.gguf && {ROOT}/bin/llama-quantize x-f16.gguf "
+           "x-q4_0.gguf Q4_0")
+    builds = _builds({"config": {"builds": {"target": {"builder_command": cmd}}}, "results": []})
+    assert str(ROOT) not in builds["target"]
+    systems = {"edgespec plain": row(250.0, "threads: edgespec default"),
+               "edgespec plain native": row(300.0, "provider cpu-native: float16 weights, float32 math"),
+               "edgespec draft": row(500.0, "γ=5"),
+               "llama.cpp plain f16": row(200.0, "f16, threads 2"),
+               "llama.cpp draft f16": dict(row(400.0, "draft max 4, p_min 0, f16 draft, threads 2"), builds=builds),
+               "llama.cpp lookup q4_0": row(450.0, "ngram-simple n=3, draft 8, threads 2"),
+               "llama.cpp plain q4_0": row(300.0, "q4_0, threads 2")}
+    ratios = mode_ratios(systems)
+    assert ratios["llama.cpp draft f16 / llama.cpp plain f16"] == 2.0
+    assert ratios["llama.cpp lookup q4_0 / llama.cpp plain q4_0"] == 1.5
+    assert ratios["edgespec plain native / llama.cpp plain f16"] == 1.5
+    assert ratios["edgespec draft / llama.cpp draft f16"] == 1.25
+    r = report(systems)
+    assert r["system_of"]["llama.cpp draft f16"] == "llama.cpp"
+    r["system_of"] = {n: "llama.cpp" if n.startswith("llama.cpp") else "edgespec" for n in systems}
+    r["best_vs_best"] = best_vs_best(systems, r["system_of"])
+    (b,) = r["best_vs_best"]
+    assert (b["edgespec"], b["peer"]) == ("edgespec draft", "llama.cpp lookup q4_0")
+    md = markdown(r)
+    assert "llama.cpp GGUF conversions of the rows above" in md and "GenAI model builds" not in md
+    assert "- llama.cpp draft f16: target `.venv-llamacpp/bin/python -c '<CONVERT_WRAPPER>'" in md
+
+
+def test_a_missing_llamacpp_environment_fails_its_rows_with_the_set_up_command(tmp_path):
+    from bench_peers import run_system, summarize
+    out = run_system("llama.cpp plain f16", [str(tmp_path / ".venv-llamacpp" / "bin" / "python"), "runner.py"], 10)
+    s = summarize(out, None, 1)
+    assert s["status"] == "failed" and "bash bench/setup_peers.sh" in s["error"]
