@@ -27,10 +27,8 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
 """
 from __future__ import annotations
 
-import os
 import shutil
 import time
-import warnings
 import zlib
 from pathlib import Path
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgespec.cli import main as cli_main
-from edgespec.contract import EngineError, Manifest
+from edgespec.contract import EngineError
 from edgespec.engine import OrtEngine
 from edgespec.export import memory
 from edgespec.export.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import edgespec
-from conftest import FAMILIES, MODEL_CLASSES, char_tokenizer_json, make_checkpoint
+from conftest import MODEL_CLASSES, char_tokenizer_json
 from edgespec import contract as C
 from edgespec.engine import OrtEngine
 from edgespec.export.onnx_export import export_engine

@@ -3,16 +3,16 @@ refuse a wrong model. Each wrong model here is an engine exported from a checkpo
 (the rotary base, a bias, the window, the causal mask, Gemma's `1 + w` norms), judged against the reference
 of the checkpoint it should compute."""
 import json
-import shutil
+
 
 import numpy as np
 import pytest
-import torch
+
 from safetensors.numpy import load_file, save_file
 
 from edgespec import masks
 from edgespec.engine import OrtEngine
-from edgespec.export import validate
+
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder
 from edgespec.export.validate import GateError, parity_gate, require, scaled_tolerance, verify_gate

@@ -66,7 +66,7 @@ import hashlib
 import json
 import os
 import shlex
-import shutil
+
 import signal
 import socket
 import subprocess
