@@ -496,7 +496,7 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
     for f in COPIED_FILES:
         if (src.path / f).is_file():
             shutil.copy2(src.path / f, tmp / f)
-    record = {"kind": "edgespec-standin", "name": name, "source": str(src.path.resolve()), "recipe": recipe,
+    record = {"kind": "edgespec-standin", "name": name, "source": _shown(src.path), "recipe": recipe,
               "params": param_count(shape, src.vocab_size, src.tied), "bytes": total, "files": files,
               "rms_norm_eps": cfg["rms_norm_eps"], "norm_weight_scale": inflater.norm_scale,
               "q_scale": inflater.q_scale,
@@ -512,6 +512,15 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
 
 
 # ------------------------------------------------------------------------------------------------------- the CLI
+
+def _shown(path: Path) -> str:
+    """A path as a record keeps it: relative to the repository when inside it (no machine's absolute path)."""
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        return str(p)
+
 
 def _parse_shape(text: str) -> dict:
     out = {}
