@@ -1,25 +1,30 @@
-"""The native CPU engine (provider "cpu-native"): one C call per decoder step, float16 weights, float32 math.
+"""The native CPU engine (provider "cpu-native"): one C call per decoder step, float32 math over float16 weights
+or blocks of int8 / int4 weights.
 
 A checkpoint stored in float16 (the bundled pair is) is exported to an fp32 ONNX graph whose weights are
 those float16 values widened: 4 bytes read per weight and token, where 2 hold the same number. Decoding on
 the CPU is bound by reading the weights, so `native_step.c` keeps them as float16, widens each on the fly
 (exactly) and accumulates in float32: the same function as the fp32 engine, in another summation order (the
-export gate and the tests compare the two), at half the weight bytes per token.
+export gate and the tests compare the two), at half the weight bytes per token. int8 and int4 folders carry
+integer weights (WEIGHT_KINDS): blocks of 32 values along the input with one float16 scale per block and
+output column, w = q * scale, read at 1.06 / 0.56 bytes per weight; the arithmetic stays float32.
 
     engine folder: engine.json, whose extra["native"] names
-                   native.npz   the weights (float16 matrices; float32 norms, biases, rope frequencies and
-                                scalings; int64 per-layer rotary index and window), written by `edgespec export`
-                                (or `python -m edgespec.export.native`) when every weight matrix is exactly a
-                                float16; extra["native"] records its layout (format 2, features, rotary_dim,
-                                ropes, activation: expected_shapes reads them)
+                   native.npz   the weights (matrices in packed panels of float16 or of integer blocks:
+                                extra["native"]["weights"] and ["head_weights"] say which; float32 norms,
+                                biases, rope frequencies and scalings; int64 per-layer rotary index and
+                                window), written by `edgespec export` (or `python -m edgespec.export.native`);
+                                extra["native"] records its layout (format 2, features, rotary_dim, ropes,
+                                activation, weights: expected_shapes reads them)
 
 Every family export/checkpoint.py reads runs here (native_step.c's header lists the per-layer computation);
 the load checks native.npz against engine.json (shapes, the features' arrays and no others, the per-layer
 windows against layer_windows). A format 1 file (before the families: plain Llama) is read as format 2.
 
-The C source is compiled on first use with the system C compiler (`cc`, OpenMP) for this CPU, into
-$EDGESPEC_CACHE (default ~/.cache/edgespec)/native/; `NativeEngine.decoder()` gives a `Decoder` whose calls
-run that step on the same KV cache (B, Hkv, T, D), written in place at the committed lengths.
+The C source is compiled on first use with the system C compiler (`cc`, pthreads) for this CPU, into
+$EDGESPEC_CACHE (default ~/.cache/edgespec)/native/; `NativeEngine.decoder(batch)` gives a `Decoder` whose
+calls run that step on the same KV cache (B, Hkv, T, D), written in place at the committed lengths: one C
+call per decoder call, the batch's rows through each weight matrix together.
 """
 from __future__ import annotations
 
@@ -71,7 +76,7 @@ def build_library() -> Path:
                           f"compiler (CC={os.environ.get('CC')!r}, cc, gcc): install one (Debian/Ubuntu: apt-get install gcc), or use "
                           "provider 'cpu'")
     # EDGESPEC_NATIVE_MARCH: the target CPU (default: this one; the tests also build "x86-64", the portable C path)
-    flags = ["-O3", f"-march={os.environ.get('EDGESPEC_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC",
+    flags = ["-O3", f"-march={os.environ.get('EDGESPEC_NATIVE_MARCH', 'native')}", "-pthread", "-shared", "-fPIC",
              "-std=gnu11"]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
                          + subprocess.run([cc, "--version"], capture_output=True).stdout).hexdigest()[:16]
@@ -93,25 +98,44 @@ def build_library() -> Path:
 class _Model(ctypes.Structure):
     """native_step.c's es_model, field for field."""
     _fields_ = [(n, ctypes.c_int64) for n in ("E", "H", "Hkv", "D", "I", "V", "L", "argmax_lo", "argmax_hi", "R",
-                                              "n_ropes", "act")] + [
+                                              "n_ropes", "act", "wkind", "head_kind")] + [
         ("eps", ctypes.c_float), ("embed_scale", ctypes.c_float), ("attn_scale", ctypes.c_float),
         ("inv_freq", ctypes.c_void_p), ("rope_scale", ctypes.c_void_p), ("layer_rope", ctypes.c_void_p),
         ("layer_window", ctypes.c_void_p), ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p),
         ("norm", ctypes.c_void_p)] + [(k, ctypes.POINTER(ctypes.c_void_p)) for k in LAYER_KEYS + OPTIONAL_KEYS]
 
 
-def _library():
-    lib = ctypes.CDLL(str(build_library()))
+def _library(path: Path):
+    lib = ctypes.CDLL(str(path))
     P = ctypes.c_void_p
-    lib.es_forward.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, P, ctypes.c_int64, P, P, ctypes.c_int64,
-                               P, P, P, P, ctypes.c_int]
+    i64 = ctypes.c_int64
+    lib.es_forward.argtypes = [ctypes.POINTER(_Model), i64, i64, P, P, P, P, i64, P, P, P, P, ctypes.c_int]
     lib.es_forward.restype = ctypes.c_int
-    lib.es_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.es_scratch_floats.restype = ctypes.c_int64
+    lib.es_scratch_floats.argtypes = [ctypes.POINTER(_Model), i64]
+    lib.es_scratch_floats.restype = i64
+    lib.es_matmul.argtypes = [ctypes.c_int, P, i64, P, i64, i64, P, ctypes.c_int]
+    lib.es_matmul.restype = ctypes.c_int
+    lib.es_quiesce.argtypes = []
+    lib.es_quiesce.restype = None
     return lib
 
 
+_LIBS: dict[Path, ctypes.CDLL] = {}
+
+
+def library():
+    """The compiled step for this process's flags, loaded once (its helper threads serve every engine)."""
+    path = build_library()
+    if path not in _LIBS:
+        _LIBS[path] = _library(path)
+    return _LIBS[path]
+
+
 PANEL = 16  # output columns per packed panel (native_step.c)
+QB = 32  # integer weights: values per block along the input (native_step.c's QB)
+# extra["native"]["weights"] -> native_step.c's ES_F16 / ES_Q8 / ES_Q4, and bytes per (block, panel)
+WEIGHT_KINDS = {"float16": 0, "int8": 1, "int4": 2}
+BLOCK_BYTES = {"int8": 32 + QB * 16, "int4": 32 + QB * 8}
 
 
 def pack(w: np.ndarray) -> np.ndarray:
@@ -123,14 +147,87 @@ def pack(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n // PANEL, PANEL, k).transpose(0, 2, 1))
 
 
+def quantize_blocks(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(N, K) float weights -> q (N, K) int8 and scales (N, K/QB) float16, w ~ q * scale per block of QB along K,
+    rounded to nearest with the float16 scale. int8: scale = max |w| / 127, q in -127..127. int4 (llama.cpp's
+    q4_0 rule): scale = -(the block's value of largest magnitude) / 8, so that value is exactly -8 and the
+    rest fall in -8..7."""
+    n, k = w.shape
+    if kind not in BLOCK_BYTES or k % QB:
+        raise ValueError(f"quantize_blocks: kind must be one of {sorted(BLOCK_BYTES)} and K a multiple of {QB}; "
+                         f"got {kind!r}, K = {k}")
+    b = np.asarray(w, np.float32).reshape(n, k // QB, QB)
+    if kind == "int8":
+        scale, lo, hi = np.abs(b).max(axis=2) / np.float32(127), -127, 127
+    else:
+        idx = np.abs(b).argmax(axis=2)
+        scale, lo, hi = np.take_along_axis(b, idx[..., None], 2)[..., 0] / np.float32(-8), -8, 7
+    s16 = scale.astype(np.float16)
+    s32 = s16.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s32[..., None] != 0, np.rint(b / s32[..., None]), 0)
+    return np.clip(q, lo, hi).astype(np.int8).reshape(n, k), s16
+
+
+def pack_blocks(q: np.ndarray, scales: np.ndarray, kind: str) -> np.ndarray:
+    """q (N, K) int8 and scales (N, K/QB) float16 -> (N/PANEL, K/QB, BLOCK_BYTES[kind]) uint8, native_step.c's
+    layout: per panel and block, its 16 columns' scales, then the values (int8: k-major, 16 per k; int4: row t
+    of 16 bytes holds q[2t] + 8 in the low nibbles and q[2t + 1] + 8 in the high ones)."""
+    n, k = q.shape
+    if n % PANEL or k % QB:
+        raise ValueError(f"a packed matrix needs a multiple of {PANEL} outputs and of {QB} inputs, got ({n}, {k})")
+    p, nb = n // PANEL, k // QB
+    sb = np.ascontiguousarray(scales.astype(np.float16).reshape(p, PANEL, nb).transpose(0, 2, 1)).view(np.uint8)
+    qq = q.reshape(p, PANEL, nb, QB).transpose(0, 2, 3, 1)  # (P, nb, k, c)
+    if kind == "int8":
+        body = np.ascontiguousarray(qq).view(np.uint8).reshape(p, nb, QB * PANEL)
+    else:
+        u = (qq.astype(np.int16) + 8).astype(np.uint8)
+        body = (u[:, :, 0::2, :] | (u[:, :, 1::2, :] << 4)).reshape(p, nb, QB * PANEL // 2)
+    return np.ascontiguousarray(np.concatenate([sb.reshape(p, nb, 2 * PANEL), body], axis=2))
+
+
+def unpack_blocks(packed: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """pack_blocks' inverse: -> q (N, K) int8, scales (N, K/QB) float16."""
+    p, nb, _ = packed.shape
+    sc = np.ascontiguousarray(packed[:, :, :2 * PANEL]).view(np.float16).reshape(p, nb, PANEL)
+    body = packed[:, :, 2 * PANEL:]
+    if kind == "int8":
+        qq = np.ascontiguousarray(body).view(np.int8).reshape(p, nb, QB, PANEL)
+    else:
+        b = body.reshape(p, nb, QB // 2, PANEL)
+        qq = np.empty((p, nb, QB, PANEL), np.int8)
+        qq[:, :, 0::2] = (b & 15).astype(np.int8) - 8
+        qq[:, :, 1::2] = (b >> 4).astype(np.int8) - 8
+    q = qq.transpose(0, 3, 1, 2).reshape(p * PANEL, nb * QB)
+    return q, sc.transpose(0, 2, 1).reshape(p * PANEL, nb)
+
+
+def dequantize(packed: np.ndarray, kind: str) -> np.ndarray:
+    """The weights a packed matrix holds, (N, K) float32: q * scale, exactly (the slow obvious reference of the
+    integer kernels)."""
+    if kind == "float16":
+        n_p, k, _ = packed.shape
+        return packed.transpose(0, 2, 1).reshape(n_p * PANEL, k).astype(np.float32)
+    q, s = unpack_blocks(packed, kind)
+    return (q.reshape(q.shape[0], -1, QB).astype(np.float32) * s.astype(np.float32)[..., None]).reshape(q.shape)
+
+
+def packed_shape(n: int, k: int, kind: str) -> tuple:
+    """The shape of an (N, K) matrix packed as `kind` (pack, pack_blocks)."""
+    return (n // PANEL, k, PANEL) if kind == "float16" else (n // PANEL, k // QB, BLOCK_BYTES[kind])
+
+
 def expected_shapes(m: Manifest, info: dict) -> dict[str, tuple]:
     """native.npz's arrays and their shapes for manifest m and its extra["native"] record `info` (matrices
-    packed: pack(); the optional arrays of info["features"])."""
+    packed as info["weights"] / info["head_weights"] say: packed_shape; the optional arrays of
+    info["features"])."""
     e, h, hk, d, v = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
     inter, n_layers = int(info["intermediate_size"]), m.num_layers
     rot, ropes = int(info.get("rotary_dim", d)), int(info.get("ropes", 1))
-    packed = lambda n, k: (n // PANEL, k, PANEL)  # noqa: E731
-    shapes = {"embed": (v, e), "lm_head": packed(v, e), "norm": (e,), "inv_freq": (ropes, rot // 2),
+    kind = info.get("weights", "float16")
+    packed = lambda n, k: packed_shape(n, k, kind)  # noqa: E731
+    shapes = {"embed": (v, e), "lm_head": packed_shape(v, e, info.get("head_weights", kind)), "norm": (e,), "inv_freq": (ropes, rot // 2),
               "rope_scale": (ropes,), "layer_rope": (n_layers,), "layer_window": (n_layers,), "scalars": (3,)}
     optional = {"bqkv": ((h + 2 * hk) * d,), "bo": (e,), "qn": (d,), "kn": (d,), "post_attn": (e,), "post_mlp": (e,)}
     present = [k for f in info.get("features", []) for k in FEATURES.get(f, ())]
@@ -205,6 +302,14 @@ class NativeEngine:
                         ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
             if n % PANEL:
                 bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
+        for key in ("weights", "head_weights"):
+            if info.get(key, "float16") not in WEIGHT_KINDS:
+                bad.append(f"{key} {info.get(key)!r}: the native step reads {sorted(WEIGHT_KINDS)}")
+        if info.get("weights", "float16") != "float16":
+            for what, n in (("hidden_size", m.hidden_size), ("num_heads x head_dim", m.num_heads * m.head_dim),
+                            ("intermediate_size", intermediate)):
+                if n % QB:
+                    bad.append(f"{what} must be a multiple of {QB} for integer weights (blocks along K), got {n}")
         if m.head_dim % 8:
             bad.append(f"head_dim must be a multiple of 8, got {m.head_dim}")
         if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
@@ -227,7 +332,7 @@ class NativeEngine:
         self.info = info
         self.intermediate = intermediate
         self.threads = threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1
-        self.lib = _library()
+        self.lib = library()
         self.model = self._model()
 
     def _model(self) -> _Model:
@@ -238,9 +343,11 @@ class NativeEngine:
             a[k] = np.ascontiguousarray(a[k], np.int64)
         for k in ("inv_freq", "rope_scale"):
             a[k] = np.ascontiguousarray(a[k], np.float32)
+        kind = info.get("weights", "float16")
         st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, self.intermediate, m.vocab_size,
                     m.num_layers, lo, hi, int(info.get("rotary_dim", m.head_dim)), a["rope_scale"].shape[0],
-                    ACTIVATIONS[info.get("activation", "silu")], eps, embed_scale, attn_scale,
+                    ACTIVATIONS[info.get("activation", "silu")], WEIGHT_KINDS[kind],
+                    WEIGHT_KINDS[info.get("head_weights", kind)], eps, embed_scale, attn_scale,
                     a["inv_freq"].ctypes.data, a["rope_scale"].ctypes.data, a["layer_rope"].ctypes.data,
                     a["layer_window"].ctypes.data, a["embed"].ctypes.data, a["lm_head"].ctypes.data,
                     a["norm"].ctypes.data)
@@ -268,7 +375,8 @@ class _Outputs:
 
 class NativeDecoder(Decoder):
     """decoder.Decoder's interface (run / ids / __call__ / last_ids / last_logits / hidden_at, cache, calls,
-    engine_s, trace) over native_step.c: each sequence of a call is one es_forward on its cache rows."""
+    engine_s, trace) over native_step.c: a call is one es_forward over every sequence, each at its own
+    committed length (the weights are read once per call, whatever the batch)."""
 
     def __init__(self, engine: NativeEngine, batch: int = 1):
         self.engine, self.m = engine, engine.manifest
@@ -295,40 +403,50 @@ class NativeDecoder(Decoder):
         ids = self._first(tokens, None)  # (B, S) int64, checked
         if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
             ids = np.ascontiguousarray(np.where(valid, ids, 0))
+        ids = np.ascontiguousarray(ids, np.int64)
         b, s = ids.shape
         lo, hi = 0, self.m.vocab_size
         if ids.size and (ids.min() < lo or ids.max() >= hi):
             raise ValueError(f"token ids must be in 0..{hi - 1}, got {int(ids.min())}..{int(ids.max())}")
         cache = self.cache
+        e = self.engine
+        grow = int(cache.lengths.max()) + s > cache.capacity or s > self._scratch_s
+        if grow:  # buffers a helper thread of the last call may still read are about to be freed
+            e.lib.es_quiesce()
         cache.reserve(int(cache.lengths.max()) + s)
-        start = cache.lengths.copy()
+        start = np.ascontiguousarray(cache.lengths, np.int64)  # a copy: (B,)
         out = self._outs.get(s)
         if out is None:
             out = self._outs[s] = _Outputs(self.memory, b, s, self.m)
-        e = self.engine
-        if s > self._scratch_s or self._pointers[0] != cache.generation:
-            need = e.lib.es_scratch_floats(ctypes.byref(e.model), max(s, self._scratch_s), cache.capacity, e.threads)
+        if s > self._scratch_s:
+            need = e.lib.es_scratch_floats(ctypes.byref(e.model), b * s)
             if self._scratch.size < need:
                 self._scratch = np.zeros(need, np.float32)
-            self._scratch_s = max(s, self._scratch_s)
-        if self._pointers[0] != cache.generation:  # each sequence's per-layer key / value addresses
+            self._scratch_s = s
+        if self._pointers[0] != cache.generation:  # key / value addresses, sequence-major: [b L + layer]
             L = self.m.num_layers
-            self._pointers = (cache.generation, [
-                ((ctypes.c_void_p * L)(*[cache.buffers[2 * j].handle[i].ctypes.data for j in range(L)]),
-                 (ctypes.c_void_p * L)(*[cache.buffers[2 * j + 1].handle[i].ctypes.data for j in range(L)]))
-                for i in range(b)])
+            keys = [cache.buffers[2 * j].handle[i].ctypes.data for i in range(b) for j in range(L)]
+            values = [cache.buffers[2 * j + 1].handle[i].ctypes.data for i in range(b) for j in range(L)]
+            self._pointers = (cache.generation, ((ctypes.c_void_p * (b * L))(*keys), (ctypes.c_void_p * (b * L))(*values)))
+        ks, vs = self._pointers[1]
         logits, nid = out.logits.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
         t0 = time.perf_counter()
-        for i, (ks, vs) in enumerate(self._pointers[1]):
-            rc = e.lib.es_forward(ctypes.byref(e.model), s, ids[i].ctypes.data, int(start[i]), ks, vs,
-                                  cache.capacity, logits[i].ctypes.data, nid[i].ctypes.data,
-                                  hidden[i].ctypes.data if hidden is not None else None,
-                                  self._scratch.ctypes.data, e.threads)
-            if rc != 0:
-                raise EngineError(f"native step: rows {int(start[i])}..{int(start[i]) + s - 1} do not fit the "
-                                  f"cache's {cache.capacity} rows")
+        rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data, start.ctypes.data, ks, vs,
+                              cache.capacity, logits.ctypes.data, nid.ctypes.data,
+                              hidden.ctypes.data if hidden is not None else None, self._scratch.ctypes.data,
+                              e.threads)
+        if rc == -1:
+            raise EngineError(f"native step: rows {start.tolist()} + {s} do not fit the cache's {cache.capacity} rows")
+        if rc != 0:
+            raise MemoryError("native step: could not allocate its scratch")
         self._called(s, out, t0, time.perf_counter(), start, valid)
+
+    def __del__(self):
+        try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)
+            self.engine.lib.es_quiesce()
+        except Exception:  # interpreter shutdown
+            pass
 
     def greedy_steps(self, pending: int, n: int):
         """One call at a time through run() (a native step's host work is a ctypes call and a few checks)."""

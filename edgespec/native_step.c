@@ -1,23 +1,27 @@
-/* One decoder call of a contract model (every family export/checkpoint.py reads) on the CPU, with float16
-   weights and float32 arithmetic.
+/* One decoder call of a contract model (every family export/checkpoint.py reads) on the CPU: B sequences of
+   S new tokens each, float32 arithmetic, weights read as float16 or as blocks of int8 / int4.
 
    The bundled checkpoints store float16 weights; the fp32 ONNX engine reads each of them as 4 bytes. This
    step reads them as the 2 bytes they are, converts each to float32 on the fly (exact: every float16 is a
    float32) and accumulates in float32, so it computes the same function as the fp32 engine in a different
-   summation order, reading half the weight bytes per token (edgespec/native.py loads it; tests compare it
-   with the ONNX Runtime engine).
+   summation order. int8 and int4 weights are blocks of QB = 32 values along the input dimension with one
+   float16 scale per block and output column, w = q * scale (symmetric: q in -127..127 or -8..7); a block's
+   products are summed in float32, then multiplied by its scale (export/native.py quantizes, edgespec/native.py
+   loads; tests compare every kernel with numpy and each build with the others).
 
-   es_forward: S new tokens of one sequence at positions start..start+S-1
-     ids (S)                      token ids
-     kc[l], vc[l] (Hkv, cap, D)   layer l's key / value cache of this sequence; rows 0..start-1 are read,
-                                  rows start..start+S-1 are written in place; no other row is touched, so
-                                  stale rows (NaN included) never reach the output
-     logits (S, V), next_ids (S)  outputs; next_ids is the argmax over [argmax_lo, argmax_hi), or -1 where a
-                                  row's logits are not all finite (the contract's NONFINITE_ID)
-     hidden (S, E) or NULL        the final normed hidden state
-   Every matrix product goes through matmul (below): weights packed in panels of 16 output columns, each
-   output one fused multiply-add chain over the inputs in order, whatever S is, so a token's row does not
-   depend on the call's S. N is a multiple of 16 and head_dim of 8 (native.py checks).
+   es_forward: B sequences, S new tokens each; sequence b's tokens at positions start[b]..start[b]+S-1
+     ids (B, S)                   token ids
+     kc[b L + l], vc[b L + l]     sequence b's layer l key / value cache (Hkv, cap, D); rows 0..start[b]-1 are
+                                  read, rows start[b]..start[b]+S-1 written in place; no other row is touched,
+                                  so stale rows (NaN included) never reach the output
+     logits (B, S, V), next_ids (B, S)   next_ids: argmax over [argmax_lo, argmax_hi), or -1 where a row's
+                                  logits are not all finite (the contract's NONFINITE_ID)
+     hidden (B, S, E) or NULL     the final normed hidden state
+   The B S rows go through every matrix product together, so a step reads each weight once whatever B is.
+   Every product goes through matmul_rows (below): weights packed in panels of 16 output columns, each output
+   one fixed chain of float32 fused multiply-adds over the inputs in order, whatever the call's B and S and
+   whichever kernel (one row, several rows; AVX-512, AVX2 or portable C) computes it, so a token's row does
+   not depend on the call. N is a multiple of 16, K of 32 for integer weights, head_dim of 8 (native.py checks).
 
    Per layer l (export/checkpoint.py's ModelSpec writes the same computation out), with the family options
    as fields of es_model: a NULL table is an absent option, so Llama runs the same code with nothing added
@@ -30,44 +34,62 @@
      x += a, or x += rmsnorm(a, post_attn)                              (post_attn, post_mlp: sandwich norms)
      h = rmsnorm(x, ln2);  m = act(h Wg) * (h Wu) Wd                    (act: SiLU, or tanh GELU)
      x += m, or x += rmsnorm(m, post_mlp)
-   with the embedding rows times embed_scale, and logits = rmsnorm(x, norm) lm_head. */
+   with the embedding rows times embed_scale, and logits = rmsnorm(x, norm) lm_head.
+
+   Threads: each parallel loop (a matrix product, the attention, the norms) is a job of independent chunks
+   that the calling thread and the pool's helpers claim one at a time (pool, below). Nobody waits at a barrier
+   for a thread that has not claimed work, and a chunk held by a helper the OS has descheduled is computed
+   again by the caller after a short wait (its result committed once, by whoever finishes first), so a busy
+   machine slows a step down to the speed of the threads that actually run, not to the slowest one. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
+#include <time.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define ES_AVX2 1
 #endif
-#if defined(ES_AVX2) && defined(__AVX512F__)
+#if defined(ES_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define ES_AVX512 1 /* a panel is one 16-lane register */
 #endif
 #define MAX_ROWS 12 /* rows of x per pass over a panel */
 
 enum { ES_SILU = 0, ES_GELU_TANH = 1 };
+enum { ES_F16 = 0, ES_Q8 = 1, ES_Q4 = 2 }; /* how a weight matrix is stored (es_model.wkind, head_kind) */
+#define QB 32                     /* integer weights: values per block along K */
+#define Q8_BLOCK (32 + QB * 16)   /* bytes of one (block, panel): 16 float16 scales, then 32 x 16 int8 (k-major) */
+#define Q4_BLOCK (32 + QB * 8)    /* 16 float16 scales, then 16 rows of 16 bytes: row t, byte c holds
+                                     q[2t][c] + 8 (low nibble) and q[2t + 1][c] + 8 (high nibble) */
 
 typedef struct {
     int64_t E, H, Hkv, D, I, V, L, argmax_lo, argmax_hi;
     int64_t R;                 /* rotary dims of each head (even, <= D): the first R rotate, the rest pass */
     int64_t n_ropes;           /* distinct rotaries (0: no layer has one) */
     int64_t act;               /* ES_SILU (SwiGLU) or ES_GELU_TANH (GeGLU) */
+    int64_t wkind, head_kind;  /* ES_F16 / ES_Q8 / ES_Q4: the layers' matrices, the lm_head */
     float eps, embed_scale, attn_scale; /* embed_scale multiplies the embedding rows (1: none) */
     const float *inv_freq;     /* (n_ropes, R/2) */
     const float *rope_scale;   /* (n_ropes): attention scaling folded into cos and sin */
     const int64_t *layer_rope; /* (L): layer l's rotary, -1 = none; NULL = rotary 0 everywhere */
     const int64_t *layer_window; /* (L): layer l's window, 0 = every row; NULL = no windows */
     const uint16_t *embed;     /* (V, E) fp16 */
-    const uint16_t *lm_head;   /* (V, E) fp16 */
+    const void *lm_head;       /* (V, E) in head_kind's panels */
     const float *norm;         /* (E) */
     const float *const *ln1;   /* L x (E) */
     const float *const *ln2;   /* L x (E): the MLP's input norm */
-    const uint16_t *const *wqkv; /* L x ((H + 2 Hkv) D, E) */
-    const uint16_t *const *wo;   /* L x (E, H D) */
-    const uint16_t *const *wgu;  /* L x (2 I, E): gate rows, then up rows */
-    const uint16_t *const *wd;   /* L x (E, I) */
+    const void *const *wqkv;   /* L x ((H + 2 Hkv) D, E), in wkind's panels */
+    const void *const *wo;     /* L x (E, H D) */
+    const void *const *wgu;    /* L x (2 I, E): gate rows, then up rows */
+    const void *const *wd;     /* L x (E, I) */
     /* options: NULL = absent */
     const float *const *bqkv;      /* L x ((H + 2 Hkv) D): q, k, v biases */
     const float *const *bo;        /* L x (E): output projection bias */
@@ -218,45 +240,6 @@ static void put(float *dst, const float *v, int n, int residual, const float *b)
         for (int j = 0; j < n; j++) dst[j] = residual ? dst[j] + (v[j] + b[j]) : v[j] + b[j];
 }
 
-/* y (S, N) [+]= x (S, K) @ W (N columns in panels) (+ b (N), NULL: none), the panels split across the threads
-   of the enclosing parallel region. residual: y += (the reference adds the product to the residual stream),
-   the bias added to the product first. S = 1 runs 4
-   panels at a time (8 chains in flight while the weights stream in); S > 1 runs each panel over groups of up
-   to MAX_ROWS rows, so a panel is read once per group. */
-static void matmul(const float *x, int64_t S, const uint16_t *w, int64_t K, int64_t N, float *y, int residual,
-                   const float *b) {
-    const int64_t panels = N / PANEL;
-    if (S == 1) {
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p += 4) {
-            int np = panels - p < 4 ? (int)(panels - p) : 4;
-            float out[4 * PANEL];
-            row_panels(x, w + p * K * PANEL, np, K, out);
-            put(y + p * PANEL, out, np * PANEL, residual, b ? b + p * PANEL : NULL);
-        }
-        return;
-    }
-    const int NP = panels_for(S < MAX_ROWS ? (int)S : MAX_ROWS); /* panels per task */
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p += NP) {
-        for (int64_t s = 0; s < S; s += MAX_ROWS) { /* the task's panels stay in cache across row groups */
-            const int R = S - s < MAX_ROWS ? (int)(S - s) : MAX_ROWS;
-            const float *rows[MAX_ROWS];
-            for (int r = 0; r < MAX_ROWS; r++) rows[r] = x + (s + (r < R ? r : 0)) * K;
-            /* the whole task at once where R's kernel takes NP panels, else a panel at a time */
-            const int np = (panels - p >= NP && panels_for(R) == NP) ? NP : 1;
-            for (int64_t q = p; q < p + NP && q < panels; q += np) {
-                float out[MAX_ROWS * 8 * PANEL];
-                rows_panels(rows, R, w + q * K * PANEL, np, K, out);
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < np; j++)
-                        put(y + (s + r) * N + (q + j) * PANEL, out + (r * np + j) * PANEL, PANEL, residual,
-                            b ? b + (q + j) * PANEL : NULL);
-            }
-        }
-    }
-}
-
 /* q . k over D (a multiple of 8): lanes of 8, reduce8 */
 static float dotD(const float *q, const float *k, int64_t D) {
 #ifdef ES_AVX2
@@ -395,21 +378,6 @@ static void norm_row(const float *x, const float *w, int64_t E, float eps, float
     for (int64_t e = 0; e < E; e++) h[e] = w[e] * (x[e] * r);
 }
 
-/* h (S, E) = rmsnorm of each row of x */
-static void rmsnorm(const float *x, const float *w, int64_t S, int64_t E, float eps, float *h) {
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < S; s++) norm_row(x + s * E, w, E, eps, h + s * E);
-}
-
-/* sandwich norm: y (S, E) += rmsnorm of each row of t (S, E), t normed in place */
-static void add_normed(float *t, const float *w, int64_t S, int64_t E, float eps, float *y) {
-#pragma omp for schedule(static)
-    for (int64_t s = 0; s < S; s++) {
-        norm_row(t + s * E, w, E, eps, t + s * E);
-        for (int64_t e = 0; e < E; e++) y[s * E + e] += t[s * E + e];
-    }
-}
-
 /* the first R dims of x rotated: x*cos + rotate_half(x)*sin, with cs = cos, sn = sin (R/2 each) of its
    position; dims R.. pass */
 static void rope(float *x, int64_t R, const float *cs, const float *sns) {
@@ -422,116 +390,662 @@ static void rope(float *x, int64_t R, const float *cs, const float *sns) {
     }
 }
 
-int64_t es_scratch_floats(const es_model *m, int64_t S, int64_t cap, int threads) {
-    int64_t qkv = (m->H + 2 * m->Hkv) * m->D;
-    return S * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->n_ropes * m->R) + (int64_t)threads * cap;
+
+/* Integer weights. A matrix of kind ES_Q8 / ES_Q4 is N/16 panels, each K/QB blocks of Q8_BLOCK / Q4_BLOCK
+   bytes (layout at the defines above). Output column c of a panel, for one row x:
+       y[c] = sum over blocks b of  scale_b[c] * part_b[c],   part_b[c] = sum over k in b, in order, of x[k] q[k][c]
+   as float32 fused multiply-adds: part_b a chain from 0 over the block's k, then y = fma(part_b, scale_b, y)
+   from y = 0 over the blocks in order. Every kernel below computes exactly that chain per output. */
+
+static int64_t block_bytes(int kind) { return kind == ES_Q8 ? Q8_BLOCK : Q4_BLOCK; }
+
+/* q[k][c] of block `blk` (k < QB, c < 16) */
+__attribute__((unused)) static int qval(const uint8_t *blk, int kind, int k, int c) {
+    if (kind == ES_Q8) return (int8_t)blk[32 + k * 16 + c];
+    const uint8_t byte = blk[32 + (k >> 1) * 16 + c];
+    return (int)((k & 1) ? byte >> 4 : byte & 15) - 8;
 }
 
-/* returns 0, or -1 when a position does not fit the cache */
-int es_forward(const es_model *m, int64_t S, const int64_t *ids, int64_t start, float *const *kc, float *const *vc,
-               int64_t cap, float *logits, int64_t *next_ids, float *hidden, float *scratch, int threads) {
-    if (start < 0 || start + S > cap) return -1;
-    const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, g = H / Hkv, R = m->R;
-    const int64_t NQKV = (H + 2 * Hkv) * D;
-    float *x = scratch, *h = x + S * E, *qkv = h + S * E, *att = qkv + S * NQKV, *gu = att + S * H * D,
-          *act = gu + S * 2 * I, *rc = act + S * I, *scores = rc + m->n_ropes * S * R; /* scores: cap per thread */
-    const float qscale = m->attn_scale, escale = m->embed_scale; /* x 1 is exact: no branch */
-    for (int64_t s = 0; s < S; s++)
-        for (int64_t e = 0; e < E; e++) x[s * E + e] = half_to_float(m->embed[ids[s] * E + e]) * escale;
-    /* rc (n_ropes, S, R): per rotary, cos then sin (R/2 each) of each row's position times inv_freq, scaled:
-       once per call */
-    for (int64_t j = 0; j < m->n_ropes; j++)
-        for (int64_t s = 0; s < S; s++) {
-            float *c = rc + (j * S + s) * R;
-            for (int64_t i = 0; i < R / 2; i++) {
-                float f = (float)(start + s) * m->inv_freq[j * (R / 2) + i];
-                c[i] = cosf(f) * m->rope_scale[j];
-                c[R / 2 + i] = sinf(f) * m->rope_scale[j];
+#if defined(ES_AVX512)
+/* R rows x NP consecutive panels (constants at each call site; R * NP <= 12): out[(r NP + q) 16 + c] */
+static inline __attribute__((always_inline)) void qrows_r(const float *const *x, const int R, const uint8_t *p,
+                                                          const int NP, int64_t K, const int kind, float *out) {
+    const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m512 tot[12], part[12];
+    for (int i = 0; i < R * NP; i++) tot[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = p + b * bb;
+        const int64_t k0 = b * QB;
+        for (int i = 0; i < R * NP; i++) part[i] = _mm512_setzero_ps();
+        if (kind == ES_Q8) {
+            for (int k = 0; k < QB; k++) {
+                __m512 w[4];
+                for (int q = 0; q < NP; q++)
+                    w[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + q * ps + 32 + k * 16))));
+                for (int r = 0; r < R; r++) {
+                    __m512 xv = _mm512_set1_ps(x[r][k0 + k]);
+                    for (int q = 0; q < NP; q++) part[r * NP + q] = _mm512_fmadd_ps(xv, w[q], part[r * NP + q]);
+                }
+            }
+        } else {
+            for (int t = 0; t < QB / 2; t++) {
+                __m512 lo[4], hi[4];
+                for (int q = 0; q < NP; q++) { /* a 4-bit index selects its value q - 8 from the table */
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + q * ps + 32 + t * 16)));
+                    lo[q] = _mm512_permutexvar_ps(v, table); /* the low 4 bits index: no mask needed */
+                    hi[q] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m512 x0 = _mm512_set1_ps(x[r][k0 + 2 * t]), x1 = _mm512_set1_ps(x[r][k0 + 2 * t + 1]);
+                    for (int q = 0; q < NP; q++) {
+                        part[r * NP + q] = _mm512_fmadd_ps(x0, lo[q], part[r * NP + q]);
+                        part[r * NP + q] = _mm512_fmadd_ps(x1, hi[q], part[r * NP + q]);
+                    }
+                }
             }
         }
-
-#pragma omp parallel num_threads(threads)
-    {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        float *sc = scores + (int64_t)tid * cap;
-        for (int64_t l = 0; l < m->L; l++) {
-            /* this layer's options, once */
-            const int64_t rj = m->layer_rope ? m->layer_rope[l] : (m->n_ropes ? 0 : -1);
-            const float *lrc = rj >= 0 ? rc + rj * S * R : NULL; /* NULL: no rotary in this layer */
-            const int64_t win = m->layer_window ? m->layer_window[l] : 0;
-            const float *qn = m->qn ? m->qn[l] : NULL, *kn = m->kn ? m->kn[l] : NULL;
-            const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
-            const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
-
-            rmsnorm(x, m->ln1[l], S, E, m->eps, h);
-            matmul(h, S, m->wqkv[l], E, NQKV, qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
-            /* keys and values of the S new rows into the cache, keys normed and rotated */
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < Hkv * S; t++) {
-                int64_t kh = t / S, s = t % S, row = start + s;
-                float *kd = kc[l] + (kh * cap + row) * D, *vd = vc[l] + (kh * cap + row) * D;
-                memcpy(kd, qkv + s * NQKV + H * D + kh * D, D * sizeof(float));
-                memcpy(vd, qkv + s * NQKV + (H + Hkv) * D + kh * D, D * sizeof(float));
-                if (kn) norm_row(kd, kn, D, m->eps, kd);
-                if (lrc) rope(kd, R, lrc + s * R, lrc + s * R + R / 2);
-            }
-            /* attention of each (head, query) over its rows lo..start+s: 0.., or the last `win` of them */
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < H * S; t++) {
-                int64_t hh = t / S, s = t % S, kh = hh / g, pos = start + s;
-                int64_t lo = win && pos + 1 > win ? pos + 1 - win : 0, n = pos + 1 - lo;
-                float q[512];
-                memcpy(q, qkv + s * NQKV + hh * D, D * sizeof(float));
-                if (qn) norm_row(q, qn, D, m->eps, q);
-                if (lrc) rope(q, R, lrc + s * R, lrc + s * R + R / 2);
-                for (int64_t d = 0; d < D; d++) q[d] *= qscale;
-                const float *K = kc[l] + (kh * cap + lo) * D, *Vv = vc[l] + (kh * cap + lo) * D;
-                int64_t r = 0;
-                for (; r + 8 <= n; r += 8) dot8rows(q, K + r * D, D, sc + r);
-                for (; r < n; r++) sc[r] = dotD(q, K + r * D, D);
-                float mx = -INFINITY;
-                for (r = 0; r < n; r++) mx = sc[r] > mx ? sc[r] : mx;
-                float sum = exp_shift(sc, n, mx);
-                for (r = 0; r < n; r++) sc[r] = sc[r] / sum;
-                weighted_rows(sc, Vv, n, D, att + s * H * D + hh * D);
-            }
-            const float *bo = m->bo ? m->bo[l] : NULL;
-            if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed there */
-                matmul(att, S, m->wo[l], H * D, E, h, 0, bo);
-                add_normed(h, post_attn, S, E, m->eps, x);
-            } else
-                matmul(att, S, m->wo[l], H * D, E, x, 1, bo);
-            rmsnorm(x, m->ln2[l], S, E, m->eps, h);
-            matmul(h, S, m->wgu[l], E, 2 * I, gu, 0, NULL);
-            if (m->act == ES_GELU_TANH) {
-#pragma omp for schedule(static)
-                for (int64_t s = 0; s < S; s++) gelu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t s = 0; s < S; s++) silu_mul(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I);
-            }
-            if (post_mlp) { /* x += norm(m): the product into h (free again), normed there */
-                matmul(act, S, m->wd[l], I, E, h, 0, NULL);
-                add_normed(h, post_mlp, S, E, m->eps, x);
-            } else
-                matmul(act, S, m->wd[l], I, E, x, 1, NULL);
-        }
-        rmsnorm(x, m->norm, S, E, m->eps, h);
-        matmul(h, S, m->lm_head, E, V, logits, 0, NULL);
-#pragma omp for schedule(static)
-        for (int64_t s = 0; s < S; s++) {
-            const float *row = logits + s * V;
-            float total = 0.f;
-            for (int64_t v = 0; v < V; v++) total += row[v];
-            int64_t best = m->argmax_lo;
-            for (int64_t v = m->argmax_lo + 1; v < m->argmax_hi; v++)
-                if (row[v] > row[best]) best = v;
-            next_ids[s] = isfinite(total) ? best : -1;
+        for (int q = 0; q < NP; q++) {
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * ps)));
+            for (int r = 0; r < R; r++) tot[r * NP + q] = _mm512_fmadd_ps(part[r * NP + q], s, tot[r * NP + q]);
         }
     }
-    if (hidden) memcpy(hidden, h, S * E * sizeof(float));
+    for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, tot[i]);
+}
+
+/* panels per pass over R rows: chains in flight for few rows, registers for many */
+static int qpanels_for(int R) { return R <= 2 ? 4 : R <= 6 ? 2 : 1; }
+
+#define QP_CASE(n, K8)                                                                              \
+    case n:                                                                                         \
+        if (np == qpanels_for(n)) qrows_r(x, n, p, qpanels_for(n), K, K8, out);                     \
+        else qrows_r(x, n, p, 1, K, K8, out);                                                       \
+        break;
+/* np is qpanels_for(R), or 1 */
+static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_t K, int kind, float *out) {
+    if (kind == ES_Q8) {
+        switch (R) {
+        QP_CASE(12, ES_Q8) QP_CASE(11, ES_Q8) QP_CASE(10, ES_Q8) QP_CASE(9, ES_Q8) QP_CASE(8, ES_Q8)
+        QP_CASE(7, ES_Q8) QP_CASE(6, ES_Q8) QP_CASE(5, ES_Q8) QP_CASE(4, ES_Q8) QP_CASE(3, ES_Q8)
+        QP_CASE(2, ES_Q8) QP_CASE(1, ES_Q8)
+        }
+    } else {
+        switch (R) {
+        QP_CASE(12, ES_Q4) QP_CASE(11, ES_Q4) QP_CASE(10, ES_Q4) QP_CASE(9, ES_Q4) QP_CASE(8, ES_Q4)
+        QP_CASE(7, ES_Q4) QP_CASE(6, ES_Q4) QP_CASE(5, ES_Q4) QP_CASE(4, ES_Q4) QP_CASE(3, ES_Q4)
+        QP_CASE(2, ES_Q4) QP_CASE(1, ES_Q4)
+        }
+    }
+}
+#else
+static int qpanels_for(int R) { (void)R; return 1; }
+
+/* the portable kernel: the same chains, one output at a time */
+static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_t K, int kind, float *out) {
+    const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb;
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < np; q++)
+            for (int c = 0; c < PANEL; c++) {
+                float tot = 0.f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *blk = p + q * ps + b * bb;
+                    uint16_t s16;
+                    memcpy(&s16, blk + 2 * c, 2);
+                    float part = 0.f;
+                    for (int k = 0; k < QB; k++) part = fmaf(x[r][b * QB + k], (float)qval(blk, kind, k, c), part);
+                    tot = fmaf(part, half_to_float(s16), tot);
+                }
+                out[(r * np + q) * PANEL + c] = tot;
+            }
+}
+#endif
+
+/* a weight matrix as the kernels take it */
+typedef struct {
+    const void *w;
+    int kind;
+    int64_t K, N;
+} es_mat;
+
+static int64_t panel_bytes(const es_mat *a) {
+    return a->kind == ES_F16 ? a->K * PANEL * 2 : (a->K / QB) * block_bytes(a->kind);
+}
+
+/* panels a pass over R rows takes, for this matrix's kind */
+static int mat_panels_for(int kind, int R) { return kind == ES_F16 ? panels_for(R) : qpanels_for(R); }
+
+/* out[(r np + j) 16 + c] = rows[r] (K) @ column c of panel p0 + j, for r < R, j < np: np is 1, or
+   mat_panels_for(kind, R), or (R = 1, float16) up to 4 */
+static void mat_rows(const es_mat *a, const float *const *rows, int R, int64_t p0, int np, float *out) {
+    const uint8_t *p = (const uint8_t *)a->w + p0 * panel_bytes(a);
+    if (a->kind == ES_F16) {
+        if (R == 1 && np <= 4) row_panels(rows[0], (const uint16_t *)p, np, a->K, out);
+        else rows_panels(rows, R, (const uint16_t *)p, np, a->K, out);
+    } else
+        qrows(rows, R, p, np, a->K, a->kind, out);
+}
+
+/* ---- the pool: jobs of independent chunks, claimed one at a time ----
+
+   A job is n chunks. Each thread claims the next chunk (one atomic counter), computes it into its own
+   scratch (run_chunk), then commits it (write_chunk) if nobody has: a chunk's state word holds the sequence
+   number of the last job that committed it, and a compare-and-swap from an older number to this job's makes
+   exactly one committer. The caller (the thread in es_forward) claims chunks like the helpers; once none is
+   left it waits for the claimed ones, and after a short wait computes the ones still uncommitted itself:
+   a helper the OS has descheduled holds the step up for that wait, not for its time slice. Its late result
+   loses the compare-and-swap and is dropped, and its reads of buffers the caller has since moved on from
+   are harmless (they are computed into its own scratch and never committed). Python calls es_quiesce()
+   before it frees a buffer a helper may still be reading. Helpers spin briefly between jobs, then sleep. */
+#define ES_MAX_THREADS 64
+#define IDX_BITS 24 /* chunks per job < 2^24; the job number takes the other 40 bits */
+#define IDX_MASK ((UINT64_C(1) << IDX_BITS) - 1)
+#define SPIN_NS 100000 /* a helper spins this long for the next job before it sleeps */
+
+enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX };
+
+typedef struct { /* one es_forward call */
+    const es_model *m;
+    int64_t B, S, T, cap, NQKV; /* T = B S rows */
+    const int64_t *start;
+    float *const *kc, *const *vc;
+    float *x, *h, *qkv, *att, *gu, *act, *rc, *logits;
+    int64_t *next_ids;
+} es_call;
+
+typedef struct {
+    int kind, active;        /* active: threads taking part (the caller is thread 0) */
+    int64_t n, local;        /* chunks; floats of scratch a chunk needs */
+    _Atomic uint64_t *state; /* (n) per chunk: the last job that committed it */
+    es_call c;
+    int64_t l;               /* layer */
+    const float *src, *w, *bias; /* J_NORM, J_ADDNORM: rows of src normed by w; J_MATMUL: src @ mat + bias */
+    float *dst;              /* J_NORM: dst = ..; J_ADDNORM: dst += ..; J_MATMUL: dst = or += (residual) */
+    es_mat mat;
+    int residual, np;        /* J_MATMUL: panels per chunk */
+    int64_t row_groups;      /* J_MATMUL: chunks per panel group (of MAX_ROWS rows) */
+} es_job;
+
+typedef struct {
+    _Atomic uint64_t claim;       /* job number << IDX_BITS | next chunk */
+    _Atomic uint64_t version;     /* 2 x the job number whose description is in `job`; odd while written */
+    _Atomic int64_t done;         /* chunks committed in the current job */
+    _Atomic uint32_t wake;        /* futex word, bumped for each job */
+    _Atomic int sleepers;
+    _Atomic int busy[ES_MAX_THREADS];
+    es_job job;
+    uint64_t seq;                 /* the caller's: the last job number */
+    int started;                  /* helpers running (threads 1..started) */
+    _Atomic uint64_t *state;
+    int64_t state_cap;
+    float *local[ES_MAX_THREADS];
+    int64_t local_cap[ES_MAX_THREADS];
+    pthread_mutex_t lock;         /* one es_forward at a time uses the pool; another runs on its own thread */
+} es_pool;
+
+static es_pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *w, uint32_t val) {
+#ifdef __linux__
+    struct timespec t = {0, 50000000}; /* 50 ms: a lost wake-up costs at most this */
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_PRIVATE, val, &t, NULL, 0);
+#else
+    (void)w; (void)val;
+    struct timespec t = {0, 50000};
+    nanosleep(&t, NULL);
+#endif
+}
+
+static void futex_wake_all(_Atomic uint32_t *w) {
+#ifdef __linux__
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#else
+    (void)w;
+#endif
+}
+
+/* thread tid's scratch of at least n floats (each thread grows only its own) */
+static float *local_buf(int tid, int64_t n) {
+    if (pool.local_cap[tid] < n) {
+        float *p = (float *)realloc(pool.local[tid], (size_t)n * sizeof(float));
+        if (!p) return NULL;
+        pool.local[tid] = p;
+        pool.local_cap[tid] = n;
+    }
+    return pool.local[tid];
+}
+
+static void run_chunk(const es_job *j, int64_t i, float *local);
+static void write_chunk(const es_job *j, int64_t i, const float *local);
+
+static int commit_chunk(const es_job *j, uint64_t s, int64_t i, const float *local) {
+    uint64_t v = atomic_load_explicit(&j->state[i], memory_order_acquire);
+    while (v < s)
+        if (atomic_compare_exchange_weak(&j->state[i], &v, s)) {
+            write_chunk(j, i, local);
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            return 1;
+        }
+    return 0;
+}
+
+/* claim, compute and commit chunks of job s until none is left: -> chunks computed */
+static int64_t work(const es_job *j, uint64_t s, float *local) {
+    int64_t count = 0;
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        if ((c >> IDX_BITS) != s || (int64_t)(c & IDX_MASK) >= j->n) return count;
+        if (!atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) continue;
+        const int64_t i = (int64_t)(c & IDX_MASK);
+        run_chunk(j, i, local);
+        commit_chunk(j, s, i, local);
+        count++;
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int tid = (int)(intptr_t)arg;
+    uint64_t seen = 0;
+    es_job j;
+    for (;;) {
+        const uint64_t s = atomic_load_explicit(&pool.claim, memory_order_acquire) >> IDX_BITS;
+        if (s != seen) {
+            seen = s;
+            atomic_store(&pool.busy[tid], 1);
+            /* the job's description, checked against its version: a copy taken while the caller wrote the
+               next one is dropped */
+            if (atomic_load_explicit(&pool.version, memory_order_acquire) == 2 * s) {
+                memcpy(&j, &pool.job, sizeof j);
+                atomic_thread_fence(memory_order_acquire);
+                if (atomic_load_explicit(&pool.version, memory_order_relaxed) == 2 * s && tid < j.active) {
+                    float *local = local_buf(tid, j.local);
+                    if (local) work(&j, s, local);
+                }
+            }
+            atomic_store(&pool.busy[tid], 0);
+            continue;
+        }
+        const int64_t t0 = now_ns();
+        for (int k = 1;; k++) { /* spin for the next job, then sleep */
+            if ((atomic_load_explicit(&pool.claim, memory_order_acquire) >> IDX_BITS) != seen) break;
+            if ((k & 63) == 0 && now_ns() - t0 > SPIN_NS) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                const uint32_t w = atomic_load(&pool.wake);
+                if ((atomic_load(&pool.claim) >> IDX_BITS) == seen) futex_wait(&pool.wake, w);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                break;
+            }
+            cpu_relax();
+        }
+    }
+    return NULL;
+}
+
+static void after_fork_child(void) { /* the child has no helpers: every job runs on its caller */
+    pool.started = 0;
+    for (int i = 0; i < ES_MAX_THREADS; i++) atomic_store(&pool.busy[i], 0);
+    atomic_store(&pool.sleepers, 0);
+    pthread_mutex_init(&pool.lock, NULL);
+}
+
+/* helpers 1..want-1 running (called with pool.lock held) -> threads available */
+static int start_helpers(int want) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, after_fork_child);
+        registered = 1;
+    }
+    if (want > ES_MAX_THREADS) want = ES_MAX_THREADS;
+    while (pool.started + 1 < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, helper_main, (void *)(intptr_t)(pool.started + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.started++;
+    }
+    return pool.started + 1;
+}
+
+/* waits until no helper is inside a job: then no helper reads any buffer of an earlier call */
+void es_quiesce(void) {
+    for (int i = 1; i < ES_MAX_THREADS; i++)
+        while (atomic_load(&pool.busy[i])) sched_yield();
+}
+
+/* runs job j: on the pool (pooled: pool.lock held), or here alone with `local` as scratch */
+static void run_job(es_job *j, int pooled, float *local) {
+    if (j->n <= 0) return;
+    if (!pooled || j->n == 1) {
+        if (pooled) local = local_buf(0, j->local);
+        for (int64_t i = 0; i < j->n; i++) {
+            run_chunk(j, i, local);
+            write_chunk(j, i, local);
+        }
+        return;
+    }
+    if (pool.state_cap < j->n) { /* a bigger state array; the old one stays allocated (a late helper may hold it) */
+        int64_t cap = j->n > 2 * pool.state_cap ? j->n : 2 * pool.state_cap;
+        _Atomic uint64_t *st = (_Atomic uint64_t *)calloc((size_t)cap, sizeof(uint64_t));
+        if (!st) { /* no memory for it: run alone */
+            run_job(j, 0, local_buf(0, j->local));
+            return;
+        }
+        pool.state = st;
+        pool.state_cap = cap;
+    }
+    j->state = pool.state;
+    const uint64_t s = ++pool.seq;
+    atomic_store_explicit(&pool.version, 2 * s - 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    pool.job = *j;
+    atomic_store_explicit(&pool.version, 2 * s, memory_order_release);
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.claim, s << IDX_BITS, memory_order_seq_cst);
+    atomic_fetch_add(&pool.wake, 1);
+    if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.wake);
+    local = local_buf(0, j->local);
+    const int64_t t0 = now_ns();
+    const int64_t mine = work(j, s, local);
+    /* the helpers' claimed chunks: wait about 4 of this thread's chunks (at least 20 us), then compute them */
+    const int64_t per = mine ? (now_ns() - t0) / mine : 20000;
+    const int64_t patience = 4 * per > 20000 ? 4 * per : 20000, t1 = now_ns();
+    int stolen = 0;
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < j->n) {
+        if (!stolen && now_ns() - t1 > patience) {
+            for (int64_t i = 0; i < j->n; i++)
+                if (atomic_load_explicit(&j->state[i], memory_order_acquire) < s) {
+                    run_chunk(j, i, local);
+                    commit_chunk(j, s, i, local);
+                }
+            stolen = 1;
+        }
+        cpu_relax();
+    }
+}
+
+/* ---- the chunks of each job ---- */
+
+static int matmul_fits(int kind, int R, int np) {
+    if (kind == ES_F16 && R == 1) return np <= 4;
+    return np == mat_panels_for(kind, R);
+}
+
+static void run_chunk(const es_job *j, int64_t i, float *local) {
+    const es_call *c = &j->c;
+    const es_model *m = c->m;
+    const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, R = m->R, T = c->T;
+    switch (j->kind) {
+    case J_NORM:
+    case J_ADDNORM:
+        norm_row(j->src + i * E, j->w, E, m->eps, local);
+        break;
+    case J_MATMUL: { /* rows rg MAX_ROWS.. of panels g np..: local[(r np + q) 16 + c] */
+        const es_mat *a = &j->mat;
+        const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
+        const int rows_n = T - s0 < MAX_ROWS ? (int)(T - s0) : MAX_ROWS;
+        const float *rows[MAX_ROWS];
+        for (int r = 0; r < MAX_ROWS; r++) rows[r] = j->src + (s0 + (r < rows_n ? r : 0)) * a->K;
+        const int64_t p0 = g * j->np;
+        float tmp[MAX_ROWS * 8 * PANEL];
+        for (int64_t q = p0; q < p0 + j->np && q < panels;) {
+            const int np = (panels - q >= j->np && matmul_fits(a->kind, rows_n, j->np)) ? j->np : 1;
+            mat_rows(a, rows, rows_n, q, np, tmp);
+            for (int r = 0; r < rows_n; r++)
+                memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
+            q += np;
+        }
+        break;
+    }
+    case J_KV: { /* kv head kh, row r: local = its key (normed, rotated), then its value */
+        const int64_t kh = i / T, r = i % T, s = r % c->S;
+        const float *src = c->qkv + r * c->NQKV;
+        const int64_t rj = m->layer_rope ? m->layer_rope[j->l] : (m->n_ropes ? 0 : -1);
+        memcpy(local, src + H * D + kh * D, D * sizeof(float));
+        memcpy(local + D, src + (H + Hkv) * D + kh * D, D * sizeof(float));
+        if (m->kn) norm_row(local, m->kn[j->l], D, m->eps, local);
+        if (rj >= 0) {
+            const float *lrc = c->rc + (rj * T + r) * R;
+            rope(local, R, lrc, lrc + R / 2);
+        }
+        (void)s;
+        break;
+    }
+    case J_ATTN: { /* head hh, row r (sequence b, position pos) over its rows lo..pos: local = the output (D), then
+                      the scores */
+        const int64_t hh = i / T, r = i % T, b = r / c->S, pos = c->start[b] + r % c->S, kh = hh / (H / Hkv);
+        const int64_t win = m->layer_window ? m->layer_window[j->l] : 0;
+        const int64_t lo = win && pos + 1 > win ? pos + 1 - win : 0, n = pos + 1 - lo;
+        const int64_t rj = m->layer_rope ? m->layer_rope[j->l] : (m->n_ropes ? 0 : -1);
+        float q[512], *sc = local + D;
+        memcpy(q, c->qkv + r * c->NQKV + hh * D, D * sizeof(float));
+        if (m->qn) norm_row(q, m->qn[j->l], D, m->eps, q);
+        if (rj >= 0) {
+            const float *lrc = c->rc + (rj * T + r) * R;
+            rope(q, R, lrc, lrc + R / 2);
+        }
+        for (int64_t d = 0; d < D; d++) q[d] *= m->attn_scale;
+        const float *K = c->kc[b * m->L + j->l] + (kh * c->cap + lo) * D;
+        const float *Vv = c->vc[b * m->L + j->l] + (kh * c->cap + lo) * D;
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) dot8rows(q, K + t * D, D, sc + t);
+        for (; t < n; t++) sc[t] = dotD(q, K + t * D, D);
+        float mx = -INFINITY;
+        for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+        const float sum = exp_shift(sc, n, mx);
+        for (t = 0; t < n; t++) sc[t] = sc[t] / sum;
+        weighted_rows(sc, Vv, n, D, local);
+        break;
+    }
+    case J_ACT:
+        if (m->act == ES_GELU_TANH) gelu_mul(c->gu + i * 2 * I, c->gu + i * 2 * I + I, local, I);
+        else silu_mul(c->gu + i * 2 * I, c->gu + i * 2 * I + I, local, I);
+        break;
+    case J_ARGMAX: {
+        const float *row = c->logits + i * V;
+        float total = 0.f;
+        for (int64_t v = 0; v < V; v++) total += row[v];
+        int64_t best = m->argmax_lo;
+        for (int64_t v = m->argmax_lo + 1; v < m->argmax_hi; v++)
+            if (row[v] > row[best]) best = v;
+        best = isfinite(total) ? best : -1;
+        memcpy(local, &best, sizeof best);
+        break;
+    }
+    }
+}
+
+static void write_chunk(const es_job *j, int64_t i, const float *local) {
+    const es_call *c = &j->c;
+    const es_model *m = c->m;
+    const int64_t E = m->E, H = m->H, D = m->D, I = m->I, T = c->T;
+    switch (j->kind) {
+    case J_NORM:
+        memcpy(j->dst + i * E, local, E * sizeof(float));
+        break;
+    case J_ADDNORM:
+        for (int64_t e = 0; e < E; e++) j->dst[i * E + e] += local[e];
+        break;
+    case J_MATMUL: {
+        const es_mat *a = &j->mat;
+        const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
+        const int64_t rows_n = T - s0 < MAX_ROWS ? T - s0 : MAX_ROWS, p0 = g * j->np;
+        const int64_t np = panels - p0 < j->np ? panels - p0 : j->np;
+        for (int64_t r = 0; r < rows_n; r++)
+            put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + r * j->np * PANEL, (int)(np * PANEL), j->residual,
+                j->bias ? j->bias + p0 * PANEL : NULL);
+        break;
+    }
+    case J_KV: {
+        const int64_t kh = i / T, r = i % T, b = r / c->S, row = c->start[b] + r % c->S;
+        memcpy(c->kc[b * m->L + j->l] + (kh * c->cap + row) * D, local, D * sizeof(float));
+        memcpy(c->vc[b * m->L + j->l] + (kh * c->cap + row) * D, local + D, D * sizeof(float));
+        break;
+    }
+    case J_ATTN: {
+        const int64_t hh = i / T, r = i % T;
+        memcpy(c->att + r * H * D + hh * D, local, D * sizeof(float));
+        break;
+    }
+    case J_ACT:
+        memcpy(c->act + i * I, local, I * sizeof(float));
+        break;
+    case J_ARGMAX:
+        memcpy(c->next_ids + i, local, sizeof(int64_t));
+        break;
+    }
+}
+
+/* ---- one call ---- */
+
+typedef struct { /* how es_forward runs its jobs */
+    es_call c;
+    int pooled, threads;
+    float *local; /* scratch when not pooled */
+} es_runner;
+
+static void job_rows(es_runner *u, int kind, int64_t l, int64_t n, int64_t local, const float *src, const float *w,
+                     float *dst) {
+    es_job j;
+    memset(&j, 0, sizeof j);
+    j.kind = kind, j.active = u->threads, j.n = n, j.local = local, j.c = u->c, j.l = l;
+    j.src = src, j.w = w, j.dst = dst;
+    run_job(&j, u->pooled, u->local);
+}
+
+/* dst (T, N) [+]= src (T, K) @ a (+ bias) */
+static void job_matmul(es_runner *u, const float *src, const void *w, int kind, int64_t K, int64_t N, float *dst,
+                       int residual, const float *bias) {
+    es_job j;
+    memset(&j, 0, sizeof j);
+    const int64_t T = u->c.T, panels = N / PANEL;
+    j.kind = J_MATMUL, j.active = u->threads, j.c = u->c, j.src = src, j.dst = dst, j.bias = bias;
+    j.residual = residual;
+    j.mat.w = w, j.mat.kind = kind, j.mat.K = K, j.mat.N = N;
+    /* one row: 4 panels a chunk (float16: 8 chains in flight; integer: 4 of 16 lanes), else the kernel's width */
+    j.np = T == 1 ? (kind == ES_F16 ? 4 : mat_panels_for(kind, 1)) : mat_panels_for(kind, T < MAX_ROWS ? (int)T : MAX_ROWS);
+    j.row_groups = (T + MAX_ROWS - 1) / MAX_ROWS;
+    j.n = (panels + j.np - 1) / j.np * j.row_groups;
+    j.local = MAX_ROWS * 8 * PANEL;
+    run_job(&j, u->pooled, u->local);
+}
+
+int64_t es_scratch_floats(const es_model *m, int64_t T) {
+    const int64_t qkv = (m->H + 2 * m->Hkv) * m->D;
+    return T * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->n_ropes * m->R);
+}
+
+/* returns 0, or -1 when a position does not fit the cache, -2 when scratch memory could not be allocated */
+int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, const int64_t *start,
+               float *const *kc, float *const *vc, int64_t cap, float *logits, int64_t *next_ids, float *hidden,
+               float *scratch, int threads) {
+    for (int64_t b = 0; b < B; b++)
+        if (start[b] < 0 || start[b] + S > cap) return -1;
+    const int64_t E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V, R = m->R, T = B * S;
+    const int64_t NQKV = (H + 2 * Hkv) * D;
+    es_runner u;
+    memset(&u, 0, sizeof u);
+    es_call *c = &u.c;
+    c->m = m, c->B = B, c->S = S, c->T = T, c->cap = cap, c->NQKV = NQKV, c->start = start, c->kc = kc, c->vc = vc;
+    c->x = scratch, c->h = c->x + T * E, c->qkv = c->h + T * E, c->att = c->qkv + T * NQKV;
+    c->gu = c->att + T * H * D, c->act = c->gu + T * 2 * I, c->rc = c->act + T * I;
+    c->logits = logits, c->next_ids = next_ids;
+    float *x = c->x, *h = c->h;
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t e = 0; e < E; e++) x[r * E + e] = half_to_float(m->embed[ids[r] * E + e]) * m->embed_scale;
+    /* rc (n_ropes, T, R): per rotary, cos then sin (R/2 each) of each row's position times inv_freq, scaled */
+    for (int64_t jr = 0; jr < m->n_ropes; jr++)
+        for (int64_t r = 0; r < T; r++) {
+            float *cs = c->rc + (jr * T + r) * R;
+            const float p = (float)(start[r / S] + r % S);
+            for (int64_t i = 0; i < R / 2; i++) {
+                const float f = p * m->inv_freq[jr * (R / 2) + i];
+                cs[i] = cosf(f) * m->rope_scale[jr];
+                cs[R / 2 + i] = sinf(f) * m->rope_scale[jr];
+            }
+        }
+    int64_t maxcap = 0; /* the longest attention row: its scores */
+    for (int64_t b = 0; b < B; b++) maxcap = start[b] + S > maxcap ? start[b] + S : maxcap;
+    int64_t local = D + maxcap;
+    const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2};
+    for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
+    u.threads = threads < 1 ? 1 : threads;
+    u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
+    if (u.pooled) {
+        u.threads = start_helpers(u.threads);
+        if (!local_buf(0, local)) u.threads = 1;
+    }
+    if (!u.pooled || u.threads == 1) {
+        if (u.pooled) pthread_mutex_unlock(&pool.lock);
+        u.pooled = 0, u.threads = 1;
+        u.local = (float *)malloc((size_t)local * sizeof(float));
+        if (!u.local) return -2;
+    }
+
+    for (int64_t l = 0; l < m->L; l++) {
+        const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
+        const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
+        job_rows(&u, J_NORM, l, T, E, x, m->ln1[l], h);
+        job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
+        job_rows(&u, J_KV, l, Hkv * T, 2 * D, NULL, NULL, NULL); /* keys (normed, rotated) and values into the cache */
+        job_rows(&u, J_ATTN, l, H * T, D + maxcap, NULL, NULL, NULL);
+        const float *bo = m->bo ? m->bo[l] : NULL;
+        if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed into x */
+            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo);
+            job_rows(&u, J_ADDNORM, l, T, E, h, post_attn, x);
+        } else
+            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, x, 1, bo);
+        job_rows(&u, J_NORM, l, T, E, x, m->ln2[l], h);
+        job_matmul(&u, h, m->wgu[l], (int)m->wkind, E, 2 * I, c->gu, 0, NULL);
+        job_rows(&u, J_ACT, l, T, I, NULL, NULL, NULL);
+        if (post_mlp) { /* x += norm(m) */
+            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, h, 0, NULL);
+            job_rows(&u, J_ADDNORM, l, T, E, h, post_mlp, x);
+        } else
+            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, x, 1, NULL);
+    }
+    job_rows(&u, J_NORM, 0, T, E, x, m->norm, h);
+    job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL);
+    job_rows(&u, J_ARGMAX, 0, T, 2, NULL, NULL, NULL);
+    if (u.pooled) pthread_mutex_unlock(&pool.lock);
+    else free(u.local);
+    if (hidden) memcpy(hidden, h, (size_t)(T * E) * sizeof(float));
+    return 0;
+}
+
+/* y (T, N) = x (T, K) @ a matrix of `kind` (panels), on `threads`: the kernels alone, for the tests */
+int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int64_t N, float *y, int threads) {
+    es_model m;
+    memset(&m, 0, sizeof m);
+    es_runner u;
+    memset(&u, 0, sizeof u);
+    u.c.m = &m, u.c.T = T;
+    u.threads = threads < 1 ? 1 : threads;
+    u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
+    if (u.pooled) u.threads = start_helpers(u.threads);
+    if (!u.pooled || u.threads == 1) {
+        if (u.pooled) pthread_mutex_unlock(&pool.lock);
+        u.pooled = 0, u.threads = 1;
+        u.local = (float *)malloc(MAX_ROWS * 8 * PANEL * sizeof(float));
+        if (!u.local) return -2;
+    }
+    job_matmul(&u, x, w, kind, K, N, y, 0, NULL);
+    if (u.pooled) pthread_mutex_unlock(&pool.lock);
+    else free(u.local);
     return 0;
 }
