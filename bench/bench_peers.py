@@ -243,7 +243,10 @@ def edgespec_runner(args) -> None:
     import edgespec
     from edgespec.cli import ensure_demo_engines
     from edgespec.generate import DRAFT_THREADS
-    target, draft = ensure_demo_engines(ROOT / "models", args.engines)
+    if getattr(args, "target_engine", None):  # explicit engine folders (bench_realsize.py's stand-ins)
+        target, draft = args.target_engine, args.draft_engine
+    else:
+        target, draft = ensure_demo_engines(ROOT / "models", args.engines)
     prompts = json.loads(args.prompts.read_text())
     d = {"plain": None, "draft": draft, "ngram": "ngram"}[args.mode]
     gamma = "auto" if args.gamma in (None, "auto") else int(args.gamma)
@@ -252,11 +255,15 @@ def edgespec_runner(args) -> None:
         raise SystemExit("--lookup goes with --mode draft (prompt lookup tried before the draft model)")
     if args.lookup_gamma and not args.lookup:
         raise SystemExit("--lookup-gamma goes with --lookup (the most proposals a round drafted by lookup makes)")
+    if args.mode == "draft" and d is None:
+        raise SystemExit("--mode draft needs a draft engine (--draft-engine, or the demo's)")
     lookup = {"lookup": args.lookup} if args.lookup else {}
     if args.lookup_gamma:
         lookup["lookup_gamma"] = args.lookup_gamma
+    threads = getattr(args, "threads", None)
     try:
-        gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", provider=args.provider, **ngram, **lookup)
+        gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", provider=args.provider, **ngram, **lookup,
+                            **({"threads": threads} if threads else {}))
     except TypeError as e:  # an edgespec without load(lookup=): the mode fails with the reason, the run goes on
         if not lookup or "lookup" not in str(e):
             raise
@@ -284,7 +291,7 @@ def edgespec_runner(args) -> None:
     cost = gen.cost.to_dict() if gen.cost else None
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
               "lookup": args.lookup, "lookup_gamma": args.lookup_gamma,
-              "threads": int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
+              "threads": threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
               "draft_threads": DRAFT_THREADS if args.mode == "draft" else None, "provider": args.provider}
     mode = "draft+lookup" if args.lookup else args.mode
     print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
@@ -650,6 +657,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lookup", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--lookup-gamma", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--provider", default="cpu", help=argparse.SUPPRESS)
+    ap.add_argument("--target-engine", type=Path, default=None, help=argparse.SUPPRESS)  # runner: instead of the demo's
+    ap.add_argument("--draft-engine", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)  # runner: the target's threads
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

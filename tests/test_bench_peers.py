@@ -266,6 +266,24 @@ def test_the_edgespec_runner_passes_lookup_to_load_only_when_asked(monkeypatch, 
     assert out["mode"] == "draft" and out["config"]["lookup"] is None
 
 
+def test_the_edgespec_runner_takes_explicit_engine_folders_and_threads(monkeypatch, capsys, tmp_path):
+    calls = []
+
+    def load(target, draft=None, gamma="auto", **kw):
+        calls.append(dict(target=target, draft=draft, gamma=gamma, **kw))
+        return _Gen()
+
+    eng = dict(target_engine=tmp_path / "t-int4", draft_engine=tmp_path / "d-int8")
+    out = _run_edgespec(monkeypatch, capsys, tmp_path, load, threads=1, **eng)  # not the demo's folders
+    assert calls[-1] == {"target": tmp_path / "t-int4", "draft": tmp_path / "d-int8", "gamma": 5, "provider": "cpu",
+                         "threads": 1}
+    assert out["config"]["threads"] == 1
+    _run_edgespec(monkeypatch, capsys, tmp_path, load, mode="plain", **eng)
+    assert calls[-1] == {"target": tmp_path / "t-int4", "draft": None, "gamma": "auto", "provider": "cpu"}
+    with pytest.raises(SystemExit, match="--mode draft needs a draft engine"):
+        _run_edgespec(monkeypatch, capsys, tmp_path, load, target_engine=tmp_path / "t-int4", draft_engine=None)
+
+
 def test_an_edgespec_without_load_lookup_fails_the_mode_with_the_reason(monkeypatch, capsys, tmp_path):
     def load(target, draft=None, gamma="auto", max_ngram=None):  # the signature before lookup= existed
         return _Gen()

@@ -72,7 +72,7 @@ import traceback
 from pathlib import Path
 
 MODES = ("plain", "draft", "ngram")
-PRECISIONS = ("fp32", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # fp16: the builder's -p fp16 (tried on the CPU; a failure is recorded)
 # The builder's --extra_options per integer precision: edgespec's recipe (export/quantize.py WEIGHT_ONLY). Given
 # explicitly, not left to the builder's defaults (block 32 and accuracy level 4 on the CPU today, symmetric).
 # int4: the lm_head at 8 bits needs algo_config=rtn (with the builder's default algorithm and
@@ -81,6 +81,7 @@ PRECISIONS = ("fp32", "int8", "int4")
 # (GatherBlockQuantized), where edgespec keeps an fp32 table.
 QUANT_OPTIONS = {
     "fp32": (),
+    "fp16": (),
     "int8": ("block_size=32", "accuracy_level=4", "is_symmetric=false"),
     "int4": ("block_size=32", "accuracy_level=4", "is_symmetric=false", "algo_config=rtn",
              "matmul_mixed_precision=last_matmul:int8"),

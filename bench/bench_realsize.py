@@ -1,0 +1,1005 @@
+"""Real-size speed benchmark (issue 28's Targets): edgespec, llama.cpp and ONNX Runtime GenAI on a stand-in pair.
+
+Full run (0.5B stand-in; 8 held-out code prompts x 64 new tokens, greedy, every row from one run):
+
+    bash bench/setup_peers.sh llamacpp && bash bench/setup_peers.sh genai     # once: the peers' environments
+    python bench/bench_realsize.py --preset qwen2.5-0.5b                       # -> bench/results/realsize-qwen2.5-0.5b.{json,md,png}
+
+Smoke run (2 prompts x 16 tokens, one configuration per mode but llama.cpp's two thread counts, no repeat):
+
+    nice python bench/bench_realsize.py --preset qwen2.5-0.5b --smoke --out .cache/realsize-smoke/realsize-qwen2.5-0.5b.json
+
+Other checkpoints: `--preset llama-3.2-1b`, or any Llama-shaped pair `--target CKPT --draft CKPT` (the stand-ins
+of docs/standins.md; the draft must share the target's tokenizer).
+
+Duration: the script prints its estimate first and a progress bar after (the first use of a preset also makes
+its engine folders, GGUFs and GenAI builds, untimed).
+
+What one run does, all in one invocation (bench_peers.check_same_run refuses a table holding a row from another):
+
+  0. set-up (untimed): the stand-in pair if missing (python -m edgespec.export.standin --preset P); edgespec engine
+     folders `edgespec export CKPT --out DIR --dtype D` for every precision asked (--precisions: fp16, int8, int4;
+     fp32 too when asked, and whenever cpu-native needs it: today the native step reads the float16 copy an fp32
+     export carries), and the draft (--draft-dtype, default int8, --role draft), cached in .cache/engines-realsize/
+     and reused while the checkpoint (engine.json's source_sha256) and the export code (EXPORT_CODE's hash) are
+     the same; llama.cpp GGUFs (f16 from convert_hf_to_gguf.py, q8_0 / q4_0 from llama-quantize) and GenAI
+     builds, each made by one short call of its runner, so a precision that does not build is known before the
+     sweep (its rows are recorded unavailable with the builder's error, not run);
+  1. DRAM read bandwidth at 1 and 2 threads (bench/membw.c, a native OpenMP read loop over 512 MiB, compiled on
+     first use with cc -O3 -march=native -fopenmp) and the machine's load (load average, other processes' CPU);
+  2. sweep: every configuration of every row on --sweep-prompts prompts, once, configurations interleaved across
+     rows: edgespec plain over threads; draft model over γ; draft + prompt lookup over γ x lookup x lookup γ;
+     n-gram over γ x longest n-gram; llama.cpp plain / draft / lookup per GGUF precision over threads, draft length,
+     p_min, lookup type and lengths (bench_peers.llamacpp_modes); GenAI plain / draft / n-gram per precision over
+     threads and k;
+  3. final: each row's fastest configuration (bench_peers.select_best: among those whose tokens matched edgespec's
+     own plain at the same precision on every sweep prompt, if any did) on every prompt, --repeats times, one
+     process per (row, repeat), rows rotated each repeat;
+  4. bandwidth and load again; the report.
+
+Rows. edgespec: plain, draft, draft+lookup, ngram x provider cpu-native (edgespec/native.py) and cpu (ONNX
+Runtime) x weight precision. A row is labelled by the weights it reads: cpu rows by the engine folder's precision,
+cpu-native rows by engine.json's extra.native.weights ("fp16" when absent: the fp32 folder's native.npz holds the
+checkpoint's float16 weights). A (provider, precision) no exported folder supports is kept as an unavailable row
+with the reason (engine.json's extra.native.unavailable, or the weights the native files do hold). llama.cpp: f16
+/ q8_0 / q4_0 (fp16 / int8 / int4) x plain, draft (the draft GGUF at the target's precision), lookup. GenAI:
+int4, fp16 and fp32 (--genai-precisions) x plain, draft (the draft built at the target's precision), n-gram.
+Agreement: every row's tokens against edgespec's own plain output at the same precision (cpu-native if that row
+ran, else cpu; GenAI's fp32 rows against fp32 cpu, else fp16: the same function), and each edgespec speculative
+row against its own plain (same precision and provider: must be identical).
+
+Roofline: each edgespec plain row's bytes per token (cpu-native: every array of native.npz but the embedding,
+plus one embedding row, read from the npz headers; cpu: engine.json's weight_bytes_per_token, what `edgespec
+inspect` prints; both plus the KV cache read at the prompts' mean context) x its tok/s / the read bandwidth at its
+thread count (the best of the measurements before and after) = its share of the DRAM roofline. llama.cpp plain
+rows get the same with the GGUF's file size (an upper bound: it holds the whole embedding table).
+
+Writes JSON, markdown (.md) and PNG at --out (default bench/results/realsize-<preset>.json); raw runner outputs
+(token ids) go to .cache/realsize/<run id>/raw.json.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from bench_peers import (Config, Mode, Progress, _brief, _iso, _mmss, _rel, _tps, check_same_run,  # noqa: E402
+                         llamacpp_modes, merge_repeats, run_system, select_best, summarize)
+
+PRECISIONS = ("fp16", "int8", "int4", "fp32")  # the weights a row reads; table order
+PROVIDERS = ("cpu-native", "cpu")
+EDGESPEC_KINDS = ("plain", "draft", "draft+lookup", "ngram")
+LLAMACPP_PRECISION = {"f16": "fp16", "q8_0": "int8", "q4_0": "int4"}  # GGUF type -> the weights' precision
+GGUF_TYPE = {v: k for k, v in LLAMACPP_PRECISION.items()}
+NATIVE_NAMES = {"float16": "fp16", "fp16": "fp16", "int8": "int8", "int4": "int4"}  # extra.native.weights
+LOSSY = ("int8", "int4")  # target exports below the precision gate: --allow-lossy (the report keeps the gate)
+ENGINES = ROOT / ".cache" / "engines-realsize"
+WORK = ROOT / ".cache" / "realsize"
+# what an export's output depends on beside the checkpoint: a cached folder made by other code is re-exported
+EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py", "export/native.py",
+               "export/checkpoint.py", "export/validate.py", "edgespec/native.py", "edgespec/contract.py")
+MEMBW_SRC = HERE / "membw.c"
+
+SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
+             gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
+             llamacpp_threads="1,2", llamacpp_draft_threads="0", llamacpp_draft_ks="4", llamacpp_draft_p_mins="0",
+             llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
+             genai_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3", membw_reps=3)
+
+
+def _list(s: str) -> list[str]:
+    return [x.strip() for x in str(s).split(",") if x.strip() and x.strip() != "none"]
+
+
+# ---- engine folders: what each supports, what each reads per token ---------------------------------------------
+def native_precision(extra: dict) -> tuple[str | None, str | None]:
+    """(the precision of the native weights a folder carries, None) or (None, why it carries none), from
+    engine.json's extra: extra.native.weights ("fp16" when absent; "float16" is fp16)."""
+    nat = extra.get("native")
+    if not nat:
+        return None, "no native weights (engine.json has no extra.native: exported before the native step)"
+    if not nat.get("file"):
+        return None, nat.get("unavailable") or "no native weights (extra.native has no file)"
+    w = nat.get("weights", "fp16")
+    return NATIVE_NAMES.get(str(w), str(w)), None
+
+
+@dataclass
+class Folder:
+    """An exported engine folder, as a row needs it: where, its precision, its native weights."""
+    dtype: str  # the export's --dtype
+    path: Path | None = None
+    native: str | None = None  # the native weights' precision, None without
+    native_why: str | None = None  # why there are none
+    error: str | None = None  # the export failed: why
+    record: dict = field(default_factory=dict)  # how it was made (command, reused, seconds, gate)
+
+
+def folder_info(path: Path, dtype: str) -> Folder:
+    m = json.loads((Path(path) / "engine.json").read_text())
+    nat, why = native_precision(m.get("extra", {}))
+    return Folder(dtype, Path(path), nat, why)
+
+
+def npz_arrays(path: Path) -> dict[str, tuple[tuple, str, int]]:
+    """{name: (shape, dtype, bytes)} of every array in an .npz, from the .npy headers only (no data read)."""
+    from numpy.lib import format as npf
+    out = {}
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with z.open(info) as f:
+                version = npf.read_magic(f)
+                if version == (1, 0):
+                    shape, _, dtype = npf.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, _, dtype = npf.read_array_header_2_0(f)
+                else:
+                    shape, _, dtype = npf._read_array_header(f, version)
+            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            out[info.filename[:-4]] = (tuple(int(d) for d in shape), dtype.str, n)
+    return out
+
+
+def kv_bytes_per_context_token(m: dict) -> int:
+    """Bytes of KV cache one decode step reads per token of context (keys and values of every layer)."""
+    return 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * (2 if m.get("cache_dtype") == "float16" else 4)
+
+
+def weight_bytes_per_token(folder: Path, provider: str) -> dict:
+    """The weight bytes one plain decode step reads on `provider`: {"bytes", "how", "recorded"}.
+    cpu-native: every array of native.npz but the embedding table, plus one row of it (the token's), read from
+    the npz headers (an int8 / int4 native file's scales and zero points count with their matrices); "recorded" is
+    engine.json's extra.native.weight_bytes_per_token (what `edgespec inspect` prints: the same without the row).
+    cpu (ONNX Runtime): engine.json's weight_bytes_per_token (export/quantize.py, what inspect prints)."""
+    m = json.loads((Path(folder) / "engine.json").read_text())
+    extra = m.get("extra", {})
+    if provider == "cpu-native":
+        nat = extra.get("native") or {}
+        if not nat.get("file"):
+            raise ValueError(f"{folder}: no native weights ({nat.get('unavailable', 'extra.native has no file')})")
+        arrays = npz_arrays(Path(folder) / nat["file"])
+        total = 0
+        for name, (shape, _, n) in arrays.items():
+            is_embed = name == "embed" or name.startswith("embed.")
+            total += n // shape[0] if is_embed and shape and shape[0] else n
+        return {"bytes": int(total), "recorded": nat.get("weight_bytes_per_token"),
+                "how": f"{nat['file']}: every array but the embedding table, plus one embedding row"}
+    w = extra.get("weight_bytes_per_token") or {}
+    if not w.get("total"):
+        raise ValueError(f"{folder}: engine.json records no weight_bytes_per_token (re-export the folder)")
+    return {"bytes": int(w["total"]), "recorded": int(w["total"]),
+            "how": "engine.json weight_bytes_per_token (the graph's initializers, one row of row tables)"}
+
+
+def roofline_share(tokens_per_s: float, bytes_per_token: float, read_gbs: float) -> dict:
+    """A plain decoder's place under the DRAM roofline: the rate if a step only streamed its bytes at the read
+    bandwidth, and the share of it reached (tok/s x bytes/token / bandwidth)."""
+    roof = read_gbs * 1e9 / bytes_per_token
+    return {"roofline_tokens_per_s": roof, "share": tokens_per_s / roof,
+            "achieved_gbs": tokens_per_s * bytes_per_token / 1e9}
+
+
+# ---- rows ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a bench_peers Mode (its configurations; none when unavailable) and what it is."""
+    mode: Mode
+    precision: str  # the weights it reads: fp16 / int8 / int4 / fp32
+    kind: str  # plain / draft / draft+lookup / ngram / lookup
+    provider: str | None = None  # edgespec rows: cpu-native or cpu
+    engine: str | None = None  # edgespec rows: the target engine folder (repository-relative)
+    unavailable: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.mode.name
+
+
+def folder_for(precision: str, provider: str, folders: dict[str, Folder]) -> tuple[Folder | None, str | None]:
+    """The engine folder a (provider, precision) row runs, or (None, why none does). cpu: the folder exported at
+    that precision. cpu-native: a folder whose native weights are that precision, the one exported at it first,
+    then the fp32 folder (whose native.npz holds the float16 weights)."""
+    if provider == "cpu":
+        f = folders.get(precision)
+        if f is None:
+            return None, f"no {precision} engine folder was exported"
+        if f.error:
+            return None, f"edgespec export --dtype {precision} failed: {f.error}"
+        return f, None
+    why = []
+    for dtype in dict.fromkeys([precision, "fp32"]):
+        f = folders.get(dtype)
+        if f is None:
+            continue
+        if f.error:
+            why.append(f"the {dtype} export failed ({f.error})")
+        elif f.native == precision:
+            return f, None
+        elif f.native:
+            why.append(f"the {dtype} folder's native weights are {f.native}")
+        else:
+            why.append(f"the {dtype} folder has none: {f.native_why}")
+    return None, f"no engine folder has {precision} native weights: " + ("; ".join(why) or "none exported")
+
+
+def edgespec_rows(folders: dict[str, Folder], draft: Folder | None, args) -> list[Row]:
+    """Every edgespec row (kind x provider x precision), each with its sweep configurations or the reason it
+    cannot run. Engine paths are repository-relative (the runners run in the repository root)."""
+    rows = []
+    for prec in _list(args.precisions):
+        for prov in _list(args.providers):
+            f, why = folder_for(prec, prov, folders)
+            eng = _rel(str(f.path)) if f else None
+            if f and f.dtype != prec:
+                where = f"native weights of the {f.dtype} folder"
+            else:
+                where = f"{prec} folder" if f else ""
+            for kind in EDGESPEC_KINDS:
+                name = f"edgespec {kind} {prec} {prov}"
+                reason = why
+                if not reason and kind in ("draft", "draft+lookup") and (draft is None or draft.error):
+                    reason = f"no draft engine: {draft.error if draft else 'none exported'}"
+                if reason:
+                    rows.append(Row(Mode(name, "edgespec", "edgespec", ()), prec, kind, prov, eng, reason))
+                    continue
+                rows.append(Row(Mode(name, "edgespec", "edgespec", tuple(_edgespec_configs(kind, prov, eng, draft, args,
+                                                                                          where))),
+                                prec, kind, prov, eng))
+    return rows
+
+
+def _draft_label(draft: Folder, provider: str) -> str:
+    on = "cpu-native" if provider == "cpu-native" and draft.native else "cpu"  # edgespec.engine.draft_provider
+    return f"{draft.native if on == 'cpu-native' else draft.dtype} draft on {on}"
+
+
+def _edgespec_configs(kind: str, prov: str, eng: str, draft: Folder | None, args, where: str) -> list[Config]:
+    base = ("--mode", "draft" if kind == "draft+lookup" else kind, "--provider", prov, "--target-engine", eng)
+    thr = lambda t: ("--threads", str(t))  # noqa: E731
+    if kind == "plain":
+        return [Config(f"threads {t} ({where})", base + thr(t)) for t in _list(args.plain_threads)]
+    out = []
+    for t in _list(args.spec_threads):
+        if kind == "ngram":
+            out += [Config(f"γ={g}, max_ngram={n}, threads {t}", base + ("--gamma", g, "--max-ngram", n) + thr(t))
+                    for n in _list(args.max_ngrams) for g in _list(args.ngram_gammas)]
+            continue
+        dl = _draft_label(draft, prov)
+        dv = ("--draft-engine", _rel(str(draft.path)))
+        if kind == "draft":
+            out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t)) for g in _list(args.gammas)]
+        else:
+            out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "") + f", {dl}, threads {t}",
+                           base + ("--gamma", g, "--lookup", n) + (("--lookup-gamma", L) if L != "0" else ()) + dv
+                           + thr(t))
+                    for L in _list(args.lookup_lengths) for n in _list(args.lookups) for g in _list(args.lookup_gammas)]
+    return out
+
+
+def llamacpp_rows(args, unavailable: dict[str, str]) -> list[Row]:
+    """llama.cpp's rows (bench_peers.llamacpp_modes over this script's sweep settings), one per GGUF precision and
+    mode; a precision whose GGUFs did not build ({gguf type: error} in `unavailable`) keeps its rows, unavailable."""
+    precs = [GGUF_TYPE[p] for p in _list(args.precisions) if p in GGUF_TYPE] if args.llamacpp_precisions == "auto" \
+        else _list(args.llamacpp_precisions)
+    ns = argparse.Namespace(**{k: getattr(args, k) for k in ("llamacpp_threads", "llamacpp_draft_threads",
+                                                             "llamacpp_draft_ks", "llamacpp_draft_p_mins",
+                                                             "llamacpp_lookup_types", "llamacpp_ngram_sizes",
+                                                             "llamacpp_lookup_lengths")},
+                            llamacpp_precisions=",".join(precs), llamacpp_draft_precisions="same")
+    rows = []
+    for m in llamacpp_modes(ns):
+        kind, gtype = m.name.split()[1], m.name.split()[2]
+        why = unavailable.get(m.name) or unavailable.get(gtype)
+        rows.append(Row(Mode(m.name, m.system, m.runner, () if why else m.configs), LLAMACPP_PRECISION[gtype], kind,
+                        unavailable=why))
+    return rows
+
+
+def genai_rows(args, unavailable: dict[str, str]) -> list[Row]:
+    """ONNX Runtime GenAI's rows per precision (--genai-precisions): plain over threads (0: GenAI's default), draft
+    (the draft built at the target's precision) over k x threads (target T, draft 1; default threading: both
+    GenAI's), n-gram over k x n-gram size x threads."""
+    rows = []
+    for p in _list(args.genai_precisions):
+        tl = lambda t: "threads: GenAI default" if t == "0" else f"threads {t}"  # noqa: E731
+        plain = [Config(f"{p}, {tl(t)}", ("--mode", "plain", "--precision", p, "--threads", t))
+                 for t in _list(args.genai_threads)]
+        draft = [Config(f"k={k}, {p} draft, " + ("threads: GenAI default" if t == "0" else f"threads {t}, draft 1"),
+                        ("--mode", "draft", "--precision", p, "--draft-precision", p, "--gamma", k, "--threads", t,
+                         "--draft-threads", "0" if t == "0" else "1"))
+                 for t in _list(args.genai_threads) for k in _list(args.genai_draft_ks)]
+        ngram = [Config(f"k={k}, ngram_size={n}, {tl(t)}", ("--mode", "ngram", "--precision", p, "--gamma", k,
+                                                             "--ngram-size", n, "--threads", t))
+                 for t in _list(args.genai_threads) for n in _list(args.genai_ngram_sizes) for k in _list(args.genai_ngram_ks)]
+        for kind, cfgs in (("plain", plain), ("draft", draft), ("ngram", ngram)):
+            name = f"ORT GenAI {kind} {p}"
+            why = unavailable.get(name) or unavailable.get(p)
+            rows.append(Row(Mode(name, "ORT GenAI", "genai", () if why else tuple(cfgs)), p, kind, unavailable=why))
+    return rows
+
+
+def order_rows(rows: list[Row]) -> list[Row]:
+    """Table order: by precision, then edgespec (cpu-native, cpu), llama.cpp, GenAI, each plain first."""
+    sys_rank = lambda r: (0 if r.mode.system == "edgespec" else 1 if r.mode.system == "llama.cpp" else 2,  # noqa: E731
+                          PROVIDERS.index(r.provider) if r.provider in PROVIDERS else 0)
+    kinds = ("plain", "draft", "draft+lookup", "lookup", "ngram")
+    return sorted(rows, key=lambda r: (PRECISIONS.index(r.precision) if r.precision in PRECISIONS else 9,
+                                       sys_rank(r), kinds.index(r.kind) if r.kind in kinds else 9))
+
+
+def reference_row(precision: str, ok: set[str]) -> str | None:
+    """The edgespec plain row whose tokens a row at `precision` is compared with: cpu-native at that precision if
+    it ran, else cpu; fp32 rows fall back to fp16 (the checkpoint's float16 weights in float32 arithmetic are the
+    fp32 function)."""
+    cands = [f"edgespec plain {precision} cpu-native", f"edgespec plain {precision} cpu"]
+    if precision == "fp32":
+        cands += ["edgespec plain fp16 cpu-native"]
+    return next((c for c in cands if c in ok), None)
+
+
+# ---- the targets of issue 28 -----------------------------------------------------------------------------------
+def targets(systems: dict, rows: list[Row], roofline: dict) -> list[dict]:
+    """Issue 28's targets, each met or not (or not measurable, saying which side is missing): int4: edgespec's
+    fastest speculative row >= 1.5x the fastest llama.cpp q4_0 and GenAI int4 rows, with output identical to
+    edgespec's own int4 plain; fp16: edgespec's fastest >= 2x llama.cpp's fastest f16; plain >= llama.cpp plain at
+    each precision (per provider); each edgespec plain row >= 85% of the DRAM roofline."""
+    by = {r.name: r for r in rows}
+    tps = {n: _tps(s) for n, s in systems.items() if _tps(s)}
+
+    def fastest(pred) -> str | None:
+        names = [n for n in tps if n in by and pred(by[n])]
+        return max(names, key=tps.get, default=None)
+
+    def ratio(text, a, b, threshold, extra=None) -> dict:
+        t = {"target": text, "threshold": threshold, "a": a, "b": b}
+        if not a or not b:
+            return dict(t, met=None, why="not measured: " + ("no edgespec row ran" if not a else "no peer row ran"))
+        v = tps[a] / tps[b]
+        t.update(a_tokens_per_s=tps[a], b_tokens_per_s=tps[b], value=v, met=bool(v >= threshold))
+        if extra:
+            t.update(extra)
+        return t
+
+    out = []
+    es_spec = fastest(lambda r: r.mode.system == "edgespec" and r.precision == "int4" and r.kind != "plain")
+    same = systems.get(es_spec, {}).get("identical_prompts") if es_spec else None
+    for system, prec in (("llama.cpp", "int4"), ("ORT GenAI", "int4")):
+        t = ratio(f"int4: edgespec's fastest speculative mode >= 1.5x {system}'s fastest {prec} mode", es_spec,
+                  fastest(lambda r, s=system: r.mode.system == s and r.precision == prec), 1.5,
+                  {"edgespec_identical_to_own_int4_plain": same})
+        if t.get("met") and same and same.split("/")[0] != same.split("/")[1]:
+            t.update(met=False, why=f"fast enough, but its output differs from edgespec's int4 plain ({same})")
+        out.append(t)
+    out.append(ratio("fp16: edgespec's fastest mode >= 2x llama.cpp's fastest f16 mode",
+                     fastest(lambda r: r.mode.system == "edgespec" and r.precision == "fp16"),
+                     fastest(lambda r: r.mode.system == "llama.cpp" and r.precision == "fp16"), 2.0))
+    for prec in ("fp16", "int8", "int4"):
+        lp = f"llama.cpp plain {GGUF_TYPE[prec]}"
+        for prov in PROVIDERS:
+            a = f"edgespec plain {prec} {prov}"
+            if a in by:
+                out.append(ratio(f"{prec}: edgespec plain ({prov}) >= llama.cpp plain {GGUF_TYPE[prec]}",
+                                 a if a in tps else None, lp if lp in tps else None, 1.0))
+    for name, r in (roofline.get("rows") or {}).items():
+        if name.startswith("edgespec") and "share" in r:
+            out.append({"target": f"{name} >= 85% of the DRAM roofline", "a": name, "value": r["share"],
+                        "threshold": 0.85, "met": bool(r["share"] >= 0.85)})
+    return out
+
+
+# ---- the machine: bandwidth and load ---------------------------------------------------------------------------
+def membw_binary() -> Path:
+    """bench/membw.c compiled (cc -O3 -march=native -fopenmp) into .cache/realsize/, once per source version."""
+    src = MEMBW_SRC.read_bytes()
+    exe = WORK / f"membw-{hashlib.sha256(src).hexdigest()[:12]}"
+    if not exe.is_file():
+        WORK.mkdir(parents=True, exist_ok=True)
+        tmp = exe.with_suffix(".partial")
+        r = subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", str(MEMBW_SRC), "-o", str(tmp)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"cc -O3 -march=native -fopenmp {_rel(str(MEMBW_SRC))} failed: {r.stderr.strip()[-500:]}")
+        os.replace(tmp, exe)
+    return exe
+
+
+def read_bandwidth(threads: list[int], mib: int, reps: int) -> dict:
+    """{threads: membw's JSON} (GB/s of each repetition, best, median), or {"error": ...}."""
+    try:
+        exe = membw_binary()
+    except (RuntimeError, OSError) as e:
+        return {"error": str(e)}
+    out = {}
+    for t in threads:
+        r = subprocess.run([str(exe), str(mib), str(reps), str(t)], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, OMP_PROC_BIND="false"))
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+        out[str(t)] = json.loads(lines[-1]) if r.returncode == 0 and lines else \
+            {"error": f"exit {r.returncode}: {r.stderr.strip()[-300:]}"}
+    return out
+
+
+def best_bandwidth(measures: list[dict], threads: int) -> float | None:
+    """The best read GB/s at `threads` over every measurement of the run (the ceiling the roofline uses)."""
+    got = [m.get(str(threads), {}).get("gbs_best") for m in measures]
+    got = [g for g in got if g]
+    return max(got) if got else None
+
+
+def _proc_times() -> dict[int, tuple[str, int, int]]:
+    """{pid: (name, parent pid, utime + stime ticks)} of every process, from /proc."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            s = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        name = s[s.index("(") + 1:s.rindex(")")]
+        f = s[s.rindex(")") + 2:].split()
+        out[int(d)] = (name, int(f[1]), int(f[11]) + int(f[12]))
+    return out
+
+
+def machine_load(seconds: float = 1.0) -> dict:
+    """The load beside this run: load averages, and the CPU other processes (not this one nor its children) used
+    over `seconds` (percent of one core; the busiest five named)."""
+    a = _proc_times()
+    time.sleep(seconds)
+    b = _proc_times()
+    ours = {os.getpid()}
+    changed = True
+    while changed:
+        changed = False
+        for pid, (_, ppid, _) in b.items():
+            if ppid in ours and pid not in ours:
+                ours.add(pid)
+                changed = True
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = {pid: (b[pid][2] - a[pid][2]) * 100.0 / (hz * seconds) for pid in b if pid in a and pid not in ours}
+    top = sorted(((p, v) for p, v in busy.items() if v >= 1.0), key=lambda x: -x[1])[:5]
+    return {"time": _iso(time.time()), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+            "others_cpu_percent": round(sum(busy.values()), 1),
+            "busiest_others": [{"pid": p, "name": b[p][0], "cpu_percent": round(v, 1)} for p, v in top]}
+
+
+# ---- set-up: checkpoints, exports, peer builds -----------------------------------------------------------------
+def checkpoints(args) -> tuple[Path, Path, str]:
+    """(target, draft, name): the preset's stand-in pair (made if missing; the tool keeps a folder holding the same
+    recipe), or --target / --draft."""
+    if args.preset:
+        subprocess.run([sys.executable, "-m", "edgespec.export.standin", "--preset", args.preset, "--no-progress"],
+                       check=True, cwd=ROOT, stdout=sys.stderr)
+        base = ROOT / ".cache" / "standins" / args.preset
+        return base / "target", base / "draft", args.preset
+    return Path(args.target).resolve(), Path(args.draft).resolve(), Path(args.target).resolve().name
+
+
+def code_fingerprint() -> str:
+    h = hashlib.sha256()
+    for f in EXPORT_CODE:
+        p = ROOT / f
+        h.update(f.encode() + (p.read_bytes() if p.is_file() else b"(missing)"))
+    return h.hexdigest()[:16]
+
+
+def source_sha256(ckpt: Path) -> str:
+    from edgespec.export.checkpoint import hash_files, weight_files
+    return hash_files(weight_files(ckpt) + [ckpt / "config.json"])
+
+
+def reuse_reason(out: Path, dtype: str, source: str, code: str) -> str | None:
+    """None when the folder at `out` can be reused (same checkpoint, precision and export code), else why not."""
+    if not (out / "engine.json").is_file():
+        return "not exported yet"
+    m = json.loads((out / "engine.json").read_text())
+    if m.get("source_sha256") != source:
+        return "the checkpoint changed (engine.json's source_sha256)"
+    if m.get("precision") != dtype:
+        return f"engine.json says {m.get('precision')}, {dtype} wanted"
+    side = out.with_name(out.name + ".export.json")
+    if not side.is_file() or json.loads(side.read_text()).get("export_code") != code:
+        return "made by other export code (" + ", ".join(EXPORT_CODE) + ")"
+    return None
+
+
+def export(ckpt: Path, name: str, dtype: str, role: str, reexport: bool, timeout: int) -> Folder:
+    """An engine folder of `ckpt` at `dtype` in .cache/engines-realsize/, exported unless a reusable one is there;
+    a failed export is a Folder with its error."""
+    out = ENGINES / (f"{name}-{dtype}" if role == "target" else f"{name}-draft-{dtype}")
+    cmd = ["edgespec", "export", _rel(str(ckpt)), "--out", _rel(str(out)), "--dtype", dtype, "--force", "--quiet"]
+    cmd += ["--role", "draft"] if role == "draft" else (["--allow-lossy"] if dtype in LOSSY else [])
+    source, code = source_sha256(ckpt), code_fingerprint()
+    why = "--reexport" if reexport else reuse_reason(out, dtype, source, code)
+    rec = {"command": shlex.join(cmd), "role": role}
+    if why is None:
+        f = folder_info(out, dtype)
+        f.record = dict(rec, reused=True, **_export_facts(out))
+        return f
+    print(f"[realsize] exporting {_rel(str(out))} ({why}): {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    ENGINES.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    try:
+        r = subprocess.run([sys.executable, "-m", "edgespec"] + cmd[1:], cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Folder(dtype, error=f"timed out after {timeout} s", record=rec)
+    if r.returncode != 0 or not (out / "engine.json").is_file():
+        lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip()]
+        return Folder(dtype, error=f"exit {r.returncode}: {lines[-1] if lines else '(no output)'}", record=rec)
+    out.with_name(out.name + ".export.json").write_text(json.dumps({"export_code": code, "command": rec["command"]}))
+    f = folder_info(out, dtype)
+    f.record = dict(rec, reused=False, export_s=round(time.time() - t0, 1), why=why, **_export_facts(out))
+    return f
+
+
+def _export_facts(out: Path) -> dict:
+    m = json.loads((out / "engine.json").read_text())
+    extra = m.get("extra", {})
+    v = extra.get("validation") or {}
+    nat = extra.get("native") or {}
+    return {"path": _rel(str(out)), "precision": m.get("precision"), "flavor": m.get("flavor"),
+            "weight_bytes_per_token": (extra.get("weight_bytes_per_token") or {}).get("total"),
+            "precision_gate": v.get("precision_gate"), "agreement_vs_fp32": v.get("agreement_vs_fp32"),
+            "allow_lossy": extra.get("allow_lossy", v.get("allow_lossy")),
+            "native": {k: nat.get(k) for k in ("file", "weights", "weight_bytes_per_token", "unavailable") if k in nat}}
+
+
+def prepare_peer(runner: str, prec: str, base: list[str], pfile: Path, timeout: int) -> dict:
+    """Make one peer precision's models (GGUFs, GenAI builds) with a short call of its runner (draft mode: target
+    and draft; untimed). -> {"status": "ok"} | {"status": "unavailable", "error", "rows": which rows}: rows that
+    cannot build are recorded unavailable instead of failing one by one in the sweep."""
+    if runner == "llamacpp":
+        argv = ["--mode", "draft", "--precision", prec, "--draft-max", "2", "--threads", "2"]
+    else:
+        argv = ["--mode", "draft", "--precision", prec, "--draft-precision", prec, "--gamma", "2"]
+    common = ["--prompts", str(pfile), "--repeats", "1", "--max-new-tokens", "2", "--warmup", "0"]
+    t0 = time.time()
+    out = run_system(f"{runner} {prec}", base + common + argv, timeout)
+    rec = {"seconds": round(time.time() - t0, 1), "builds": (out.get("config") or {}).get("builds")}
+    if "error" not in out or out.get("stage") not in (None, "build", "setup"):
+        # built; a later stage's error (the draft mode refused, ...) is the rows' own to record
+        return dict(rec, status="ok", note=_brief(out["error"]) if "error" in out else None)
+    plain = run_system(f"{runner} {prec} plain", base + common + ["--mode", "plain", "--precision", prec], timeout)
+    if "error" not in plain or plain.get("stage") not in (None, "build", "setup"):
+        return dict(rec, status="unavailable", rows="draft", error=_brief(out["error"]))
+    return dict(rec, status="unavailable", rows="all", error=_brief(plain["error"]))
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_argument_group("checkpoints")
+    src.add_argument("--preset", help="a stand-in preset (python -m edgespec.export.standin --list)")
+    src.add_argument("--target", help="instead of --preset: the target's Hugging Face folder")
+    src.add_argument("--draft", help="with --target: the draft's Hugging Face folder")
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/realsize-<preset>.json")
+    ap.add_argument("--smoke", action="store_true", help="tiny settings (2 prompts x 16 tokens, one configuration "
+                                                         "per mode); options given explicitly still apply")
+    ap.add_argument("--precisions", default="fp16,int8,int4", help="edgespec weight precisions (fp16, int8, int4, "
+                                                                   "fp32); llama.cpp's follow (f16, q8_0, q4_0)")
+    ap.add_argument("--providers", default="cpu-native,cpu", help="edgespec target providers")
+    ap.add_argument("--draft-dtype", default="int8", help="edgespec draft engine precision (--role draft)")
+    ap.add_argument("--reexport", action="store_true", help="export every engine folder again")
+    ap.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (bench/prompts.py)")
+    ap.add_argument("--prose-prompts", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts each sweep configuration decodes")
+    ap.add_argument("--repeats", type=int, default=2, help="final passes over every prompt, rows rotated")
+    es = ap.add_argument_group("edgespec sweep")
+    cores = str(os.cpu_count() or 1)
+    es.add_argument("--plain-threads", default=",".join(dict.fromkeys(["1", cores])), help="plain: threads swept")
+    es.add_argument("--spec-threads", default=cores, help="speculative rows: the target's threads swept")
+    es.add_argument("--gammas", default="4,6,auto", help="draft: γ")
+    es.add_argument("--lookup-gammas", default="6,auto", help="draft+lookup: γ")
+    es.add_argument("--lookups", default="2", help="draft+lookup: load(lookup=N)")
+    es.add_argument("--lookup-lengths", default="0,16", help="draft+lookup: load(lookup_gamma=G) (0: γ)")
+    es.add_argument("--ngram-gammas", default="4,auto", help="ngram: γ")
+    es.add_argument("--max-ngrams", default="3", help="ngram: longest n-gram")
+    lc = ap.add_argument_group("llama.cpp sweep (bench_peers.llamacpp_modes)")
+    lc.add_argument("--llamacpp-precisions", default="auto", help="GGUF types (auto: --precisions' f16, q8_0, q4_0; "
+                                                                 "none: no llama.cpp rows)")
+    lc.add_argument("--llamacpp-threads", default="1,2")
+    lc.add_argument("--llamacpp-draft-threads", default="0")
+    lc.add_argument("--llamacpp-draft-ks", default="4,8")
+    lc.add_argument("--llamacpp-draft-p-mins", default="0,0.75")
+    lc.add_argument("--llamacpp-lookup-types", default="ngram-simple,ngram-cache")
+    lc.add_argument("--llamacpp-ngram-sizes", default="3")
+    lc.add_argument("--llamacpp-lookup-lengths", default="8,16")
+    ga = ap.add_argument_group("ONNX Runtime GenAI sweep")
+    ga.add_argument("--genai-precisions", default="int4,fp16,fp32", help="builder precisions (none: no GenAI rows)")
+    ga.add_argument("--genai-threads", default="0,2", help="0: GenAI's default threading")
+    ga.add_argument("--genai-draft-ks", default="3,5")
+    ga.add_argument("--genai-ngram-ks", default="4")
+    ga.add_argument("--genai-ngram-sizes", default="3")
+    ap.add_argument("--membw-mib", type=int, default=512)
+    ap.add_argument("--membw-reps", type=int, default=7)
+    ap.add_argument("--timeout", type=int, default=900, help="per runner process, seconds")
+    ap.add_argument("--build-timeout", type=int, default=3600, help="per export or peer build, seconds")
+    return ap
+
+
+def parse_args(argv: list[str]):
+    ap = build_parser()
+    if "--smoke" in argv:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
+    if bool(args.preset) == bool(args.target) or bool(args.target) != bool(args.draft):
+        ap.error("give --preset NAME, or --target CKPT and --draft CKPT")
+    bad = [p for p in _list(args.precisions) if p not in PRECISIONS]
+    if bad:
+        ap.error(f"--precisions: expected some of {PRECISIONS}, got {bad}")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    run = {"id": uuid.uuid4().hex[:12], "started_epoch": time.time(),
+           "command": "python bench/bench_realsize.py " + shlex.join(argv)}
+    run["started"] = _iso(run["started_epoch"])
+    rdir = WORK / run["id"]
+    rdir.mkdir(parents=True, exist_ok=True)
+    load = {"start": machine_load()}
+
+    # 0. set-up (untimed): checkpoints, engine folders, peer builds
+    target_ck, draft_ck, name = checkpoints(args)
+    args.out = args.out or ROOT / "bench" / "results" / f"realsize-{name}.json"
+    want = _list(args.precisions)
+    folders: dict[str, Folder] = {}
+    for dtype in want:
+        folders[dtype] = export(target_ck, name, dtype, "target", args.reexport, args.build_timeout)
+    if "cpu-native" in _list(args.providers) and "fp16" in want and not any(
+            f.native == "fp16" for f in folders.values()) and "fp32" not in folders:
+        folders["fp32"] = export(target_ck, name, "fp32", "target", args.reexport, args.build_timeout)  # native fp16
+    draft = export(draft_ck, name, args.draft_dtype, "draft", args.reexport, args.build_timeout)
+
+    from prompts import PROSE, code_prompts
+    from edgespec.tokenizer import TextTokenizer
+    tok = TextTokenizer(target_ck / "tokenizer.json")
+    prompts = code_prompts(tok, args.code_prompts) + PROSE[:args.prose_prompts]
+    n = len(prompts)
+    sweep_idx = sorted({round(i * (n - 1) / max(args.sweep_prompts - 1, 1)) for i in range(min(args.sweep_prompts, n))})
+    pfile, sfile = rdir / "prompts.json", rdir / "sweep-prompts.json"
+    pfile.write_text(json.dumps(prompts))
+    sfile.write_text(json.dumps([prompts[i] for i in sweep_idx]))
+    (rdir / "one-prompt.json").write_text(json.dumps(prompts[:1]))
+    mean_ctx = float(np.mean([len(tok.encode(p)) for p in prompts])) + args.max_new_tokens / 2
+
+    tokens = ["--max-new-tokens", str(args.max_new_tokens)]
+    tgt, dft = _rel(str(target_ck)), _rel(str(draft_ck))
+    base = {"edgespec": [sys.executable, _rel(str(HERE / "bench_peers.py")), "--edgespec-runner"] + tokens,
+            "genai": [str(ROOT / ".venv-genai" / "bin" / "python"), _rel(str(HERE / "peers" / "genai_runner.py")),
+                      "--target", tgt, "--draft", dft, "--work", _rel(str(WORK / "genai"))] + tokens,
+            "llamacpp": [str(ROOT / ".venv-llamacpp" / "bin" / "python"),
+                         _rel(str(HERE / "peers" / "llamacpp_runner.py")), "--target", tgt, "--draft", dft,
+                         "--work", _rel(str(WORK / "llamacpp"))] + tokens}
+    peer_builds, unavailable = {}, {}
+    lc_precs = [GGUF_TYPE[p] for p in want if p in GGUF_TYPE] if args.llamacpp_precisions == "auto" \
+        else _list(args.llamacpp_precisions)
+    for runner, precs, label in (("llamacpp", lc_precs, "llama.cpp"), ("genai", _list(args.genai_precisions),
+                                                                       "ORT GenAI")):
+        for p in precs:
+            print(f"[realsize] preparing {label} {p}", file=sys.stderr, flush=True)
+            rec = prepare_peer(runner, p, base[runner], rdir / "one-prompt.json", args.build_timeout)
+            peer_builds[f"{label} {p}"] = rec
+            if rec["status"] != "ok":
+                kinds = ("draft",) if rec["rows"] == "draft" else ("plain", "draft", "lookup", "ngram")
+                for k in kinds:
+                    unavailable[f"{label} {k} {p}"] = f"{label} {p} did not build: {rec['error']}"
+    rows = order_rows(edgespec_rows(folders, draft, args) + llamacpp_rows(args, unavailable)
+                      + genai_rows(args, unavailable))
+    runnable = [r for r in rows if r.mode.configs]
+
+    # 1. bandwidth and load
+    bw = [read_bandwidth([1, 2], args.membw_mib, args.membw_reps)]
+    load["after_setup"] = machine_load()
+
+    def cmd(row: Row, cfg: Config, prompts_file: Path) -> list[str]:
+        return base[row.mode.runner] + ["--prompts", str(prompts_file), "--repeats", "1"] + list(cfg.argv)
+
+    # ETA: a configuration costs its start-up (load; warm-up) plus its tokens at a rough speed
+    gbs = best_bandwidth(bw, 2) or 10.0
+    ck_bytes = sum(p.stat().st_size for p in target_ck.glob("*.safetensors"))
+    per_param = {"fp32": 2.0, "fp16": 1.0, "int8": 0.55, "int4": 0.3}
+
+    def est(row: Row, ntok: int) -> float:
+        b = ck_bytes * per_param.get(row.precision, 1.0)
+        speed = 0.5 * gbs * 1e9 / b * (1.0 if row.kind == "plain" else 1.5)
+        return 4.0 + 3.0 * b / 1e9 + ntok / speed
+
+    ns, nt = len(sweep_idx) * args.max_new_tokens, n * args.max_new_tokens
+    total = sum(est(r, ns) * len(r.mode.configs) + args.repeats * est(r, nt) for r in runnable)
+    n_sweep = sum(len(r.mode.configs) for r in runnable)
+    print(f"run {run['id']}: {len(rows)} rows ({len(rows) - len(runnable)} unavailable), sweep {n_sweep} "
+          f"configurations on {len(sweep_idx)} prompts, then {len(runnable)} rows x {args.repeats} repeats on {n} "
+          f"prompts; estimated {_mmss(total)} (min:s)", file=sys.stderr)
+    bar = Progress(total)
+
+    # 2. sweep: the i-th configuration of every row, then the (i+1)-th, ...
+    raw: dict = {"sweep": {}, "final": {}}
+    order = [(r, r.mode.configs[i]) for i in range(max((len(r.mode.configs) for r in runnable), default=0))
+             for r in runnable if i < len(r.mode.configs)]
+    sweep_out: dict = {r.name: [] for r in runnable}
+    for r, c in order:
+        bar.show(f"sweep {r.name}: {c.label}")
+        out = run_system(f"{r.name} {c.label}", cmd(r, c, sfile), args.timeout)
+        raw["sweep"][f"{r.name} | {c.label}"] = out
+        sweep_out[r.name].append((c, out))
+        bar.done += est(r, ns)
+    ok_plain = {r.name for r in runnable if r.kind == "plain" and r.mode.system == "edgespec"
+                and any("error" not in o for _, o in sweep_out[r.name])}
+    sweep_ref = {nm: next(o for _, o in sweep_out[nm] if "error" not in o) for nm in ok_plain}
+    sweep: dict = {}
+    best: dict = {}
+    for r in runnable:
+        refname = reference_row(r.precision, ok_plain)
+        ref = sweep_ref.get(refname) if refname != r.name else None
+        sweep[r.name] = [dict(summarize(o, ref, len(sweep_idx)), config=c.label, argv=list(c.argv), run_id=run["id"],
+                              started=o["started"], ended=o["ended"]) for c, o in sweep_out[r.name]]
+        b = select_best(sweep[r.name])
+        best[r.name] = next((c for c in r.mode.configs if b and c.label == b["config"]), None)
+    load["after_sweep"] = machine_load()
+
+    # 3. final: each row's best configuration on every prompt, rows rotated each repeat
+    final = [r for r in runnable if best[r.name] is not None]
+    outs: dict = {r.name: [] for r in final}
+    for rep in range(args.repeats):
+        rot = final[rep % len(final):] + final[:rep % len(final)] if final else []
+        for r in rot:
+            bar.show(f"final {rep + 1}/{args.repeats} {r.name}: {best[r.name].label}")
+            outs[r.name].append(run_system(r.name, cmd(r, best[r.name], pfile), args.timeout))
+            bar.done += est(r, nt)
+    bar.show("bandwidth and load")
+    print(file=sys.stderr)
+    merged = {nm: merge_repeats(o) for nm, o in outs.items()}
+    raw["final"] = merged
+    bw.append(read_bandwidth([1, 2], args.membw_mib, args.membw_reps))
+    load["end"] = machine_load()
+
+    ok_final = {nm for nm in merged if "error" not in merged[nm] and nm.startswith("edgespec plain")}
+    systems: dict = {}
+    for r in rows:
+        stamp = {"run_id": run["id"]}
+        meta = {"system": r.mode.system, "precision": r.precision, "kind": r.kind, "provider": r.provider,
+                "engine": r.engine}
+        if r.unavailable:
+            systems[r.name] = dict(meta, status="unavailable", error=r.unavailable, started=run["started_epoch"],
+                                   ended=run["started_epoch"], **stamp)
+            continue
+        if r.name not in merged:
+            err = next((t["error"] for t in sweep[r.name] if t["status"] != "ok"), "no configuration ran")
+            systems[r.name] = dict(meta, status="failed", error=f"every configuration failed in the sweep; first: {err}",
+                                   started=sweep_out[r.name][0][1]["started"], ended=sweep_out[r.name][-1][1]["ended"],
+                                   **stamp)
+            continue
+        out = merged[r.name]
+        refname = reference_row(r.precision, ok_final)
+        s = summarize(out, merged.get(refname) if refname != r.name else None, n)
+        s.update(meta, config=best[r.name].label, selected_from=len(r.mode.configs), agreement_reference=refname,
+                 started=out["started"], ended=out["ended"], **stamp)
+        if r.mode.system == "edgespec" and r.kind != "plain" and "error" not in out:
+            own = f"edgespec plain {r.precision} {r.provider}"
+            if own in ok_final:
+                s["identical_to_own_plain"] = summarize(out, merged[own], n).get("identical_prompts")
+        if "error" not in out:
+            cfg = out.get("config") or {}
+            if cfg.get("builds"):
+                s["builds"] = {role: _rel(b["builder_command"]) for role, b in cfg["builds"].items()}
+            if r.mode.system == "llama.cpp" and cfg.get("target_gguf"):
+                s["gguf_bytes"] = Path(ROOT / cfg["target_gguf"]).stat().st_size \
+                    if (ROOT / cfg["target_gguf"]).is_file() else None
+            if r.mode.system == "edgespec":
+                s["threads"] = cfg.get("threads")
+            elif cfg.get("threads") is not None:
+                s["threads"] = cfg.get("threads")
+        systems[r.name] = s
+
+    roofline = {"bandwidth_measurements": bw, "mean_context_tokens": mean_ctx,
+                "read_gbs_best": {t: best_bandwidth(bw, int(t)) for t in ("1", "2")}, "rows": {}}
+    for r in rows:
+        s = systems[r.name]
+        if r.kind != "plain" or s.get("status") != "ok":
+            continue
+        th = s.get("threads") if isinstance(s.get("threads"), int) else (os.cpu_count() or 1)
+        g = best_bandwidth(bw, min(int(th), 2))
+        if not g:
+            continue
+        if r.mode.system == "edgespec":
+            w = weight_bytes_per_token(ROOT / r.engine, r.provider)
+            m = json.loads((ROOT / r.engine / "engine.json").read_text())
+            kv = kv_bytes_per_context_token(m) * mean_ctx
+            entry = dict(w, weight_bytes=w["bytes"], kv_bytes=kv, bytes_per_token=w["bytes"] + kv)
+        elif s.get("gguf_bytes"):
+            entry = {"bytes_per_token": s["gguf_bytes"], "how": "the GGUF's file size (an upper bound: the whole "
+                                                                "embedding table; KV cache not counted)"}
+        else:
+            continue
+        entry.update(threads=th, read_gbs=g, **roofline_share(_tps(s), entry["bytes_per_token"], g))
+        roofline["rows"][r.name] = entry
+        s["roofline_share"] = entry["share"]
+
+    (rdir / "raw.json").write_text(json.dumps(raw))
+    run["ended_epoch"] = time.time()
+    run["ended"] = _iso(run["ended_epoch"])
+    run["duration_min"] = round((run["ended_epoch"] - run["started_epoch"]) / 60, 1)
+    from bench_speculative import machine
+    report = {"run": run, "checkpoints": {"name": name, "target": tgt, "draft": dft, "preset": args.preset,
+                                          "standin": _standin_facts(target_ck)},
+              "prompts": {"code": args.code_prompts, "prose": n - args.code_prompts, "count": n,
+                          "sweep_prompt_indices": sweep_idx},
+              "max_new_tokens": args.max_new_tokens, "decoding": "greedy", "repeats": args.repeats,
+              "engines": {f"target {d}": f.record | ({"error": f.error} if f.error else {}) for d, f in folders.items()}
+              | {f"draft {draft.dtype}": draft.record | ({"error": draft.error} if draft.error else {})},
+              "peer_builds": peer_builds,
+              "systems": systems, "sweep": {"modes": sweep}, "roofline": roofline,
+              "targets": targets(systems, rows, roofline), "load": load, "machine": machine(),
+              "method": {"selection": "each row's fastest sweep configuration among those whose tokens matched "
+                                      "edgespec's own plain at the same precision on every sweep prompt (if none "
+                                      "matched: the fastest, flagged)",
+                         "schedule": "sweep: configurations interleaved across rows; final: one process per (row, "
+                                     "repeat), rows rotated each repeat"},
+              "raw": _rel(str(rdir / "raw.json"))}
+    write_report(report, args.out)
+    print(markdown(report))
+    return 0
+
+
+def _standin_facts(ckpt: Path) -> dict | None:
+    p = ckpt / "standin.json"
+    if not p.is_file():
+        return None
+    s = json.loads(p.read_text())
+    return {k: s.get(k) for k in ("name", "params", "bytes", "recipe")}
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+def write_report(report: dict, out: Path) -> None:
+    """JSON, markdown and PNG beside `out`, after bench_peers.check_same_run (it raises instead of writing rows
+    from two runs)."""
+    check_same_run(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    plot(report, out.with_suffix(".png"))
+
+
+def _f(x, fmt=".1f", none="–"):
+    return none if x is None else format(x, fmt)
+
+
+def markdown(r: dict) -> str:
+    run = r["run"]
+    ck = r["checkpoints"]
+    rows = [f"Run `{run['id']}`: {run['started']} .. {run['ended']} ({run['duration_min']} min), every row from this "
+            f"run. Checkpoints: {ck['target']} (target), {ck['draft']} (draft); {r['prompts']['count']} prompts x "
+            f"{r['max_new_tokens']} new tokens, greedy, {r['repeats']} repeat(s).", ""]
+    tg = r.get("targets") or []
+    if tg:
+        rows += ["**Issue 28's targets:**", ""]
+        for t in tg:
+            mark = {True: "met", False: "NOT met", None: "not measured"}[t.get("met")]
+            if "value" not in t:
+                rows.append(f"- {t['target']}: {mark} ({t.get('why', '')})")
+            elif "b" in t and t.get("b"):
+                rows.append(f"- {t['target']}: **{t['value']:.2f}x** ({t['a']} {t['a_tokens_per_s']:.1f} vs {t['b']} "
+                            f"{t['b_tokens_per_s']:.1f} tok/s): {mark}" + (f" ({t['why']})" if t.get("why") else ""))
+            else:
+                rows.append(f"- {t['target']}: **{100 * t['value']:.0f}%**: {mark}")
+        rows.append("")
+    rows += ["| row | tok/s median (min–max) | acceptance | identical to edgespec plain (reference) | "
+             "% of DRAM roofline | peak RSS MiB | configuration (best in the sweep) |", "|---|---|---|---|---|---|---|"]
+    for name, s in r["systems"].items():
+        if s["status"] != "ok":
+            rows.append(f"| {name} | {s['status']}: {_brief(s.get('error', ''))[:200]} | | | | | |")
+            continue
+        t = s["tokens_per_s"]
+        same = s.get("identical_prompts", "–")
+        if s.get("agreement_reference"):
+            same += f" ({s['agreement_reference'].replace('edgespec plain ', '')})"
+        if s.get("identical_to_own_plain"):
+            same += f"; own plain {s['identical_to_own_plain']}"
+        cfg = s.get("config", "") + (f" (of {s['selected_from']})" if s.get("selected_from", 1) > 1 else "")
+        rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | {_f(s.get('acceptance_rate'), '.3f')} "
+                    f"| {same} | {_f(100 * s['roofline_share'] if s.get('roofline_share') else None, '.0f')} | "
+                    f"{s['peak_rss_mib']:.0f} | {cfg} |")
+    rf = r["roofline"]
+    bwl = []
+    for k, m in enumerate(rf["bandwidth_measurements"]):
+        bwl.append(("before" if k == 0 else "after") + ": " + ", ".join(
+            f"{t} thread{'s' if t != '1' else ''} {v['gbs_best']:.1f} GB/s (median {v['gbs_median']:.1f})"
+            if "gbs_best" in v else f"{t}: {v.get('error')}" for t, v in m.items() if isinstance(v, dict))
+            if "error" not in m else f"error: {m['error']}")
+    rows += ["", f"DRAM read bandwidth (bench/membw.c, a native read loop over 512 MiB): {'; '.join(bwl)}. Roofline "
+                 f"rows use the best at their thread count; KV cache at the prompts' mean context "
+                 f"({rf['mean_context_tokens']:.0f} tokens).", ""]
+    for name, e in rf["rows"].items():
+        rows.append(f"- {name}: {e['bytes_per_token'] / 1e6:.1f} MB per token ({e['how']}) x "
+                    f"{_tps(r['systems'][name]):.1f} tok/s = {e['achieved_gbs']:.1f} GB/s of {e['read_gbs']:.1f} at "
+                    f"{e['threads']} thread(s): **{100 * e['share']:.0f}%** (roofline {e['roofline_tokens_per_s']:.1f} tok/s)")
+    ld = r.get("load", {})
+    rows += ["", "Machine load (load average 1/5/15 min; other processes' CPU, % of one core): " + "; ".join(
+        f"{k} {v['loadavg_1_5_15']}, others {v['others_cpu_percent']}%"
+        + (" (" + ", ".join(f"{b['name']} {b['cpu_percent']}%" for b in v["busiest_others"][:3]) + ")"
+           if v["busiest_others"] else "") for k, v in ld.items()), ""]
+    rows += ["Engine folders (`edgespec export`):", ""]
+    for k, e in r["engines"].items():
+        rows.append(f"- {k}: `{e.get('command')}`" + (f" failed: {e['error']}" if e.get("error") else
+                    f", {'reused' if e.get('reused') else 'exported in ' + str(e.get('export_s')) + ' s'}"
+                    f"; native: {e.get('native') or 'none'}"
+                    + (f"; precision gate {e.get('precision_gate')}" if e.get("precision_gate") else "")))
+    rows += ["", "Peer builds (one short runner call each, before the sweep):", ""]
+    for k, b in r["peer_builds"].items():
+        rows.append(f"- {k}: {b['status']}" + (f" ({b['rows']} rows): {b['error']}" if b["status"] != "ok" else "")
+                    + "".join(f"; {role} `{_rel(x['builder_command'])}`" for role, x in (b.get("builds") or {}).items()))
+    rows += ["", f"Every configuration tried (sweep: prompts {r['prompts']['sweep_prompt_indices']} of "
+                 f"{r['prompts']['count']}, once each; {r['method']['selection']}):", "",
+             "| row | configuration | tok/s | acceptance | identical | |", "|---|---|---|---|---|---|"]
+    for name, tried in r["sweep"]["modes"].items():
+        chosen = r["systems"].get(name, {}).get("config")
+        for t in tried:
+            if t["status"] != "ok":
+                rows.append(f"| {name} | {t['config']} | failed: {_brief(t['error'])[:160]} | | | |")
+                continue
+            rows.append(f"| {name} | {t['config']} | {t['tokens_per_s']['median']:.1f} | "
+                        f"{_f(t.get('acceptance_rate'), '.3f')} | {t.get('identical_prompts', '–')} | "
+                        f"{'**selected**' if t['config'] == chosen else ''} |")
+    rows.append(f"\nCommand: `{run['command']}`")
+    return "\n".join(rows) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(r["systems"])
+    if not names:
+        return
+    fig, ax = plt.subplots(figsize=(11, 0.32 * len(names) + 1.8))
+    color = {"edgespec": "tab:green", "llama.cpp": "tab:purple", "ORT GenAI": "tab:blue"}
+    y = np.arange(len(names))
+    for i, nm in enumerate(names):
+        s = r["systems"][nm]
+        if s["status"] != "ok":
+            ax.text(0, i, f"  {s['status']}", va="center", fontsize=7, color="grey")
+            continue
+        t = s["tokens_per_s"]
+        ax.barh(i, t["median"], xerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]],
+                color=color.get(s.get("system"), "tab:orange"), alpha=0.9 if s.get("kind") == "plain" else 0.6)
+        roof = r["roofline"]["rows"].get(nm)
+        if roof:
+            ax.plot([roof["roofline_tokens_per_s"]] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5)
+    ax.set_yticks(y, [f"{nm}\n{r['systems'][nm].get('config', '')[:60]}" for nm in names], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (median over repeats; whiskers min–max); black ticks: DRAM roofline of plain rows")
+    ck = r["checkpoints"]
+    ax.set_title(f"{ck['name']} stand-in, {r['prompts']['count']} prompts x {r['max_new_tokens']} tokens, greedy, "
+                 f"{r.get('machine', {}).get('cores', '?')}-core CPU, run {r['run']['id']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

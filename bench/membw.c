@@ -1,0 +1,64 @@
+/* DRAM read bandwidth: a native read loop over a buffer far larger than the last-level cache, the ceiling a
+ * decode step that streams its weights can reach (bench/bench_realsize.py's roofline).
+ *
+ *     cc -O3 -march=native -fopenmp bench/membw.c -o membw && ./membw 512 7 2
+ *
+ * Arguments: buffer MiB (default 512), repetitions (default 7), OpenMP threads (default: OpenMP's). Each repetition
+ * sums every 64-bit word of the buffer (a static split across the threads, vectorised by the compiler); the buffer
+ * is written once before timing (first touch by the thread that reads it). Prints one JSON object: the GB/s of each
+ * repetition (bytes read / wall time, 1 GB = 1e9 bytes), the best and the median, and a checksum (so the loop is
+ * not optimised away). Exit 2 on bad arguments or when the buffer cannot be allocated.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    long mib = argc > 1 ? atol(argv[1]) : 512;
+    int reps = argc > 2 ? atoi(argv[2]) : 7;
+    int threads = argc > 3 ? atoi(argv[3]) : 0;
+    if (mib < 1 || reps < 1 || reps > 1000 || threads < 0) {
+        fprintf(stderr, "usage: membw [MiB >= 1] [repetitions 1..1000] [threads >= 0]\n");
+        return 2;
+    }
+    if (threads > 0) omp_set_num_threads(threads);
+    size_t n = (size_t)mib * 1024 * 1024 / sizeof(uint64_t);
+    uint64_t *a = aligned_alloc(64, n * sizeof(uint64_t));
+    if (!a) {
+        fprintf(stderr, "membw: cannot allocate %ld MiB\n", mib);
+        return 2;
+    }
+    int used = 1;
+#pragma omp parallel
+    {
+#pragma omp single
+        used = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (size_t i = 0; i < n; i++) a[i] = i ^ 0x9e3779b97f4a7c15ULL;
+    }
+    double *gbs = malloc(reps * sizeof(double));
+    uint64_t check = 0;
+    for (int r = 0; r < reps; r++) {
+        uint64_t s = 0;
+        double t0 = omp_get_wtime();
+#pragma omp parallel for schedule(static) reduction(+ : s)
+        for (size_t i = 0; i < n; i++) s += a[i];
+        double t = omp_get_wtime() - t0;
+        check += s;
+        gbs[r] = (double)(n * sizeof(uint64_t)) / t / 1e9;
+    }
+    printf("{\"threads\": %d, \"mib\": %ld, \"repetitions\": %d, \"gbs\": [", used, mib, reps);
+    for (int r = 0; r < reps; r++) printf("%s%.3f", r ? ", " : "", gbs[r]);
+    qsort(gbs, reps, sizeof(double), cmp);
+    printf("], \"gbs_best\": %.3f, \"gbs_median\": %.3f, \"checksum\": %llu}\n", gbs[reps - 1],
+           reps % 2 ? gbs[reps / 2] : 0.5 * (gbs[reps / 2 - 1] + gbs[reps / 2]), (unsigned long long)check);
+    free(gbs);
+    free(a);
+    return 0;
+}

@@ -1,0 +1,306 @@
+"""The real-size benchmark's logic (bench/bench_realsize.py): which rows each engine folder supports and why the
+others cannot run, bytes per token from engine folders, the roofline arithmetic, the issue's targets, the report
+carrying unavailable rows. Fast and peer-free: no runner, peer environment or real-size model is started."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import bench_realsize as br  # noqa: E402
+from bench_peers import MixedRunsError  # noqa: E402
+
+ROOT = br.ROOT
+
+
+def args(**over):
+    return br.parse_args(["--preset", "qwen2.5-0.5b"] + [x for k, v in over.items()
+                                                          for x in (f"--{k.replace('_', '-')}", v)])
+
+
+def folders(int8_native=None, fp16_native=None, int4_error=None):
+    """What the exports give today (native weights only in the fp32 folder, fp16), or with int8 native weights."""
+    why = "native weights go with fp32 ids-input engines; this one is {}, ids"
+    f = {"fp16": br.Folder("fp16", ROOT / ".cache/e/x-fp16", fp16_native, None if fp16_native else why.format("fp16")),
+         "int8": br.Folder("int8", ROOT / ".cache/e/x-int8", int8_native, None if int8_native else why.format("int8")),
+         "int4": br.Folder("int4", ROOT / ".cache/e/x-int4", None, why.format("int4")),
+         "fp32": br.Folder("fp32", ROOT / ".cache/e/x-fp32", "fp16", None)}
+    if int4_error:
+        f["int4"] = br.Folder("int4", error=int4_error)
+    return f
+
+
+DRAFT = br.Folder("int8", ROOT / ".cache/e/x-draft-int8", None, "int8 draft: no native weights")
+
+
+# ---- which rows run, on which folder, and why the others do not -------------------------------------------------
+def test_native_precision_reads_extra_native_weights_defaulting_to_fp16():
+    assert br.native_precision({"native": {"file": "native.npz"}}) == ("fp16", None)
+    assert br.native_precision({"native": {"file": "native.npz", "weights": "float16"}}) == ("fp16", None)
+    assert br.native_precision({"native": {"file": "native.npz", "weights": "int4"}}) == ("int4", None)
+    assert br.native_precision({"native": {"unavailable": "no C compiler"}}) == (None, "no C compiler")
+    nat, why = br.native_precision({})
+    assert nat is None and "no extra.native" in why
+
+
+def test_every_edgespec_row_is_planned_and_the_unsupported_ones_say_why():
+    rows = {r.name: r for r in br.edgespec_rows(folders(), DRAFT, args())}
+    assert len(rows) == 3 * 2 * 4  # precision x provider x kind: nothing dropped
+    nat16 = rows["edgespec plain fp16 cpu-native"]
+    assert nat16.unavailable is None and nat16.engine == ".cache/e/x-fp32"  # the fp32 folder's float16 copy
+    assert "native weights of the fp32 folder" in nat16.mode.configs[0].label
+    for prec in ("int8", "int4"):
+        for kind in br.EDGESPEC_KINDS:
+            r = rows[f"edgespec {kind} {prec} cpu-native"]
+            assert r.mode.configs == () and f"no engine folder has {prec} native weights" in r.unavailable
+            assert f"this one is {prec}" in r.unavailable and "fp32 folder's native weights are fp16" in r.unavailable
+        assert rows[f"edgespec plain {prec} cpu"].engine == f".cache/e/x-{prec}"
+    assert all(r.unavailable is None for n, r in rows.items() if n.endswith(" cpu"))
+
+
+def test_native_int8_weights_once_exported_make_their_rows_run_on_that_folder():
+    rows = {r.name: r for r in br.edgespec_rows(folders(int8_native="int8", fp16_native="fp16"), DRAFT, args())}
+    assert rows["edgespec plain int8 cpu-native"].unavailable is None
+    assert rows["edgespec plain int8 cpu-native"].engine == ".cache/e/x-int8"
+    assert rows["edgespec plain fp16 cpu-native"].engine == ".cache/e/x-fp16"  # its own folder before fp32's
+    assert rows["edgespec ngram int4 cpu-native"].unavailable  # still none for int4
+
+
+def test_a_failed_export_or_a_missing_draft_makes_rows_unavailable_with_the_error():
+    rows = {r.name: r for r in br.edgespec_rows(folders(int4_error="exit 1: precision gate"), None, args())}
+    assert "edgespec export --dtype int4 failed: exit 1: precision gate" in rows["edgespec plain int4 cpu"].unavailable
+    assert "the int4 export failed (exit 1: precision gate)" in rows["edgespec plain int4 cpu-native"].unavailable
+    for kind in ("draft", "draft+lookup"):
+        assert "no draft engine" in rows[f"edgespec {kind} fp16 cpu"].unavailable
+    assert rows["edgespec ngram fp16 cpu"].unavailable is None and rows["edgespec plain fp16 cpu"].unavailable is None
+
+
+def test_edgespec_configurations_are_the_runner_arguments_of_each_sweep_point():
+    rows = {r.name: r for r in br.edgespec_rows(folders(), DRAFT, args(plain_threads="1,2", gammas="4,auto",
+                                                                       lookup_gammas="6", lookups="2,3",
+                                                                       lookup_lengths="0,16"))}
+    plain = rows["edgespec plain int4 cpu"].mode.configs
+    assert [c.argv for c in plain] == [("--mode", "plain", "--provider", "cpu", "--target-engine", ".cache/e/x-int4",
+                                        "--threads", t) for t in ("1", "2")]
+    draft = rows["edgespec draft fp16 cpu-native"].mode.configs
+    assert [c.argv[c.argv.index("--gamma") + 1] for c in draft] == ["4", "auto"]
+    assert all(c.argv[c.argv.index("--draft-engine") + 1] == ".cache/e/x-draft-int8" for c in draft)
+    assert draft[0].label.startswith("γ=4, int8 draft on cpu")  # the draft has no native weights: it runs on cpu
+    look = rows["edgespec draft+lookup int8 cpu"].mode.configs
+    assert len(look) == 4 and all(c.argv[:2] == ("--mode", "draft") and "--lookup" in c.argv for c in look)
+    assert sum("--lookup-gamma" in c.argv for c in look) == 2
+    assert all("--draft-engine" not in c.argv for c in rows["edgespec ngram int8 cpu"].mode.configs)
+
+
+def test_peer_rows_follow_the_precisions_and_a_failed_build_keeps_its_rows_unavailable():
+    rows = br.llamacpp_rows(args(llamacpp_threads="2"), {"q8_0": "llama.cpp q8_0 did not build: boom"})
+    assert [(r.name, r.precision) for r in rows] == [(f"llama.cpp {k} {g}", p) for g, p in
+                                                      (("f16", "fp16"), ("q8_0", "int8"), ("q4_0", "int4"))
+                                                      for k in ("plain", "draft", "lookup")]
+    for r in rows:
+        assert (r.mode.configs == ()) == ("q8_0" in r.name) and bool(r.unavailable) == ("q8_0" in r.name)
+    assert [r.name for r in br.llamacpp_rows(args(precisions="int4"), {})] == [
+        "llama.cpp plain q4_0", "llama.cpp draft q4_0", "llama.cpp lookup q4_0"]
+    g = {r.name: r for r in br.genai_rows(args(genai_precisions="int4,fp16", genai_threads="0,2"),
+                                          {"ORT GenAI draft fp16": "did not build"})}
+    assert set(g) == {f"ORT GenAI {k} {p}" for k in ("plain", "draft", "ngram") for p in ("int4", "fp16")}
+    assert g["ORT GenAI draft fp16"].unavailable and g["ORT GenAI plain fp16"].mode.configs
+    d = g["ORT GenAI draft int4"].mode.configs
+    assert ("--draft-precision", "int4") == d[0].argv[4:6] and {c.argv[-1] for c in d} == {"0", "1"}
+
+
+def test_a_missing_peer_environment_is_recorded_unavailable_with_the_set_up_command(tmp_path):
+    (tmp_path / "p.json").write_text('["x"]')
+    rec = br.prepare_peer("genai", "int4", [str(tmp_path / ".venv-genai" / "bin" / "python"), "runner.py"],
+                          tmp_path / "p.json", 10)
+    assert rec["status"] == "unavailable" and rec["rows"] == "all" and "bash bench/setup_peers.sh" in rec["error"]
+
+
+def test_rows_are_ordered_by_precision_then_system_and_the_reference_is_plain_at_that_precision():
+    rows = br.order_rows(br.genai_rows(args(genai_precisions="int4"), {}) + br.llamacpp_rows(args(), {})
+                         + br.edgespec_rows(folders(), DRAFT, args()))
+    assert rows[0].name == "edgespec plain fp16 cpu-native" and rows[-1].name == "ORT GenAI ngram int4"
+    assert [r.precision for r in rows] == sorted((r.precision for r in rows), key=br.PRECISIONS.index)
+    ok = {"edgespec plain fp16 cpu-native", "edgespec plain int4 cpu"}
+    assert br.reference_row("fp16", ok) == "edgespec plain fp16 cpu-native"
+    assert br.reference_row("int4", ok) == "edgespec plain int4 cpu"
+    assert br.reference_row("fp32", ok) == "edgespec plain fp16 cpu-native"
+    assert br.reference_row("int8", ok) is None
+
+
+# ---- bytes per token, the roofline ------------------------------------------------------------------------------
+def test_native_bytes_per_token_are_every_array_but_the_embedding_plus_one_row(tmp_path):
+    arrays = {"embed": np.zeros((4096, 96), np.float16), "lm_head": np.zeros((4096, 96), np.float16),
+              "layers.0.wqkv": np.zeros((50, 96), np.int8), "layers.0.wqkv.scales": np.zeros((50, 3), np.float32),
+              "norm": np.zeros(96, np.float32)}
+    np.savez(tmp_path / "native.npz", **arrays)
+    (tmp_path / "engine.json").write_text(json.dumps({"extra": {"native": {"file": "native.npz", "weights": "int8"}}}))
+    got = br.npz_arrays(tmp_path / "native.npz")
+    assert got["layers.0.wqkv.scales"] == ((50, 3), "<f4", 600) and got["embed"][2] == 4096 * 96 * 2
+    w = br.weight_bytes_per_token(tmp_path, "cpu-native")
+    assert w["bytes"] == 4096 * 96 * 2 + 50 * 96 + 600 + 96 * 4 + 96 * 2
+    with pytest.raises(ValueError, match="weight_bytes_per_token"):
+        br.weight_bytes_per_token(tmp_path, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    """A tiny fp32 export whose shapes the native step takes (multiples of 16): native.npz and the ONNX graph."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from conftest import char_tokenizer_json
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("realsize")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.float16).save_pretrained(root / "ckpt", safe_serialization=True)
+    char_tokenizer_json(root / "ckpt" / "tokenizer.json")
+    export_engine(root / "ckpt", root / "eng", max_context=64, progress=False)
+    return root / "eng"
+
+
+def test_bytes_per_token_of_a_real_engine_folder(tiny_engine):
+    m = json.loads((tiny_engine / "engine.json").read_text())
+    ort = br.weight_bytes_per_token(tiny_engine, "cpu")
+    assert ort["bytes"] == m["extra"]["weight_bytes_per_token"]["total"] > 0
+    assert br.kv_bytes_per_context_token(m) == 2 * 2 * 1 * 16 * 4
+    f = br.folder_info(tiny_engine, "fp32")
+    if f.native is None:  # the native step could not be built here: its reason is what the row reports
+        assert f.native_why
+        return
+    assert f.native == "fp16"
+    with np.load(tiny_engine / "native.npz") as z:
+        row = z["embed"][0].nbytes
+        want = sum(z[k].nbytes for k in z.files if k != "embed") + row
+    nat = br.weight_bytes_per_token(tiny_engine, "cpu-native")
+    assert nat["bytes"] == want and nat["recorded"] == want - row  # inspect's figure: without the row
+
+
+def test_roofline_share_is_tokens_times_bytes_over_bandwidth():
+    r = br.roofline_share(20.0, 1e9, 25.0)
+    assert r["roofline_tokens_per_s"] == pytest.approx(25.0) and r["share"] == pytest.approx(0.8)
+    assert r["achieved_gbs"] == pytest.approx(20.0)
+    assert br.best_bandwidth([{"1": {"gbs_best": 9.0}, "2": {"gbs_best": 14.0}},
+                              {"1": {"gbs_best": 11.0}, "2": {"error": "x"}}], 1) == 11.0
+    assert br.best_bandwidth([{"error": "no cc"}], 2) is None
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_the_native_read_loop_compiles_and_measures(monkeypatch, tmp_path):
+    monkeypatch.setattr(br, "WORK", tmp_path)
+    got = br.read_bandwidth([1, 2], 16, 2)
+    assert got["1"]["threads"] == 1 and got["2"]["threads"] == 2 and len(got["2"]["gbs"]) == 2
+    assert got["1"]["gbs_best"] >= got["1"]["gbs_median"] > 0
+
+
+def test_machine_load_names_other_processes_and_load_averages():
+    ld = br.machine_load(0.05)
+    assert len(ld["loadavg_1_5_15"]) == 3 and ld["others_cpu_percent"] >= 0
+    assert all({"pid", "name", "cpu_percent"} <= set(b) for b in ld["busiest_others"])
+
+
+# ---- export caching ---------------------------------------------------------------------------------------------
+def test_an_engine_folder_is_reused_only_for_the_same_checkpoint_precision_and_export_code(tmp_path):
+    out = tmp_path / "x-int8"
+    out.mkdir()
+    (out / "engine.json").write_text(json.dumps({"source_sha256": "abc", "precision": "int8"}))
+    assert "other export code" in br.reuse_reason(out, "int8", "abc", "code1")
+    (tmp_path / "x-int8.export.json").write_text(json.dumps({"export_code": "code1"}))
+    assert br.reuse_reason(out, "int8", "abc", "code1") is None
+    assert "checkpoint changed" in br.reuse_reason(out, "int8", "abd", "code1")
+    assert "int4 wanted" in br.reuse_reason(out, "int4", "abc", "code1")
+    assert "other export code" in br.reuse_reason(out, "int8", "abc", "code2")
+    assert br.reuse_reason(tmp_path / "none", "int8", "abc", "code1") == "not exported yet"
+
+
+# ---- the targets and the report ---------------------------------------------------------------------------------
+RUN = {"id": "r1", "started_epoch": 1000.0, "ended_epoch": 2000.0, "started": "t0", "ended": "t1",
+       "duration_min": 16.7, "command": "python bench/bench_realsize.py --preset qwen2.5-0.5b"}
+
+
+def ok(tps, system, prec, kind, identical="8/8", **kw):
+    return dict({"status": "ok", "system": system, "precision": prec, "kind": kind, "run_id": "r1", "started": 1100.0,
+                 "ended": 1200.0, "tokens_per_s": {"median": tps, "min": tps - 1, "max": tps + 1},
+                 "ttft_ms_median": 10.0, "peak_rss_mib": 900.0, "identical_prompts": identical, "config": "c"}, **kw)
+
+
+def _rows(systems):
+    out = []
+    for n, s in systems.items():
+        parts = n.split()
+        prov = parts[-1] if s["system"] == "edgespec" else None
+        out.append(br.Row(br.Mode(n, s["system"], "x", ()), s["precision"], s["kind"], prov))
+    return out
+
+
+def test_targets_compare_best_against_best_per_precision_and_flag_differing_output():
+    systems = {"edgespec plain int4 cpu": ok(100.0, "edgespec", "int4", "plain"),
+               "edgespec ngram int4 cpu": ok(300.0, "edgespec", "int4", "ngram"),
+               "edgespec draft int4 cpu": ok(250.0, "edgespec", "int4", "draft"),
+               "llama.cpp plain q4_0": ok(120.0, "llama.cpp", "int4", "plain", "3/8"),
+               "llama.cpp lookup q4_0": ok(180.0, "llama.cpp", "int4", "lookup", "2/8"),
+               "ORT GenAI draft int4": ok(250.0, "ORT GenAI", "int4", "draft", "1/8"),
+               "edgespec plain fp16 cpu-native": ok(50.0, "edgespec", "fp16", "plain")}
+    roof = {"rows": {"edgespec plain int4 cpu": {"share": 0.9}, "edgespec plain fp16 cpu-native": {"share": 0.6}}}
+    t = {x["target"]: x for x in br.targets(systems, _rows(systems), roof)}
+    lc = t["int4: edgespec's fastest speculative mode >= 1.5x llama.cpp's fastest int4 mode"]
+    assert (lc["a"], lc["b"], lc["met"]) == ("edgespec ngram int4 cpu", "llama.cpp lookup q4_0", True)
+    assert lc["value"] == pytest.approx(300 / 180)
+    ga = t["int4: edgespec's fastest speculative mode >= 1.5x ORT GenAI's fastest int4 mode"]
+    assert ga["value"] == pytest.approx(1.2) and ga["met"] is False
+    fp16 = t["fp16: edgespec's fastest mode >= 2x llama.cpp's fastest f16 mode"]
+    assert fp16["met"] is None and "no peer row ran" in fp16["why"]
+    assert t["int4: edgespec plain (cpu) >= llama.cpp plain q4_0"]["value"] == pytest.approx(100 / 120)
+    assert t["edgespec plain int4 cpu >= 85% of the DRAM roofline"]["met"] is True
+    assert t["edgespec plain fp16 cpu-native >= 85% of the DRAM roofline"]["met"] is False
+    systems["edgespec ngram int4 cpu"]["identical_prompts"] = "7/8"  # fast, but not edgespec's own output
+    lc = br.targets(systems, _rows(systems), roof)[0]
+    assert lc["met"] is False and "differs from edgespec's int4 plain (7/8)" in lc["why"]
+
+
+def _report(systems):
+    return {"run": RUN, "checkpoints": {"name": "qwen2.5-0.5b", "target": "t", "draft": "d"},
+            "prompts": {"count": 8, "sweep_prompt_indices": [0, 7]}, "max_new_tokens": 64, "repeats": 1,
+            "systems": systems, "sweep": {"modes": {}}, "engines": {}, "peer_builds": {},
+            "roofline": {"bandwidth_measurements": [{"1": {"gbs_best": 20.0, "gbs_median": 19.0}}],
+                         "mean_context_tokens": 120.0, "rows": {}},
+            "targets": [], "load": {}, "method": {"selection": "fastest"}}
+
+
+def test_unavailable_and_failed_rows_are_in_the_report_with_their_reasons(tmp_path):
+    systems = {"edgespec plain fp16 cpu-native": ok(50.0, "edgespec", "fp16", "plain"),
+               "edgespec plain int4 cpu-native": {"status": "unavailable", "system": "edgespec", "run_id": "r1",
+                                                  "started": 1000.0, "ended": 1000.0,
+                                                  "error": "no engine folder has int4 native weights: ..."},
+               "ORT GenAI plain fp16": {"status": "failed", "system": "ORT GenAI", "run_id": "r1", "started": 1300.0,
+                                        "ended": 1310.0, "error": "every configuration failed in the sweep; first: "
+                                                                  "exit 2, no JSON; stderr tail: x\nFP16 not on CPU"}}
+    br.write_report(_report(systems), tmp_path / "r.json")
+    md = (tmp_path / "r.md").read_text()
+    assert "| edgespec plain int4 cpu-native | unavailable: no engine folder has int4 native weights" in md
+    assert "| ORT GenAI plain fp16 | failed: every configuration failed in the sweep; first: exit 2, no JSON; FP16 " \
+           "not on CPU" in md
+    assert json.loads((tmp_path / "r.json").read_text())["systems"]["edgespec plain int4 cpu-native"]["status"] == \
+        "unavailable"
+    assert (tmp_path / "r.png").stat().st_size > 0 or pytest.importorskip("matplotlib") is None
+    systems["ORT GenAI plain fp16"]["run_id"] = "other"
+    with pytest.raises(MixedRunsError):
+        br.write_report(_report(systems), tmp_path / "r2.json")
+    assert not (tmp_path / "r2.json").exists()
+
+
+def test_smoke_settings_apply_unless_given_and_a_checkpoint_is_required():
+    a = br.parse_args(["--preset", "qwen2.5-0.5b", "--smoke", "--max-new-tokens", "8"])
+    assert (a.code_prompts, a.max_new_tokens, a.gammas, a.repeats) == (2, 8, "4", 1)
+    full = br.parse_args(["--preset", "qwen2.5-0.5b"])
+    assert (full.code_prompts, full.max_new_tokens) == (8, 64)
+    with pytest.raises(SystemExit):
+        br.parse_args(["--target", "x"])
+    with pytest.raises(SystemExit):
+        br.parse_args(["--preset", "qwen2.5-0.5b", "--precisions", "fp8"])
