@@ -276,10 +276,9 @@ class NativeEngine:
             raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
         if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
             raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
-        if m.input_mode != "ids" or m.kind != "decoder" or m.cache_dtype != "float32":
-            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders with a float32 cache; this "
-                              f"folder has input_mode {m.input_mode!r}, kind {m.kind!r}, cache {m.cache_dtype}: use "
-                              f"provider 'cpu'")
+        if m.input_mode != "ids" or m.kind != "decoder":  # its cache is its own, float32 whatever engine.json's
+            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders; this folder has "
+                              f"input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
         fmt = int(info.get("format", 1))
         if fmt not in (1, FORMAT):
             raise EngineError(f"{path}: native weights of format {fmt}; this edgespec reads formats 1 and {FORMAT} "

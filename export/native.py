@@ -1,13 +1,24 @@
 """Native CPU weights for an engine folder (edgespec/native.py): `native.npz` plus engine.json's extra["native"].
 
-    python -m edgespec.export.native ENGINE_DIR --checkpoint CHECKPOINT_DIR
+    python -m edgespec.export.native ENGINE_DIR --checkpoint CHECKPOINT_DIR [--weights float16|int8|int4]
 
-Written only when every weight matrix is exactly a float16 (a checkpoint stored in float16 or rounded to
-it), so the native engine computes the fp32 engine's function: nothing is rounded here. Then a gate runs the
-native engine against the folder's ONNX Runtime engine on held-out tokens: the same greedy ids, and logits
-within 1e-3 (they differ in summation order only). `edgespec export` calls `add_native` for fp32 ids-input
-exports of every family; engine.json's extra["native"] records which family options the folder uses
-(`features`), the npz layout (`format`), and the gate.
+The weights follow the folder's precision (WEIGHTS_FOR), or --weights:
+
+  fp32 folder   float16 matrices, written only when every weight matrix is exactly a float16 (a checkpoint
+                stored in float16 or rounded to it), so the native engine computes the fp32 engine's function:
+                nothing is rounded. The gate runs it against the folder's ONNX Runtime engine on held-out
+                tokens: the same greedy ids, and logits within 1e-3 (they differ in summation order only).
+  fp16 folder   float16 matrices, rounded to nearest where the checkpoint's are not float16;
+  int8, int4    blocks of 32 values with one float16 scale each (edgespec.native.quantize_blocks); int4 keeps
+                the lm_head at int8, as the ONNX int4 variant does (quantize.WEIGHT_ONLY).
+                These compute a function of their own (the ONNX variant's weights are rounded another way and
+                its int8 / int4 products quantize the activations too), so their gate is the precision gate's:
+                top-1 agreement with the fp32 logits on the held-out tokens >= 0.99 for a target, or the
+                override (allow_lossy) recorded; a draft's agreement is recorded, never refused.
+
+`edgespec export` calls `add_native` for ids-input exports of every family and precision; engine.json's
+extra["native"] records which family options the folder uses (`features`), the npz layout (`format`), the
+weights, and the gate.
 """
 from __future__ import annotations
 
@@ -20,11 +31,15 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.native import ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, pack
+from edgespec.native import (ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, QB, WEIGHT_KINDS, pack,
+                             pack_blocks, quantize_blocks)
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
 LOGIT_TOLERANCE = 1e-3
+# a folder's precision -> the native weights written beside its graph (None: none)
+WEIGHTS_FOR = {"fp32": "float16", "fp16": "float16", "int8": "int8", "int4": "int4", "int8-dynamic": "int8"}
+HEAD_WEIGHTS = {"float16": "float16", "int8": "int8", "int4": "int8"}  # the lm_head's: int4 keeps it at int8
 
 
 def native_features(spec: ModelSpec) -> list[str]:
@@ -46,15 +61,23 @@ def native_record(spec: ModelSpec) -> dict:
             "ropes": len(spec.ropes()), "activation": spec.hidden_act, "features": native_features(spec)}
 
 
-def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The native engine's arrays (edgespec.native.expected_shapes names them); CheckpointError naming the
-    first matrix that is not exactly a float16, or what the native step does not compute
-    (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
+def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "float16",
+                  exact: bool = True) -> dict[str, np.ndarray]:
+    """The native engine's arrays (edgespec.native.expected_shapes names them), the matrices as `kind`
+    (float16, int8, int4; the lm_head as HEAD_WEIGHTS[kind]); CheckpointError naming the first matrix that is
+    not exactly a float16 when `exact` (float16 only: else they are rounded), or what the native step does not
+    compute (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
+    if kind not in WEIGHT_KINDS:
+        raise ValueError(f"native weights must be one of {sorted(WEIGHT_KINDS)}, got {kind!r}")
     sizes = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size,
              "num_heads x head_dim": spec.num_heads * spec.head_dim}
     odd = {k: v for k, v in sizes.items() if v % PANEL} | ({"head_dim": spec.head_dim} if spec.head_dim % 8 else {})
     if odd:
         raise CheckpointError(f"the native step needs multiples of {PANEL} (head_dim: of 8); got {odd}")
+    if kind != "float16":
+        odd = {k: v for k, v in sizes.items() if k != "vocab_size" and v % QB}
+        if odd:
+            raise CheckpointError(f"native {kind} weights need inputs in multiples of {QB} (blocks); got {odd}")
     unsupported = native_unsupported(spec)
     if unsupported:
         raise CheckpointError(f"the native step does not compute this {spec.model_type}: it has "
@@ -62,7 +85,7 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
 
     def f16(name: str, w: np.ndarray) -> np.ndarray:
         h = w.astype(np.float16)
-        if not np.array_equal(h.astype(np.float32), w, equal_nan=True):
+        if exact and not np.array_equal(h.astype(np.float32), w, equal_nan=True):
             bad = int(np.sum(h.astype(np.float32) != w))
             raise CheckpointError(f"{name}: {bad} of {w.size} weights are not exactly float16 values; the native "
                                   f"engine would round them (it keeps weights as float16), so it is not built")
@@ -71,8 +94,13 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
     f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
     ropes = [rope.inv_freq_and_scale(spec.rotary_dim) for rope in spec.ropes()]  # as the graphs compute them
     layer_rope = [spec.rope_index(i) for i in range(spec.num_layers)]
+    def packed(name: str, w: np.ndarray, as_kind: str = kind) -> np.ndarray:
+        if as_kind == "float16":
+            return pack(f16(name, w))
+        return pack_blocks(*quantize_blocks(w, as_kind), as_kind)
+
     out = {"embed": f16("model.embed_tokens.weight", weights["model.embed_tokens.weight"]),
-           "lm_head": pack(f16("lm_head.weight", weights["lm_head.weight"])),
+           "lm_head": packed("lm_head.weight", weights["lm_head.weight"], HEAD_WEIGHTS[kind]),
            "norm": f32(weights["model.norm.weight"]),
            "inv_freq": np.array([inv for inv, _ in ropes], np.float32).reshape(len(ropes), spec.rotary_dim // 2),
            "rope_scale": np.array([scale for _, scale in ropes], np.float32),
@@ -84,12 +112,12 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray]) -> dict[str, 
         w = lambda n: weights[p + n]  # noqa: E731
         out[f"layers.{i}.ln1"] = f32(w("input_layernorm.weight"))
         out[f"layers.{i}.ln2"] = f32(weights[spec.mlp_norm(i)])
-        out[f"layers.{i}.wqkv"] = pack(f16(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
-            [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0)))
-        out[f"layers.{i}.wo"] = pack(f16(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight")))
-        out[f"layers.{i}.wgu"] = pack(f16(p + "mlp.{gate,up}_proj.weight", np.concatenate(
-            [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0)))
-        out[f"layers.{i}.wd"] = pack(f16(p + "mlp.down_proj.weight", w("mlp.down_proj.weight")))
+        out[f"layers.{i}.wqkv"] = packed(p + "self_attn.{q,k,v}_proj.weight", np.concatenate(
+            [w(f"self_attn.{n}_proj.weight") for n in "qkv"], 0))
+        out[f"layers.{i}.wo"] = packed(p + "self_attn.o_proj.weight", w("self_attn.o_proj.weight"))
+        out[f"layers.{i}.wgu"] = packed(p + "mlp.{gate,up}_proj.weight", np.concatenate(
+            [w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")], 0))
+        out[f"layers.{i}.wd"] = packed(p + "mlp.down_proj.weight", w("mlp.down_proj.weight"))
         if spec.qkv_bias:
             out[f"layers.{i}.bqkv"] = f32(np.concatenate([w(f"self_attn.{n}_proj.bias") for n in "qkv"], 0))
         if spec.o_bias:
@@ -135,15 +163,54 @@ def native_gate(engine_dir: Path, rows: np.ndarray) -> dict:
             "passed": bool(diff <= LOGIT_TOLERANCE and agree == total)}
 
 
-def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.ndarray], rows: np.ndarray) -> dict:
-    """Write native.npz into engine_dir and record it (or why not) in its engine.json; -> the record."""
+def native_logits(engine_dir: Path, token_rows: list) -> list[np.ndarray]:
+    """Each row (token ids (S,)) through the folder's native engine from an empty cache: its logits (S, V)."""
+    from edgespec.native import NativeEngine
+
+    dec = NativeEngine(engine_dir).decoder()
+    out = []
+    for row in token_rows:  # a row: ids (S,), or (ids, start) (validate.teacher_forced's rows)
+        ids = np.asarray(row[0] if isinstance(row, tuple) else row, np.int64).reshape(1, -1)
+        out.append(np.array(dec(ids))[0])
+        dec.cache.rewind_to(0)
+    return out
+
+
+def native_agreement_gate(engine_dir: Path, token_rows: list, base: list[np.ndarray], kind: str, role: str,
+                          allow_lossy: bool) -> dict:
+    """The precision gate (validate.precision_gate's rule) on the native engine's teacher-forced logits
+    against `base`, the fp32 logits of the same rows: the record, with "passed" False for a target below the
+    threshold unless allow_lossy (then "overridden")."""
+    from .validate import GateError, compare_logits, precision_gate
+
+    m = C.Manifest.read(engine_dir)
+    agree = compare_logits(base, native_logits(engine_dir, token_rows), token_rows, *m.argmax_range)
+    try:
+        gate = precision_gate(agree, f"native {kind}", role, allow_lossy)
+    except GateError as e:
+        return {**agree, "passed": False, "error": str(e)}
+    return {**agree, **gate, "passed": gate["passed"] or gate["overridden"] or not gate["enforced"]}
+
+
+def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.ndarray], rows: np.ndarray,
+               kind: str | None = None, base: tuple[list, list] | None = None, role: str = "target",
+               allow_lossy: bool = False) -> dict:
+    """Write native.npz into engine_dir and record it (or why not) in its engine.json; -> the record.
+    kind: the matrices' weights (None: WEIGHTS_FOR the folder's precision). An exact float16 copy of an fp32
+    folder is gated against the folder's ONNX Runtime engine on `rows`; any other against fp32 logits:
+    base = (token rows, their fp32 logits), the precision gate's rule (module docstring)."""
     engine_dir = Path(engine_dir)
     m = C.Manifest.read(engine_dir)
+    kind = kind or WEIGHTS_FOR.get(m.precision)
+    exact = kind == "float16" and m.precision == "fp32"
     try:
-        if m.precision != "fp32" or m.input_mode != "ids":
-            raise CheckpointError(f"native weights go with fp32 ids-input engines; this one is {m.precision}, "
-                                  f"{m.input_mode}")
-        arrays = native_arrays(spec, weights)
+        if m.input_mode != "ids" or kind is None:
+            raise CheckpointError(f"native weights go with ids-input engines of precision {sorted(WEIGHTS_FOR)}; "
+                                  f"this one is {m.precision}, {m.input_mode}")
+        if not exact and base is None:
+            raise CheckpointError(f"native {kind} weights need the fp32 logits of held-out rows for their gate "
+                                  f"(`base`); none were given")
+        arrays = native_arrays(spec, weights, kind, exact=exact)
     except CheckpointError as e:
         info = {"unavailable": str(e)}
     else:
@@ -152,18 +219,24 @@ def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.nd
         np.savez(tmp, **arrays)
         os.replace(tmp, engine_dir / NATIVE_FILE)
         info = {"file": NATIVE_FILE, "sha256": C.file_sha256(engine_dir / NATIVE_FILE), **native_record(spec),
-                "weights": "float16", "arithmetic": "float32",
+                "weights": kind, "head_weights": HEAD_WEIGHTS[kind], "arithmetic": "float32",
                 # what a token reads: every array but the embedding table, of which it reads one row
-                "weight_bytes_per_token": int(sum(a.nbytes for k, a in arrays.items() if k != "embed"))}
+                "weight_bytes_per_token": int(sum(a.nbytes for k, a in arrays.items() if k != "embed")
+                                              + arrays["embed"].nbytes // arrays["embed"].shape[0])}
+        del arrays
         m.extra["native"] = info
         m.write(engine_dir)
         try:
-            info["gate"] = native_gate(engine_dir, rows)
+            if exact:
+                info["gate"] = native_gate(engine_dir, rows)
+            else:
+                info["gate"] = native_agreement_gate(engine_dir, base[0], base[1], kind, role, allow_lossy)
         except C.EngineError as e:  # no C compiler here: the folder still works on every other provider
             info["gate"] = {"passed": False, "error": str(e)}
         if not info["gate"]["passed"]:
             (engine_dir / NATIVE_FILE).unlink()
-            info = {"unavailable": f"the native engine failed its gate against ONNX Runtime: {info['gate']}"}
+            against = "ONNX Runtime" if exact else "fp32 (the precision gate)"
+            info = {"unavailable": f"the native {kind} engine failed its gate against {against}: {info['gate']}"}
     m.extra["native"] = info
     m.write(engine_dir)
     return info
@@ -173,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m edgespec.export.native", description=__doc__.split("\n\n")[0])
     p.add_argument("engine_dir", type=Path)
     p.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the folder was exported from")
+    p.add_argument("--weights", choices=sorted(WEIGHT_KINDS), default=None,
+                   help="the matrices' storage (default: the folder's precision: fp32/fp16 float16, int8 int8, "
+                        "int4 int4)")
+    p.add_argument("--role", choices=("target", "draft"), default="target",
+                   help="a draft's precision gate is recorded, never refused")
+    p.add_argument("--allow-lossy", action="store_true", help="keep a target below the precision gate (recorded)")
     a = p.parse_args(argv)
     from .checkpoint import hash_files, weight_files
     from .onnx_export import calibration_rows
@@ -186,11 +265,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows, _ = calibration_rows(a.checkpoint, spec.vocab_size, 64, seq=64)
-    info = add_native(a.engine_dir, spec, weights, np.asarray(rows[0][:64]))
+    kind = a.weights or WEIGHTS_FOR.get(m.precision)
+    base = None
+    if not (kind == "float16" and m.precision == "fp32"):  # the precision gate: fp32 logits from the reference
+        import torch
+
+        from .reference import ReferenceDecoder
+        held, _ = calibration_rows(a.checkpoint, spec.vocab_size, 1024)
+        ref = ReferenceDecoder(spec, weights)
+        base = (held, [ref(torch.as_tensor(np.asarray(r, np.int64))[None]).numpy()[0] for r in held])
+    info = add_native(a.engine_dir, spec, weights, np.asarray(rows[0][:64]), kind, base, a.role, a.allow_lossy)
     if "unavailable" in info:
         print(f"{a.engine_dir}: no native weights: {info['unavailable']}", file=sys.stderr)
         return 1
-    print(f"{a.engine_dir}: {NATIVE_FILE} written; gate vs ONNX Runtime: {info['gate']}")
+    print(f"{a.engine_dir}: {NATIVE_FILE} written ({info['weights']} weights); gate: {info['gate']}")
     return 0
 
 

@@ -284,6 +284,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         del reference
         validation = {"parity": parity, "verify": verify}
         quantization = None  # int4 / int8 / int8-dynamic: the settings (quantize.py)
+        native_info = None  # extra["native"]: the native step's weights, or why there are none
         stage_done("verify gate")
         # 5) precision variant: the fp32 engine's teacher-forced logits first, then the variant alone in memory
         bar.set_description(f"export: {dtype} variant")
@@ -317,7 +318,14 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             agree["text"] = source
             validation["agreement_vs_fp32"] = agree
             validation["precision_gate"] = precision_gate(agree, dtype, role, allow_lossy)  # raises for a lossy target
-            del variant, base_logits
+            del variant
+            gc.collect()
+            if input_mode == "ids":  # native weights of this precision, gated against the same fp32 logits
+                from .native import add_native
+                bar.set_description(f"export: native {dtype} weights")
+                native_info = add_native(stage, spec, weights, None, base=(rows, base_logits), role=role,
+                                         allow_lossy=allow_lossy)
+            del base_logits
             gc.collect()
         else:
             del engine
@@ -330,6 +338,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
                           "source_checkpoint": ckpt_dir.name, "quantization": quantization,
                           "weight_bytes_per_token": weight_bytes_per_token(stage / manifest.model_file),
                           "parameters": params}
+        if native_info is not None:
+            manifest.extra["native"] = native_info
         manifest.write(stage)
         if dtype == "fp32" and input_mode == "ids":  # float16 weights for provider cpu-native, where exact
             from .native import add_native

@@ -207,9 +207,14 @@ def agreement(base_engine, variant_engine, token_rows: list, embed=None, embed_v
     ids (S,) or input embeddings (S, E), only positions >= start scored (e.g. a policy's prefix is context,
     its actions are what is decoded). base_engine may also be the base's logits from teacher_forced(), so
     that the two engines need not be in memory together."""
-    lo, hi = variant_engine.manifest.argmax_range
     base = base_engine if isinstance(base_engine, list) else teacher_forced(base_engine, token_rows, embed)
     variant = teacher_forced(variant_engine, token_rows, embed_variant)
+    return compare_logits(base, variant, token_rows, *variant_engine.manifest.argmax_range)
+
+
+def compare_logits(base: list[np.ndarray], variant: list[np.ndarray], token_rows: list, lo: int, hi: int) -> dict:
+    """agreement's numbers for two lists of teacher-forced logits (S, V) of token_rows: top-1 agreement over
+    ids [lo, hi) and mean KL(base || variant)."""
     agree, kls, n = 0, [], 0
     for row, a, b in zip(token_rows, base, variant):
         start = row[1] if isinstance(row, tuple) else 0
