@@ -78,6 +78,8 @@ def build_library() -> Path:
     # EDGESPEC_NATIVE_MARCH: the target CPU (default: this one; the tests also build "x86-64", the portable C path)
     flags = ["-O3", f"-march={os.environ.get('EDGESPEC_NATIVE_MARCH', 'native')}", "-pthread", "-shared", "-fPIC",
              "-std=gnu11"]
+    # EDGESPEC_NATIVE_CFLAGS: more flags (the tests' -DES_TEST_STALL: helpers that stall, native_step.c's pool)
+    flags += os.environ.get("EDGESPEC_NATIVE_CFLAGS", "").split()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
                          + subprocess.run([cc, "--version"], capture_output=True).stdout).hexdigest()[:16]
     out = cache_dir() / f"edgespec_step-{key}.so"
@@ -117,6 +119,15 @@ def _library(path: Path):
     lib.es_matmul.restype = ctypes.c_int
     lib.es_quiesce.argtypes = []
     lib.es_quiesce.restype = None
+    lib.es_stolen.argtypes = []
+    lib.es_stolen.restype = i64
+    lib.es_model_layout.argtypes = [ctypes.POINTER(i64)]
+    lib.es_model_layout.restype = i64
+    off = i64()
+    size = lib.es_model_layout(ctypes.byref(off))
+    if size != ctypes.sizeof(_Model) or off.value != _Model.inv_freq.offset:
+        raise EngineError(f"{path}: es_model is {size} bytes (pointers from {off.value}) in C, "
+                          f"{ctypes.sizeof(_Model)} ({_Model.inv_freq.offset}) in native.py: they must agree")
     return lib
 
 

@@ -49,6 +49,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #ifdef __linux__
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -642,8 +643,11 @@ static int commit_chunk(const es_job *j, uint64_t s, int64_t i, const float *loc
     return 0;
 }
 
-/* claim, compute and commit chunks of job s until none is left: -> chunks computed */
-static int64_t work(const es_job *j, uint64_t s, float *local) {
+static _Atomic int64_t stolen; /* chunks the caller computed after a helper had claimed them (es_stolen) */
+
+/* claim, compute and commit chunks of job s until none is left (tid: 0 the caller, else a helper): -> chunks
+   computed */
+static int64_t work(const es_job *j, uint64_t s, float *local, int tid) {
     int64_t count = 0;
     for (;;) {
         uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
@@ -651,9 +655,25 @@ static int64_t work(const es_job *j, uint64_t s, float *local) {
         if (!atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) continue;
         const int64_t i = (int64_t)(c & IDX_MASK);
         run_chunk(j, i, local);
+#ifdef ES_TEST_STALL /* the tests' build: a helper "descheduled" for 2 ms in every 3rd chunk it holds */
+        if (tid && i % 3 == 1) {
+            struct timespec t = {0, 2000000};
+            nanosleep(&t, NULL);
+        }
+#else
+        (void)tid;
+#endif
         commit_chunk(j, s, i, local);
         count++;
     }
+}
+
+int64_t es_stolen(void) { return atomic_load(&stolen); }
+
+/* for the loader: sizeof es_model and where its pointers start (native.py checks its ctypes copy) */
+int64_t es_model_layout(int64_t *inv_freq_offset) {
+    *inv_freq_offset = (int64_t)offsetof(es_model, inv_freq);
+    return (int64_t)sizeof(es_model);
 }
 
 static void *helper_main(void *arg) {
@@ -672,7 +692,7 @@ static void *helper_main(void *arg) {
                 atomic_thread_fence(memory_order_acquire);
                 if (atomic_load_explicit(&pool.version, memory_order_relaxed) == 2 * s && tid < j.active) {
                     float *local = local_buf(tid, j.local);
-                    if (local) work(&j, s, local);
+                    if (local) work(&j, s, local, tid);
                 }
             }
             atomic_store(&pool.busy[tid], 0);
@@ -761,19 +781,19 @@ static void run_job(es_job *j, int pooled, float *local) {
     if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.wake);
     local = local_buf(0, j->local);
     const int64_t t0 = now_ns();
-    const int64_t mine = work(j, s, local);
+    const int64_t mine = work(j, s, local, 0);
     /* the helpers' claimed chunks: wait about 4 of this thread's chunks (at least 20 us), then compute them */
     const int64_t per = mine ? (now_ns() - t0) / mine : 20000;
     const int64_t patience = 4 * per > 20000 ? 4 * per : 20000, t1 = now_ns();
-    int stolen = 0;
+    int took_over = 0;
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < j->n) {
-        if (!stolen && now_ns() - t1 > patience) {
+        if (!took_over && now_ns() - t1 > patience) {
             for (int64_t i = 0; i < j->n; i++)
                 if (atomic_load_explicit(&j->state[i], memory_order_acquire) < s) {
                     run_chunk(j, i, local);
-                    commit_chunk(j, s, i, local);
+                    if (commit_chunk(j, s, i, local)) atomic_fetch_add(&stolen, 1);
                 }
-            stolen = 1;
+            took_over = 1;
         }
         cpu_relax();
     }

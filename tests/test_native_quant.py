@@ -1,0 +1,289 @@
+"""The native step's integer weights, batches and thread pool (edgespec/native_step.c, edgespec/native.py).
+
+- packing: quantize_blocks / pack_blocks / unpack_blocks / dequantize against each other and the rounding rule;
+- kernels (es_matmul): every weight kind against numpy on the dequantized matrix, and bit for bit the same
+  row whatever the call's row count, thread count, and build (AVX-512 here, AVX2, portable C);
+- whole models: int8 / int4 native engines against the torch reference run on the dequantized weights (the
+  slow obvious reference), greedy ids equal; speculative decoding equal to plain;
+- a batch of sequences at different lengths equal, bit for bit, to each sequence alone;
+- a helper thread that stalls inside its chunks (the -DES_TEST_STALL build) changes no bit: the caller
+  computes the chunk itself and the late result is dropped;
+- the export's native gate and the loader's checks.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+
+import numpy as np
+import pytest
+
+if shutil.which("cc") is None and shutil.which("gcc") is None:
+    pytest.skip("provider cpu-native compiles its step with a C compiler; none here (apt-get install gcc)",
+                allow_module_level=True)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import edgespec  # noqa: E402
+from edgespec.contract import EngineError, Manifest  # noqa: E402
+from edgespec.engine import open_engine  # noqa: E402
+from edgespec.native import (QB, WEIGHT_KINDS, dequantize, library, pack, pack_blocks, quantize_blocks,  # noqa: E402
+                             unpack_blocks)
+from test_native_families import CONFIGS, _make  # noqa: E402
+
+KINDS = ["float16", "int8", "int4"]
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+def _packed(w: np.ndarray, kind: str) -> np.ndarray:
+    return pack(w.astype(np.float16)) if kind == "float16" else pack_blocks(*quantize_blocks(w, kind), kind)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_blocks_round_trip_and_round_to_nearest(kind):
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.3, (48, 4 * QB)).astype(np.float32)
+    w[5, QB:2 * QB] = 0  # an all-zero block: scale 0, values 0
+    q, s = quantize_blocks(w, kind)
+    q2, s2 = unpack_blocks(pack_blocks(q, s, kind), kind)
+    assert np.array_equal(q, q2) and np.array_equal(s.view(np.uint16), s2.view(np.uint16))
+    lo, hi = (-127, 127) if kind == "int8" else (-8, 7)
+    assert q.min() >= lo and q.max() <= hi and s[5, 1] == 0 and not q[5, QB:2 * QB].any()
+    deq = dequantize(pack_blocks(q, s, kind), kind)
+    scale = np.repeat(s.astype(np.float32), QB, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        levels = np.where(scale != 0, w / scale, 0)
+    inside = levels <= hi + 0.5  # int4: the top level, +7, takes what lies past it (q4_0 has 8 below 0, 7 above)
+    assert np.all((np.abs(deq - w) <= np.abs(scale) / 2 + 1e-6 * np.abs(w))[inside]), "not rounded to nearest"
+    assert np.all(q[~inside] == hi)
+    blocks = w.reshape(48, -1, QB)
+    top = np.take_along_axis(blocks, np.abs(blocks).argmax(2)[..., None], 2)[..., 0]
+    if kind == "int4":  # the value of largest magnitude is exactly -8 levels (llama.cpp's q4_0 rule)
+        qb = q.reshape(48, -1, QB)
+        assert np.all(np.take_along_axis(qb, np.abs(blocks).argmax(2)[..., None], 2)[..., 0][top != 0] == -8)
+    else:
+        assert np.all(np.abs(q.reshape(48, -1, QB)).max(2)[top != 0] == 127)
+
+
+def _matmul(lib, kind, x, packed, k, n, threads):
+    t = x.shape[0]
+    y = np.zeros((t, n), np.float32)
+    x = np.ascontiguousarray(x, np.float32)
+    rc = lib.es_matmul(WEIGHT_KINDS[kind], x.ctypes.data, t, packed.ctypes.data, k, n, y.ctypes.data, threads)
+    assert rc == 0
+    return y
+
+
+def _kernel_results(kind):
+    """-> (y of one 30-row call, 1 thread; the same rows as 1-, 5- and 13-row calls, 2 threads; numpy's)"""
+    rng = np.random.default_rng(1)
+    k, n = 5 * QB, 16 * 7  # 7 panels: the 4-panel and 2-panel kernels' tails
+    w = rng.normal(0, 0.2, (n, k)).astype(np.float32)
+    x = rng.normal(0, 1, (30, k)).astype(np.float32)
+    packed = _packed(w, kind)
+    lib = library()
+    whole = _matmul(lib, kind, x, packed, k, n, 1)
+    parts = np.concatenate([_matmul(lib, kind, x[a:b], packed, k, n, 2)
+                            for a, b in ((0, 1), (1, 6), (6, 19), (19, 30))])
+    want = x.astype(np.float64) @ dequantize(packed, kind).astype(np.float64).T
+    return whole, parts, want
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernels_match_numpy_and_a_row_never_depends_on_the_call(kind):
+    whole, parts, want = _kernel_results(kind)
+    np.testing.assert_allclose(whole, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert np.array_equal(whole, parts), "a row's bits depend on the call's row count or threads"
+
+
+@pytest.mark.skipif(not X86, reason="-march=haswell / x86-64 are x86 targets")
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_build_computes_the_same_bits(kind, monkeypatch):
+    here = _kernel_results(kind)[0]
+    for march in ("haswell", "x86-64"):  # AVX2 without AVX-512; portable C
+        monkeypatch.setenv("EDGESPEC_NATIVE_MARCH", march)
+        other = _kernel_results(kind)
+        assert np.array_equal(other[0], here), (march, float(np.abs(other[0] - here).max()))
+        assert np.array_equal(other[1], here), march
+
+
+# ---- whole models ----
+
+@pytest.fixture(scope="module")
+def quant_folders(tmp_path_factory):
+    """(family, kind) -> (folder, spec, weights): fp32 exports with native weights of each kind."""
+    from edgespec.export.checkpoint import load_checkpoint
+    from edgespec.export.native import add_native
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("native-quant")
+    out = {}
+    for i, name in enumerate(("llama3", "gemma3", "phi3")):
+        _make(CONFIGS[name](), root / "ck" / name, seed=80 + i)
+        base = root / name / "fp32"
+        export_engine(root / "ck" / name, base, max_context=96, progress=False)
+        spec, weights = load_checkpoint(root / "ck" / name)
+        out[(name, "float16")] = (base, spec, weights)
+        rows = [np.random.default_rng(3).integers(0, 96, 40)]
+        for kind in ("int8", "int4"):
+            folder = root / name / kind
+            shutil.copytree(base, folder)
+            info = add_native(folder, spec, weights, None, kind, base=(rows, [np.zeros((40, 96), np.float32)]),
+                              role="draft")  # a draft's gate records, never refuses: the test is the arithmetic
+            assert info["weights"] == kind and info["head_weights"] == ("int8" if kind == "int4" else kind), info
+            out[(name, kind)] = (folder, spec, weights)
+    return out
+
+
+def _dequantized(weights: dict, kind: str) -> dict:
+    """The checkpoint with every matrix the native step quantizes replaced by what it holds (q * scale)."""
+    out = dict(weights)
+    for name, w in weights.items():
+        if w.ndim == 2 and name != "model.embed_tokens.weight":
+            as_kind = "int8" if (name == "lm_head.weight" and kind == "int4") else kind
+            out[name] = dequantize(_packed(np.asarray(w, np.float32), as_kind), as_kind)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_integer_engines_compute_the_reference_on_their_dequantized_weights(quant_folders, name, kind):
+    from edgespec.export.reference import ReferenceDecoder
+    folder, spec, weights = quant_folders[(name, kind)]
+    if "lm_head.weight" not in weights:  # tied: the checkpoint maker names it
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    ref = ReferenceDecoder(spec, _dequantized(weights, kind))
+    toks = np.random.default_rng(4).integers(0, 96, (1, 50))
+    want = ref(torch.as_tensor(toks)).numpy()[0]
+    dec = open_engine(folder, "cpu-native").decoder()
+    got = []
+    for a, b in ((0, 20), (20, 21), (21, 26), (26, 50)):  # prefill, a step, a verify-sized call, a chunk
+        got.append(np.array(dec(toks[:, a:b]))[0])
+        dec.cache.commit(b - a)
+    got = np.concatenate(got)
+    tol = 1e-4 * max(1.0, float(np.abs(want).max()))
+    assert np.abs(got - want).max() <= tol, (name, kind, float(np.abs(got - want).max()))
+    margin = np.sort(want, -1)[:, -1] - np.sort(want, -1)[:, -2]
+    assert (got.argmax(-1) == want.argmax(-1))[margin > 2 * tol].all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_integer_weights_change_the_function_measurably(quant_folders, kind):
+    """The dequantized-weights reference is not vacuous: the float16 engine differs from it."""
+    from edgespec.export.reference import ReferenceDecoder
+    folder, spec, weights = quant_folders[("llama3", kind)]
+    toks = np.random.default_rng(4).integers(0, 96, (1, 20))
+    want = ReferenceDecoder(spec, _dequantized(weights, kind))(torch.as_tensor(toks)).numpy()[0]
+    f16 = np.array(open_engine(quant_folders[("llama3", "float16")][0], "cpu-native").decoder()(toks))[0]
+    assert np.abs(f16 - want).max() > 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_speculative_decoding_equals_plain(quant_folders, kind):
+    folder = quant_folders[("gemma3", kind)][0]
+    plain = edgespec.load(folder, provider="cpu-native", threads=2)
+    spec = edgespec.load(folder, draft="ngram", gamma=3, provider="cpu-native", threads=2)
+    for prompt in ([5, 17, 3, 60, 42, 9, 11], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]):
+        assert spec.generate(prompt, max_new_tokens=24).token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+
+
+@pytest.mark.parametrize("kind", ["float16", "int4"])
+def test_a_batch_equals_each_sequence_alone(quant_folders, kind):
+    """Three sequences at different lengths in one call (the weights read once) give the bits each gives alone."""
+    folder = quant_folders[("gemma3", kind)][0]
+    eng = open_engine(folder, "cpu-native", threads=2)
+    toks = np.random.default_rng(6).integers(0, 96, (3, 40))
+    lens = [7, 19, 12]
+    alone = []
+    for b in range(3):
+        d = eng.decoder(1)
+        d(toks[b:b + 1, :lens[b]])
+        d.cache.commit(lens[b])
+        alone.append(np.array(d(toks[b:b + 1, lens[b]:lens[b] + 4]))[0])
+    d = eng.decoder(3)
+    for b in range(3):  # each sequence's prefix, padded: the rows past its length are never committed
+        d(np.stack([toks[i, :lens[b]] for i in range(3)]))
+        d.cache.commit(np.array([lens[b] if i == b else 0 for i in range(3)]))
+    batch = np.array(d(np.stack([toks[b, lens[b]:lens[b] + 4] for b in range(3)])))
+    for b in range(3):
+        assert np.array_equal(batch[b], alone[b]), b
+
+
+def test_a_stalling_helper_changes_no_bit(quant_folders, monkeypatch):
+    """The -DES_TEST_STALL build: helpers sleep 2 ms inside every third chunk they hold. The caller computes
+    those chunks itself (es_stolen counts them) and every output bit equals the one-thread run."""
+    folder = quant_folders[("phi3", "int4")][0]
+    toks = np.random.default_rng(7).integers(0, 96, (1, 30))
+
+    def run(threads):
+        d = open_engine(folder, "cpu-native", threads=threads).decoder()
+        out = [np.array(d(toks[:, :20]))]
+        d.cache.commit(20)
+        for i in range(20, 30):
+            out.append(np.array(d(toks[:, i:i + 1])))
+            d.cache.commit(1)
+        return out
+
+    one = run(1)
+    monkeypatch.setenv("EDGESPEC_NATIVE_CFLAGS", "-DES_TEST_STALL")
+    lib = library()
+    before = lib.es_stolen()
+    rng = np.random.default_rng(1)  # 256 chunks of ~30 us: the helper holds some, stalls in a third of them
+    k, n = 32 * QB, 16 * 256
+    w = _packed(rng.normal(0, 0.2, (n, k)).astype(np.float32), "int4")
+    x = rng.normal(0, 1, (12, k)).astype(np.float32)
+    want = _matmul(lib, "int4", x, w, k, n, 1)
+    for _ in range(20):  # the helper may be asleep, or wait for a busy core, through a whole call
+        assert np.array_equal(_matmul(lib, "int4", x, w, k, n, 2), want)
+        if lib.es_stolen() > before:
+            break
+    assert lib.es_stolen() > before, "no chunk was taken over: the stall path did not run"
+    for _ in range(3):  # whole steps: a tiny model's jobs are a few chunks each, the helper joins some
+        for a, b in zip(one, run(2)):
+            assert np.array_equal(a, b)
+
+
+def test_the_native_precision_gate_refuses_a_target_and_records_a_draft(quant_folders, tmp_path):
+    from edgespec.export.native import native_agreement_gate
+    folder = quant_folders[("llama3", "int4")][0]
+    rows = [np.random.default_rng(8).integers(0, 96, 32)]
+    wrong = [np.random.default_rng(9).normal(0, 1, (32, 96)).astype(np.float32)]  # logits of another model
+    gate = native_agreement_gate(folder, rows, wrong, "int4", "target", allow_lossy=False)
+    assert not gate["passed"] and "precision" in gate["error"] and gate["top1_agreement"] < 0.5
+    lossy = native_agreement_gate(folder, rows, wrong, "int4", "target", allow_lossy=True)
+    assert lossy["passed"] and lossy["overridden"]
+    draft = native_agreement_gate(folder, rows, wrong, "int4", "draft", allow_lossy=False)
+    assert draft["passed"] and not draft["enforced"]
+
+
+def test_the_loader_checks_integer_weights_against_engine_json(quant_folders, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(quant_folders[("llama3", "int4")][0], bad)
+    m = Manifest.read(bad)
+    m.extra["native"]["weights"] = "int8"  # the npz holds int4 blocks
+    m.extra["native"]["sha256"] = None
+    m.write(bad)
+    with pytest.raises(EngineError, match=r"layers.0.wqkv: expected \(\d+, \d+, 544\), got \(\d+, \d+, 288\)"):
+        open_engine(bad, "cpu-native")
+    m.extra["native"]["weights"] = "int3"
+    m.write(bad)
+    with pytest.raises(EngineError, match=r"weights 'int3': the native step reads"):
+        open_engine(bad, "cpu-native", check_hashes=False)
+
+
+def test_integer_weights_need_inputs_in_whole_blocks(tiny_checkpoints):
+    """conftest's tiny models have an MLP of 48: no int4 blocks of 32 fit; the record says why."""
+    from edgespec.export.checkpoint import CheckpointError, load_checkpoint
+    from edgespec.export.native import native_arrays
+    spec, weights = load_checkpoint(tiny_checkpoints["llama"][0])
+    with pytest.raises(CheckpointError, match=r"native int4 weights need inputs in multiples of 32.*intermediate_size"):
+        native_arrays(spec, weights, "int4", exact=False)
+
+
+def test_the_model_struct_matches_the_c_layout():
+    """native_step.c's es_model and native.py's ctypes copy: the loader refuses a mismatch (checked here)."""
+    from edgespec.native import _Model
+    off = ctypes.c_int64()
+    assert library().es_model_layout(ctypes.byref(off)) == ctypes.sizeof(_Model)
+    assert off.value == _Model.inv_freq.offset
