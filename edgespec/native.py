@@ -299,6 +299,11 @@ class NativeEngine:
         if fmt == 1 and "scalars" in self.arrays and self.arrays["scalars"].shape == (2,):
             upgrade_format1(self.arrays, m)
         intermediate = int(info["intermediate_size"])
+        kinds = {k: info.get(k, "float16") for k in ("weights", "head_weights")}
+        odd = {k: v for k, v in kinds.items() if v not in WEIGHT_KINDS}
+        if odd:
+            raise EngineError(f"{path}: engine.json's extra.native says " + ", ".join(
+                f"{k} {v!r}" for k, v in odd.items()) + f": the native step reads {sorted(WEIGHT_KINDS)}")
         want = expected_shapes(m, info)
         a = self.arrays
         bad = [f"{k}: expected {s}, got {a[k].shape if k in a else 'nothing'}"
@@ -312,9 +317,6 @@ class NativeEngine:
                         ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
             if n % PANEL:
                 bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
-        for key in ("weights", "head_weights"):
-            if info.get(key, "float16") not in WEIGHT_KINDS:
-                bad.append(f"{key} {info.get(key)!r}: the native step reads {sorted(WEIGHT_KINDS)}")
         if info.get("weights", "float16") != "float16":
             for what, n in (("hidden_size", m.hidden_size), ("num_heads x head_dim", m.num_heads * m.head_dim),
                             ("intermediate_size", intermediate)):

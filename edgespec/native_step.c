@@ -541,6 +541,8 @@ static void mat_rows(const es_mat *a, const float *const *rows, int R, int64_t p
 #define IDX_BITS 24 /* chunks per job < 2^24; the job number takes the other 40 bits */
 #define IDX_MASK ((UINT64_C(1) << IDX_BITS) - 1)
 #define SPIN_NS 100000 /* a helper spins this long for the next job before it sleeps */
+#define MIN_PARALLEL 300000 /* multiply-adds below which a job runs on the caller alone: handing out a few
+                               microseconds of work costs more than it saves */
 
 enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX };
 
@@ -556,6 +558,7 @@ typedef struct { /* one es_forward call */
 typedef struct {
     int kind, active;        /* active: threads taking part (the caller is thread 0) */
     int64_t n, local;        /* chunks; floats of scratch a chunk needs */
+    int64_t cost;            /* about how many multiply-adds the job takes (MIN_PARALLEL) */
     _Atomic uint64_t *state; /* (n) per chunk: the last job that committed it */
     es_call c;
     int64_t l;               /* layer */
@@ -751,7 +754,7 @@ void es_quiesce(void) {
 /* runs job j: on the pool (pooled: pool.lock held), or here alone with `local` as scratch */
 static void run_job(es_job *j, int pooled, float *local) {
     if (j->n <= 0) return;
-    if (!pooled || j->n == 1) {
+    if (!pooled || j->n == 1 || j->cost < MIN_PARALLEL) {
         if (pooled) local = local_buf(0, j->local);
         for (int64_t i = 0; i < j->n; i++) {
             run_chunk(j, i, local);
@@ -939,11 +942,11 @@ typedef struct { /* how es_forward runs its jobs */
     float *local; /* scratch when not pooled */
 } es_runner;
 
-static void job_rows(es_runner *u, int kind, int64_t l, int64_t n, int64_t local, const float *src, const float *w,
-                     float *dst) {
+static void job_rows(es_runner *u, int kind, int64_t l, int64_t n, int64_t local, int64_t cost, const float *src,
+                     const float *w, float *dst) {
     es_job j;
     memset(&j, 0, sizeof j);
-    j.kind = kind, j.active = u->threads, j.n = n, j.local = local, j.c = u->c, j.l = l;
+    j.kind = kind, j.active = u->threads, j.n = n, j.local = local, j.cost = cost, j.c = u->c, j.l = l;
     j.src = src, j.w = w, j.dst = dst;
     run_job(&j, u->pooled, u->local);
 }
@@ -962,6 +965,7 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.row_groups = (T + MAX_ROWS - 1) / MAX_ROWS;
     j.n = (panels + j.np - 1) / j.np * j.row_groups;
     j.local = MAX_ROWS * 8 * PANEL;
+    j.cost = T * K * N;
     run_job(&j, u->pooled, u->local);
 }
 
@@ -999,8 +1003,12 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
                 cs[R / 2 + i] = sinf(f) * m->rope_scale[jr];
             }
         }
-    int64_t maxcap = 0; /* the longest attention row: its scores */
-    for (int64_t b = 0; b < B; b++) maxcap = start[b] + S > maxcap ? start[b] + S : maxcap;
+    int64_t maxcap = 0, attended = 0; /* the longest attention row (its scores); rows a query reads, on average */
+    for (int64_t b = 0; b < B; b++) {
+        maxcap = start[b] + S > maxcap ? start[b] + S : maxcap;
+        attended += start[b] + (S + 1) / 2;
+    }
+    attended = attended / B + 1;
     int64_t local = D + maxcap;
     const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
@@ -1020,28 +1028,28 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     for (int64_t l = 0; l < m->L; l++) {
         const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
         const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
-        job_rows(&u, J_NORM, l, T, E, x, m->ln1[l], h);
+        job_rows(&u, J_NORM, l, T, E, 3 * T * E, x, m->ln1[l], h);
         job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
-        job_rows(&u, J_KV, l, Hkv * T, 2 * D, NULL, NULL, NULL); /* keys (normed, rotated) and values into the cache */
-        job_rows(&u, J_ATTN, l, H * T, D + maxcap, NULL, NULL, NULL);
+        job_rows(&u, J_KV, l, Hkv * T, 2 * D, 4 * Hkv * T * D, NULL, NULL, NULL); /* keys (normed, rotated) and values into the cache */
+        job_rows(&u, J_ATTN, l, H * T, D + maxcap, 2 * H * T * D * attended, NULL, NULL, NULL);
         const float *bo = m->bo ? m->bo[l] : NULL;
         if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed into x */
             job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo);
-            job_rows(&u, J_ADDNORM, l, T, E, h, post_attn, x);
+            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_attn, x);
         } else
             job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, x, 1, bo);
-        job_rows(&u, J_NORM, l, T, E, x, m->ln2[l], h);
+        job_rows(&u, J_NORM, l, T, E, 3 * T * E, x, m->ln2[l], h);
         job_matmul(&u, h, m->wgu[l], (int)m->wkind, E, 2 * I, c->gu, 0, NULL);
-        job_rows(&u, J_ACT, l, T, I, NULL, NULL, NULL);
+        job_rows(&u, J_ACT, l, T, I, 20 * T * I, NULL, NULL, NULL);
         if (post_mlp) { /* x += norm(m) */
             job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, h, 0, NULL);
-            job_rows(&u, J_ADDNORM, l, T, E, h, post_mlp, x);
+            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_mlp, x);
         } else
             job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, x, 1, NULL);
     }
-    job_rows(&u, J_NORM, 0, T, E, x, m->norm, h);
+    job_rows(&u, J_NORM, 0, T, E, 3 * T * E, x, m->norm, h);
     job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL);
-    job_rows(&u, J_ARGMAX, 0, T, 2, NULL, NULL, NULL);
+    job_rows(&u, J_ARGMAX, 0, T, 2, 2 * T * V, NULL, NULL, NULL);
     if (u.pooled) pthread_mutex_unlock(&pool.lock);
     else free(u.local);
     if (hidden) memcpy(hidden, h, (size_t)(T * E) * sizeof(float));
