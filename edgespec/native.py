@@ -48,7 +48,8 @@ SOURCE = Path(__file__).with_name("native_step.c")
 NATIVE_FILE = "native.npz"
 LAYER_KEYS = ("ln1", "ln2", "wqkv", "wo", "wgu", "wd")  # per layer, as "layers.{i}.{key}"
 OPTIONAL_KEYS = ("bqkv", "bo", "qn", "kn", "post_attn", "post_mlp")  # per layer where the model has them
-FORMAT = 2  # native.npz's layout (extra["native"]["format"]; absent: 1, one rotary over all dims, no options)
+FORMAT = 3  # native.npz's layout (extra["native"]["format"]; absent: 1, one rotary over all dims, no options;
+#            2: float16 matrices only; 3: integer blocks too (pack_blocks), read as 2 when the weights are float16)
 # extra["native"]["features"]: what the folder's model uses beyond a plain Llama, and the arrays each adds
 FEATURES = {"qkv_bias": ("bqkv",), "o_bias": ("bo",), "qk_norm": ("qn", "kn"), "sandwich_norm": ("post_attn", "post_mlp"),
             "gelu_tanh": (), "embed_scale": (), "attn_scale": (), "partial_rotary": (), "several_rotaries": (),
@@ -182,19 +183,21 @@ def quantize_blocks(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 def pack_blocks(q: np.ndarray, scales: np.ndarray, kind: str) -> np.ndarray:
     """q (N, K) int8 and scales (N, K/QB) float16 -> (N/PANEL, K/QB, BLOCK_BYTES[kind]) uint8, native_step.c's
-    layout: per panel and block, its 16 columns' scales, then the values (int8: k-major, 16 per k; int4: row t
-    of 16 bytes holds q[2t] + 8 in the low nibbles and q[2t + 1] + 8 in the high ones)."""
+    layout: per panel and block, its 16 columns' scales, then the values as unsigned bytes in groups of 64 that
+    AVX-512 VNNI sums 4 at a time (byte 4 c + t of group g: int8: q[4 g + t][c] + 128; int4: q[8 g + t][c] + 8
+    in the low nibble, q[8 g + 4 + t][c] + 8 in the high one)."""
     n, k = q.shape
     if n % PANEL or k % QB:
         raise ValueError(f"a packed matrix needs a multiple of {PANEL} outputs and of {QB} inputs, got ({n}, {k})")
     p, nb = n // PANEL, k // QB
     sb = np.ascontiguousarray(scales.astype(np.float16).reshape(p, PANEL, nb).transpose(0, 2, 1)).view(np.uint8)
-    qq = q.reshape(p, PANEL, nb, QB).transpose(0, 2, 3, 1)  # (P, nb, k, c)
-    if kind == "int8":
-        body = np.ascontiguousarray(qq).view(np.uint8).reshape(p, nb, QB * PANEL)
-    else:
-        u = (qq.astype(np.int16) + 8).astype(np.uint8)
-        body = (u[:, :, 0::2, :] | (u[:, :, 1::2, :] << 4)).reshape(p, nb, QB * PANEL // 2)
+    qq = q.reshape(p, PANEL, nb, QB).astype(np.int16)  # (P, c, nb, k)
+    if kind == "int8":  # (P, nb, g, c, t) with k = 4 g + t
+        u = (qq + 128).astype(np.uint8).reshape(p, PANEL, nb, QB // 4, 4).transpose(0, 2, 3, 1, 4)
+        body = u.reshape(p, nb, QB * PANEL)
+    else:  # (P, nb, g, half, c, t) with k = 8 g + 4 half + t
+        u = (qq + 8).astype(np.uint8).reshape(p, PANEL, nb, QB // 8, 2, 4).transpose(0, 2, 3, 4, 1, 5)
+        body = (u[:, :, :, 0] | (u[:, :, :, 1] << 4)).reshape(p, nb, QB * PANEL // 2)
     return np.ascontiguousarray(np.concatenate([sb.reshape(p, nb, 2 * PANEL), body], axis=2))
 
 
@@ -202,15 +205,13 @@ def unpack_blocks(packed: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray
     """pack_blocks' inverse: -> q (N, K) int8, scales (N, K/QB) float16."""
     p, nb, _ = packed.shape
     sc = np.ascontiguousarray(packed[:, :, :2 * PANEL]).view(np.float16).reshape(p, nb, PANEL)
-    body = packed[:, :, 2 * PANEL:]
-    if kind == "int8":
-        qq = np.ascontiguousarray(body).view(np.int8).reshape(p, nb, QB, PANEL)
-    else:
-        b = body.reshape(p, nb, QB // 2, PANEL)
-        qq = np.empty((p, nb, QB, PANEL), np.int8)
-        qq[:, :, 0::2] = (b & 15).astype(np.int8) - 8
-        qq[:, :, 1::2] = (b >> 4).astype(np.int8) - 8
-    q = qq.transpose(0, 3, 1, 2).reshape(p * PANEL, nb * QB)
+    body = packed[:, :, 2 * PANEL:].astype(np.int16)
+    if kind == "int8":  # (P, nb, g, c, t) -> (P, c, nb, g, t)
+        qq = (body.reshape(p, nb, QB // 4, PANEL, 4) - 128).transpose(0, 3, 1, 2, 4)
+    else:  # (P, nb, g, c, t) nibbles -> (P, c, nb, g, half, t)
+        b = body.reshape(p, nb, QB // 8, PANEL, 4)
+        qq = np.stack([(b & 15) - 8, (b >> 4) - 8], axis=3).transpose(0, 4, 1, 2, 3, 5)
+    q = qq.reshape(p * PANEL, nb * QB).astype(np.int8)
     return q, sc.transpose(0, 2, 1).reshape(p * PANEL, nb)
 
 
@@ -222,6 +223,38 @@ def dequantize(packed: np.ndarray, kind: str) -> np.ndarray:
         return packed.transpose(0, 2, 1).reshape(n_p * PANEL, k).astype(np.float32)
     q, s = unpack_blocks(packed, kind)
     return (q.reshape(q.shape[0], -1, QB).astype(np.float32) * s.astype(np.float32)[..., None]).reshape(q.shape)
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """native_step.c's quantize_row in numpy: rows x (T, K) float32 -> xq (T, K) int8 = round(x 127 / max|x|)
+    per block of QB, and dx (T, K/QB) float32 = max|x| / 127 (0 for an all-zero block)."""
+    t, k = x.shape
+    b = np.asarray(x, np.float32).reshape(t, k // QB, QB)
+    amax = np.abs(b).max(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8).reshape(t, k)
+    return xq, (amax / np.float32(127)).astype(np.float32)
+
+
+def matmul_reference(x: np.ndarray, packed: np.ndarray, kind: str) -> np.ndarray:
+    """What es_matmul computes, the slow obvious way: x (T, K) float32 @ the packed matrix -> (T, N) float32.
+    float16: float32 products of the widened weights. int8 / int4: the rows quantized (quantize_activations),
+    each block's exact integer dot product, then y = fma(dot, dx * scale, y) over the blocks in order (the fma
+    done in float64 and rounded once: equal to native_step.c's but in rare double-rounding cases)."""
+    x = np.asarray(x, np.float32)
+    if kind == "float16":
+        return (x.astype(np.float64) @ dequantize(packed, kind).astype(np.float64).T).astype(np.float32)
+    q, s = unpack_blocks(packed, kind)
+    xq, dx = quantize_activations(x)
+    t, k = x.shape
+    n, nb = q.shape[0], k // QB
+    dots = np.einsum("tbk,nbk->tnb", xq.reshape(t, nb, QB).astype(np.int64), q.reshape(n, nb, QB).astype(np.int64))
+    y = np.zeros((t, n), np.float32)
+    for b in range(nb):  # ds = dx * scale rounded to float32, then one rounding of dot * ds + y
+        ds = (dx[:, b:b + 1] * s[:, b].astype(np.float32)[None, :]).astype(np.float32)
+        y = (dots[:, :, b].astype(np.float64) * ds.astype(np.float64) + y.astype(np.float64)).astype(np.float32)
+    return y
 
 
 def packed_shape(n: int, k: int, kind: str) -> tuple:
@@ -291,8 +324,9 @@ class NativeEngine:
             raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders; this folder has "
                               f"input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
         fmt = int(info.get("format", 1))
-        if fmt not in (1, FORMAT):
-            raise EngineError(f"{path}: native weights of format {fmt}; this edgespec reads formats 1 and {FORMAT} "
+        if fmt not in (1, 2, FORMAT) or (fmt < 3 and info.get("weights", "float16") != "float16"):
+            raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "
+                              f"edgespec reads formats 1 and 2 (float16) and {FORMAT} "
                               f"(re-add them with `python -m edgespec.export.native {self.dir} --checkpoint ...`)")
         with np.load(path) as z:
             self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}

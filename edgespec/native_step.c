@@ -67,9 +67,10 @@
 enum { ES_SILU = 0, ES_GELU_TANH = 1 };
 enum { ES_F16 = 0, ES_Q8 = 1, ES_Q4 = 2 }; /* how a weight matrix is stored (es_model.wkind, head_kind) */
 #define QB 32                     /* integer weights: values per block along K */
-#define Q8_BLOCK (32 + QB * 16)   /* bytes of one (block, panel): 16 float16 scales, then 32 x 16 int8 (k-major) */
-#define Q4_BLOCK (32 + QB * 8)    /* 16 float16 scales, then 16 rows of 16 bytes: row t, byte c holds
-                                     q[2t][c] + 8 (low nibble) and q[2t + 1][c] + 8 (high nibble) */
+#define Q8_BLOCK (32 + QB * 16)   /* bytes of one (block, panel): 16 float16 scales, then 8 groups of 64 bytes:
+                                     group g, byte 4 c + t holds q[4 g + t][c] + 128 */
+#define Q4_BLOCK (32 + QB * 8)    /* 16 float16 scales, then 4 groups of 64 bytes: group g, byte 4 c + t holds
+                                     q[8 g + t][c] + 8 (low nibble) and q[8 g + 4 + t][c] + 8 (high nibble) */
 
 typedef struct {
     int64_t E, H, Hkv, D, I, V, L, argmax_lo, argmax_hi;
@@ -393,62 +394,107 @@ static void rope(float *x, int64_t R, const float *cs, const float *sns) {
 
 
 /* Integer weights. A matrix of kind ES_Q8 / ES_Q4 is N/16 panels, each K/QB blocks of Q8_BLOCK / Q4_BLOCK
-   bytes (layout at the defines above). Output column c of a panel, for one row x:
-       y[c] = sum over blocks b of  scale_b[c] * part_b[c],   part_b[c] = sum over k in b, in order, of x[k] q[k][c]
-   as float32 fused multiply-adds: part_b a chain from 0 over the block's k, then y = fma(part_b, scale_b, y)
-   from y = 0 over the blocks in order. Every kernel below computes exactly that chain per output. */
+   bytes (layout at the defines above). Its input rows are quantized too, per block of QB values (quantize_row):
+   xq = round(x 127 / max|x|) in -127..127, with dx = max|x| / 127. Output column c of a panel, for one row:
+       dot_b[c] = sum over k in block b of q[k][c] xq[k]         (an exact integer)
+       y[c]     = sum over blocks b, in order, of (float)dot_b[c] * (dx_b * scale_b[c])
+   the sum a chain of float32 fused multiply-adds from 0. The weights are stored offset to unsigned bytes
+   (u = q + 128, or q + 8), so the kernels sum u xq and take off 128 or 8 times the block's sum of xq: the
+   same integer. AVX-512 VNNI's vpdpbusd sums 4 such products per lane and instruction; the portable kernel
+   does the same sums one at a time. Every kernel gives the same bits. */
 
 static int64_t block_bytes(int kind) { return kind == ES_Q8 ? Q8_BLOCK : Q4_BLOCK; }
+static int weight_offset(int kind) { return kind == ES_Q8 ? 128 : 8; }
 
-/* q[k][c] of block `blk` (k < QB, c < 16) */
-__attribute__((unused)) static int qval(const uint8_t *blk, int kind, int k, int c) {
-    if (kind == ES_Q8) return (int8_t)blk[32 + k * 16 + c];
-    const uint8_t byte = blk[32 + (k >> 1) * 16 + c];
-    return (int)((k & 1) ? byte >> 4 : byte & 15) - 8;
+/* the unsigned value u of weight k < QB, column c < 16, of block `blk` */
+__attribute__((unused)) static int wu(const uint8_t *blk, int kind, int k, int c) {
+    if (kind == ES_Q8) return blk[32 + (k >> 2) * 64 + 4 * c + (k & 3)];
+    const uint8_t byte = blk[32 + (k >> 3) * 64 + 4 * c + (k & 3)];
+    return (k & 7) < 4 ? byte & 15 : byte >> 4;
 }
 
-#if defined(ES_AVX512)
+/* a row's activations for integer weights: xq (K) int8, and per block dx (K/QB) and the sum of its xq */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, int32_t *xs) {
+    for (int64_t b = 0; b < K / QB; b++) {
+        const float *v = x + b * QB;
+        float amax = 0.f;
+        int finite = 1;
+        for (int k = 0; k < QB; k++) {
+            const float a = fabsf(v[k]);
+            finite &= isfinite(a) != 0;
+            amax = a > amax ? a : amax;
+        }
+        int32_t sum = 0;
+        if (finite && amax > 0.f) {
+            const float id = 127.f / amax;
+            for (int k = 0; k < QB; k++) {
+                float r = nearbyintf(v[k] * id);
+                r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+                xq[b * QB + k] = (int8_t)r;
+                sum += (int32_t)r;
+            }
+            dx[b] = amax / 127.f;
+        } else { /* zeros; or a block with NaN or inf, which must reach the output: dx NaN */
+            memset(xq + b * QB, 0, QB);
+            dx[b] = finite ? 0.f : NAN;
+        }
+        xs[b] = sum;
+    }
+}
+
+#if defined(ES_AVX512) && defined(__AVX512VNNI__)
+#define ES_VNNI 1
 /* R rows x NP consecutive panels (constants at each call site; R * NP <= 12): out[(r NP + q) 16 + c] */
-static inline __attribute__((always_inline)) void qrows_r(const float *const *x, const int R, const uint8_t *p,
+static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *xq, const float *const *dx,
+                                                          const int32_t *const *xs, const int R, const uint8_t *p,
                                                           const int NP, int64_t K, const int kind, float *out) {
     const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512 tot[12], part[12];
+    const __m512i low4 = _mm512_set1_epi8(15);
+    const __m512i off = _mm512_set1_epi32(weight_offset(kind));
+    __m512 tot[12];
+    __m512i acc[12];
     for (int i = 0; i < R * NP; i++) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = p + b * bb;
-        const int64_t k0 = b * QB;
-        for (int i = 0; i < R * NP; i++) part[i] = _mm512_setzero_ps();
+        for (int i = 0; i < R * NP; i++) acc[i] = _mm512_setzero_si512();
         if (kind == ES_Q8) {
-            for (int k = 0; k < QB; k++) {
-                __m512 w[4];
-                for (int q = 0; q < NP; q++)
-                    w[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + q * ps + 32 + k * 16))));
+            for (int g = 0; g < QB / 4; g++) {
+                __m512i w[4];
+                for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512((const void *)(blk + q * ps + 32 + g * 64));
                 for (int r = 0; r < R; r++) {
-                    __m512 xv = _mm512_set1_ps(x[r][k0 + k]);
-                    for (int q = 0; q < NP; q++) part[r * NP + q] = _mm512_fmadd_ps(xv, w[q], part[r * NP + q]);
+                    int32_t x4;
+                    memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
+                    const __m512i xv = _mm512_set1_epi32(x4);
+                    for (int q = 0; q < NP; q++) acc[r * NP + q] = _mm512_dpbusd_epi32(acc[r * NP + q], w[q], xv);
                 }
             }
         } else {
-            for (int t = 0; t < QB / 2; t++) {
-                __m512 lo[4], hi[4];
-                for (int q = 0; q < NP; q++) { /* a 4-bit index selects its value q - 8 from the table */
-                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + q * ps + 32 + t * 16)));
-                    lo[q] = _mm512_permutexvar_ps(v, table); /* the low 4 bits index: no mask needed */
-                    hi[q] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            for (int g = 0; g < QB / 8; g++) {
+                __m512i lo[4], hi[4];
+                for (int q = 0; q < NP; q++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(blk + q * ps + 32 + g * 64));
+                    lo[q] = _mm512_and_si512(v, low4);
+                    hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
                 for (int r = 0; r < R; r++) {
-                    __m512 x0 = _mm512_set1_ps(x[r][k0 + 2 * t]), x1 = _mm512_set1_ps(x[r][k0 + 2 * t + 1]);
+                    int32_t x0, x1;
+                    memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
+                    memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
+                    const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
                     for (int q = 0; q < NP; q++) {
-                        part[r * NP + q] = _mm512_fmadd_ps(x0, lo[q], part[r * NP + q]);
-                        part[r * NP + q] = _mm512_fmadd_ps(x1, hi[q], part[r * NP + q]);
+                        acc[r * NP + q] = _mm512_dpbusd_epi32(acc[r * NP + q], lo[q], v0);
+                        acc[r * NP + q] = _mm512_dpbusd_epi32(acc[r * NP + q], hi[q], v1);
                     }
                 }
             }
         }
         for (int q = 0; q < NP; q++) {
-            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * ps)));
-            for (int r = 0; r < R; r++) tot[r * NP + q] = _mm512_fmadd_ps(part[r * NP + q], s, tot[r * NP + q]);
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * ps)));
+            for (int r = 0; r < R; r++) {
+                const __m512i dot = _mm512_sub_epi32(acc[r * NP + q], _mm512_mullo_epi32(off, _mm512_set1_epi32(xs[r][b])));
+                const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(dx[r][b]), s);
+                tot[r * NP + q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, tot[r * NP + q]);
+            }
         }
     }
     for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, tot[i]);
@@ -459,11 +505,12 @@ static int qpanels_for(int R) { return R <= 2 ? 4 : R <= 6 ? 2 : 1; }
 
 #define QP_CASE(n, K8)                                                                              \
     case n:                                                                                         \
-        if (np == qpanels_for(n)) qrows_r(x, n, p, qpanels_for(n), K, K8, out);                     \
-        else qrows_r(x, n, p, 1, K, K8, out);                                                       \
+        if (np == qpanels_for(n)) qrows_r(xq, dx, xs, n, p, qpanels_for(n), K, K8, out);            \
+        else qrows_r(xq, dx, xs, n, p, 1, K, K8, out);                                              \
         break;
 /* np is qpanels_for(R), or 1 */
-static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_t K, int kind, float *out) {
+static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
+                  int np, int64_t K, int kind, float *out) {
     if (kind == ES_Q8) {
         switch (R) {
         QP_CASE(12, ES_Q8) QP_CASE(11, ES_Q8) QP_CASE(10, ES_Q8) QP_CASE(9, ES_Q8) QP_CASE(8, ES_Q8)
@@ -481,9 +528,11 @@ static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_
 #else
 static int qpanels_for(int R) { (void)R; return 1; }
 
-/* the portable kernel: the same chains, one output at a time */
-static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_t K, int kind, float *out) {
+/* the portable kernel: the same integer sums and float chain, one output at a time */
+static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
+                  int np, int64_t K, int kind, float *out) {
     const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb;
+    const int o = weight_offset(kind);
     for (int r = 0; r < R; r++)
         for (int q = 0; q < np; q++)
             for (int c = 0; c < PANEL; c++) {
@@ -492,9 +541,10 @@ static void qrows(const float *const *x, int R, const uint8_t *p, int np, int64_
                     const uint8_t *blk = p + q * ps + b * bb;
                     uint16_t s16;
                     memcpy(&s16, blk + 2 * c, 2);
-                    float part = 0.f;
-                    for (int k = 0; k < QB; k++) part = fmaf(x[r][b * QB + k], (float)qval(blk, kind, k, c), part);
-                    tot = fmaf(part, half_to_float(s16), tot);
+                    int32_t dot = 0;
+                    for (int k = 0; k < QB; k++) dot += wu(blk, kind, k, c) * (int32_t)xq[r][b * QB + k];
+                    dot -= o * xs[r][b];
+                    tot = fmaf((float)dot, dx[r][b] * half_to_float(s16), tot);
                 }
                 out[(r * np + q) * PANEL + c] = tot;
             }
@@ -515,15 +565,23 @@ static int64_t panel_bytes(const es_mat *a) {
 /* panels a pass over R rows takes, for this matrix's kind */
 static int mat_panels_for(int kind, int R) { return kind == ES_F16 ? panels_for(R) : qpanels_for(R); }
 
-/* out[(r np + j) 16 + c] = rows[r] (K) @ column c of panel p0 + j, for r < R, j < np: np is 1, or
+/* a block of rows of a product's input: floats, and (integer weights) their quantized form (quantize_row) */
+typedef struct {
+    const float *x[MAX_ROWS];
+    const int8_t *xq[MAX_ROWS];
+    const float *dx[MAX_ROWS];
+    const int32_t *xs[MAX_ROWS];
+} es_rows;
+
+/* out[(r np + j) 16 + c] = row r (K) @ column c of panel p0 + j, for r < R, j < np: np is 1, or
    mat_panels_for(kind, R), or (R = 1, float16) up to 4 */
-static void mat_rows(const es_mat *a, const float *const *rows, int R, int64_t p0, int np, float *out) {
+static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, int np, float *out) {
     const uint8_t *p = (const uint8_t *)a->w + p0 * panel_bytes(a);
     if (a->kind == ES_F16) {
-        if (R == 1 && np <= 4) row_panels(rows[0], (const uint16_t *)p, np, a->K, out);
-        else rows_panels(rows, R, (const uint16_t *)p, np, a->K, out);
+        if (R == 1 && np <= 4) row_panels(rows->x[0], (const uint16_t *)p, np, a->K, out);
+        else rows_panels(rows->x, R, (const uint16_t *)p, np, a->K, out);
     } else
-        qrows(rows, R, p, np, a->K, a->kind, out);
+        qrows(rows->xq, rows->dx, rows->xs, R, p, np, a->K, a->kind, out);
 }
 
 /* ---- the pool: jobs of independent chunks, claimed one at a time ----
@@ -544,7 +602,7 @@ static void mat_rows(const es_mat *a, const float *const *rows, int R, int64_t p
 #define MIN_PARALLEL 300000 /* multiply-adds below which a job runs on the caller alone: handing out a few
                                microseconds of work costs more than it saves */
 
-enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX };
+enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT };
 
 typedef struct { /* one es_forward call */
     const es_model *m;
@@ -553,6 +611,9 @@ typedef struct { /* one es_forward call */
     float *const *kc, *const *vc;
     float *x, *h, *qkv, *att, *gu, *act, *rc, *logits;
     int64_t *next_ids;
+    int8_t *xq; /* (T, K) a product's input quantized for integer weights (J_QUANT), with per block */
+    float *xd;  /* (T, K / QB) its scale */
+    int32_t *xs; /* (T, K / QB) and the sum of its values */
 } es_call;
 
 typedef struct {
@@ -822,13 +883,19 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         const es_mat *a = &j->mat;
         const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
         const int rows_n = T - s0 < MAX_ROWS ? (int)(T - s0) : MAX_ROWS;
-        const float *rows[MAX_ROWS];
-        for (int r = 0; r < MAX_ROWS; r++) rows[r] = j->src + (s0 + (r < rows_n ? r : 0)) * a->K;
+        es_rows rows;
+        for (int r = 0; r < MAX_ROWS; r++) {
+            const int64_t row = s0 + (r < rows_n ? r : 0);
+            rows.x[r] = j->src + row * a->K;
+            rows.xq[r] = c->xq + row * a->K;
+            rows.dx[r] = c->xd + row * (a->K / QB);
+            rows.xs[r] = c->xs + row * (a->K / QB);
+        }
         const int64_t p0 = g * j->np;
         float tmp[MAX_ROWS * 8 * PANEL];
         for (int64_t q = p0; q < p0 + j->np && q < panels;) {
             const int np = (panels - q >= j->np && matmul_fits(a->kind, rows_n, j->np)) ? j->np : 1;
-            mat_rows(a, rows, rows_n, q, np, tmp);
+            mat_rows(a, &rows, rows_n, q, np, tmp);
             for (int r = 0; r < rows_n; r++)
                 memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
             q += np;
@@ -879,6 +946,11 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         if (m->act == ES_GELU_TANH) gelu_mul(c->gu + i * 2 * I, c->gu + i * 2 * I + I, local, I);
         else silu_mul(c->gu + i * 2 * I, c->gu + i * 2 * I + I, local, I);
         break;
+    case J_QUANT: { /* row i of src (K = j->mat.K): local = its int8 values, then the blocks' scales and sums */
+        const int64_t K = j->mat.K;
+        quantize_row(j->src + i * K, K, (int8_t *)local, local + K / 4, (int32_t *)(local + K / 4 + K / QB));
+        break;
+    }
     case J_ARGMAX: {
         const float *row = c->logits + i * V;
         float total = 0.f;
@@ -931,6 +1003,13 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
     case J_ARGMAX:
         memcpy(c->next_ids + i, local, sizeof(int64_t));
         break;
+    case J_QUANT: {
+        const int64_t K = j->mat.K;
+        memcpy(c->xq + i * K, local, (size_t)K);
+        memcpy(c->xd + i * (K / QB), local + K / 4, (size_t)(K / QB) * sizeof(float));
+        memcpy(c->xs + i * (K / QB), local + K / 4 + K / QB, (size_t)(K / QB) * sizeof(int32_t));
+        break;
+    }
     }
 }
 
@@ -966,12 +1045,25 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.n = (panels + j.np - 1) / j.np * j.row_groups;
     j.local = MAX_ROWS * 8 * PANEL;
     j.cost = T * K * N;
+    if (kind != ES_F16) { /* the input rows quantized first (K is a multiple of QB: native.py checks) */
+        es_job qj;
+        memset(&qj, 0, sizeof qj);
+        qj.kind = J_QUANT, qj.active = u->threads, qj.n = T, qj.local = K / 4 + 2 * (K / QB), qj.cost = 4 * T * K;
+        qj.c = u->c, qj.src = src, qj.mat.K = K;
+        run_job(&qj, u->pooled, u->local);
+    }
     run_job(&j, u->pooled, u->local);
 }
 
+static int64_t widest_input(const es_model *m) { /* the largest K of a layer's products */
+    int64_t k = m->E > m->H * m->D ? m->E : m->H * m->D;
+    return k > m->I ? k : m->I;
+}
+
 int64_t es_scratch_floats(const es_model *m, int64_t T) {
-    const int64_t qkv = (m->H + 2 * m->Hkv) * m->D;
-    return T * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->n_ropes * m->R);
+    const int64_t qkv = (m->H + 2 * m->Hkv) * m->D, K = widest_input(m);
+    return T * (2 * m->E + qkv + m->H * m->D + 2 * m->I + m->I + m->n_ropes * m->R) /* x h qkv att gu act rc */
+           + 2 * T * (K / QB + 1) + (T * K + 3) / 4;                                /* xd xs xq */
 }
 
 /* returns 0, or -1 when a position does not fit the cache, -2 when scratch memory could not be allocated */
@@ -988,6 +1080,9 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     c->m = m, c->B = B, c->S = S, c->T = T, c->cap = cap, c->NQKV = NQKV, c->start = start, c->kc = kc, c->vc = vc;
     c->x = scratch, c->h = c->x + T * E, c->qkv = c->h + T * E, c->att = c->qkv + T * NQKV;
     c->gu = c->att + T * H * D, c->act = c->gu + T * 2 * I, c->rc = c->act + T * I;
+    const int64_t Kw = widest_input(m);
+    c->xd = c->rc + m->n_ropes * T * R, c->xs = (int32_t *)(c->xd + T * (Kw / QB + 1));
+    c->xq = (int8_t *)(c->xs + T * (Kw / QB + 1));
     c->logits = logits, c->next_ids = next_ids;
     float *x = c->x, *h = c->h;
     for (int64_t r = 0; r < T; r++)
@@ -1010,7 +1105,7 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     }
     attended = attended / B + 1;
     int64_t local = D + maxcap;
-    const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2};
+    const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
     u.threads = threads < 1 ? 1 : threads;
     u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
@@ -1063,17 +1158,27 @@ int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int
     es_runner u;
     memset(&u, 0, sizeof u);
     u.c.m = &m, u.c.T = T;
+    const int64_t nb = K / QB + 1, local = MAX_ROWS * 8 * PANEL > K / 4 + 2 * nb ? MAX_ROWS * 8 * PANEL : K / 4 + 2 * nb;
+    float *q = (float *)malloc((size_t)(2 * T * nb + (T * K + 3) / 4) * sizeof(float));
+    if (!q) return -2;
+    u.c.xd = q, u.c.xs = (int32_t *)(q + T * nb), u.c.xq = (int8_t *)(q + 2 * T * nb);
     u.threads = threads < 1 ? 1 : threads;
     u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
     if (u.pooled) u.threads = start_helpers(u.threads);
+    if (u.pooled && !local_buf(0, local)) u.threads = 1;
     if (!u.pooled || u.threads == 1) {
         if (u.pooled) pthread_mutex_unlock(&pool.lock);
         u.pooled = 0, u.threads = 1;
-        u.local = (float *)malloc(MAX_ROWS * 8 * PANEL * sizeof(float));
-        if (!u.local) return -2;
+        u.local = (float *)malloc((size_t)local * sizeof(float));
+        if (!u.local) {
+            free(q);
+            return -2;
+        }
     }
     job_matmul(&u, x, w, kind, K, N, y, 0, NULL);
     if (u.pooled) pthread_mutex_unlock(&pool.lock);
     else free(u.local);
+    es_quiesce(); /* q is freed next: no helper may still read it */
+    free(q);
     return 0;
 }

@@ -115,7 +115,7 @@ def test_export_writes_native_weights_that_pass_their_gate(folders, name):
     info = m.extra["native"]
     assert info.get("file") == "native.npz", info
     assert info["gate"]["passed"] and info["gate"]["ids_agree"] == info["gate"]["ids"]
-    assert info["features"] == FEATURES[name] and info["format"] == 2
+    assert info["features"] == FEATURES[name] and info["format"] == 3
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
