@@ -286,7 +286,7 @@ def edgespec_runner(args) -> None:
                             "tokens_per_s": st.tokens_per_second, "drafted": st.drafted, "accepted": st.accepted,
                             "rounds": st.rounds, "rejections": st.rejections, "host_fraction": st.host_fraction,
                             "draft_calls": getattr(st, "draft_calls", None)})  # lookup rounds call no draft
-    if args.mode == "draft" and not args.lookup and gen.cost is None:
+    if args.mode == "draft" and not args.lookup and gen.cost is None and not getattr(args, "no_cost_model", False):
         gen.measure_costs()  # after the timed runs (fixed γ does not need it): for predicted vs measured
     cost = gen.cost.to_dict() if gen.cost else None
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
@@ -660,6 +660,7 @@ def main(argv=None) -> int:
     ap.add_argument("--target-engine", type=Path, default=None, help=argparse.SUPPRESS)  # runner: instead of the demo's
     ap.add_argument("--draft-engine", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)  # runner: the target's threads
+    ap.add_argument("--no-cost-model", action="store_true", help=argparse.SUPPRESS)  # runner: no measure_costs after
     ap.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--temperature", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -97,9 +97,9 @@ MEMBW_SRC = HERE / "membw.c"
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
-             llamacpp_threads="1,2", llamacpp_draft_threads="0", llamacpp_draft_ks="4", llamacpp_draft_p_mins="0",
+             llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4", llamacpp_draft_p_mins="0",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
-             genai_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3", membw_reps=3)
+             genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3", membw_reps=3)
 
 
 def _list(s: str) -> list[str]:
@@ -165,8 +165,8 @@ def kv_bytes_per_context_token(m: dict) -> int:
 def weight_bytes_per_token(folder: Path, provider: str) -> dict:
     """The weight bytes one plain decode step reads on `provider`: {"bytes", "how", "recorded"}.
     cpu-native: every array of native.npz but the embedding table, plus one row of it (the token's), read from
-    the npz headers (an int8 / int4 native file's scales and zero points count with their matrices); "recorded" is
-    engine.json's extra.native.weight_bytes_per_token (what `edgespec inspect` prints: the same without the row).
+    the npz headers (an int8 / int4 native file's scales count with their matrices); "recorded" is engine.json's
+    extra.native.weight_bytes_per_token, what `edgespec inspect` prints (kept beside it as a cross-check).
     cpu (ONNX Runtime): engine.json's weight_bytes_per_token (export/quantize.py, what inspect prints)."""
     m = json.loads((Path(folder) / "engine.json").read_text())
     extra = m.get("extra", {})
@@ -294,18 +294,24 @@ def _edgespec_configs(kind: str, prov: str, eng: str, draft: Folder | None, args
 
 
 def llamacpp_rows(args, unavailable: dict[str, str]) -> list[Row]:
-    """llama.cpp's rows (bench_peers.llamacpp_modes over this script's sweep settings), one per GGUF precision and
-    mode; a precision whose GGUFs did not build ({gguf type: error} in `unavailable`) keeps its rows, unavailable."""
+    """llama.cpp's rows (bench_peers.llamacpp_modes over this script's sweep settings: plain over --llamacpp-threads,
+    draft and lookup over --llamacpp-spec-threads), one per GGUF precision and mode; a precision whose GGUFs did
+    not build ({gguf type: error} in `unavailable`) keeps its rows, unavailable."""
     precs = [GGUF_TYPE[p] for p in _list(args.precisions) if p in GGUF_TYPE] if args.llamacpp_precisions == "auto" \
         else _list(args.llamacpp_precisions)
-    ns = argparse.Namespace(**{k: getattr(args, k) for k in ("llamacpp_threads", "llamacpp_draft_threads",
-                                                             "llamacpp_draft_ks", "llamacpp_draft_p_mins",
-                                                             "llamacpp_lookup_types", "llamacpp_ngram_sizes",
-                                                             "llamacpp_lookup_lengths")},
+    ns = argparse.Namespace(**{k: getattr(args, k) for k in ("llamacpp_draft_threads", "llamacpp_draft_ks",
+                                                             "llamacpp_draft_p_mins", "llamacpp_lookup_types",
+                                                             "llamacpp_ngram_sizes", "llamacpp_lookup_lengths")},
                             llamacpp_precisions=",".join(precs), llamacpp_draft_precisions="same")
+    plain = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns), llamacpp_threads=args.llamacpp_threads))}
+    spec = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns),
+                                                                 llamacpp_threads=args.llamacpp_spec_threads))}
     rows = []
-    for m in llamacpp_modes(ns):
-        kind, gtype = m.name.split()[1], m.name.split()[2]
+    for name in dict.fromkeys(list(plain) + list(spec)):
+        kind, gtype = name.split()[1], name.split()[2]
+        m = (plain if kind == "plain" else spec).get(name)
+        if m is None:
+            continue
         why = unavailable.get(m.name) or unavailable.get(gtype)
         rows.append(Row(Mode(m.name, m.system, m.runner, () if why else m.configs), LLAMACPP_PRECISION[gtype], kind,
                         unavailable=why))
@@ -313,9 +319,9 @@ def llamacpp_rows(args, unavailable: dict[str, str]) -> list[Row]:
 
 
 def genai_rows(args, unavailable: dict[str, str]) -> list[Row]:
-    """ONNX Runtime GenAI's rows per precision (--genai-precisions): plain over threads (0: GenAI's default), draft
-    (the draft built at the target's precision) over k x threads (target T, draft 1; default threading: both
-    GenAI's), n-gram over k x n-gram size x threads."""
+    """ONNX Runtime GenAI's rows per precision (--genai-precisions): plain over --genai-threads (0: GenAI's default),
+    draft (the draft built at the target's precision) over k x --genai-spec-threads (target T, draft 1; 0: both
+    GenAI's default), n-gram over k x n-gram size x --genai-spec-threads."""
     rows = []
     for p in _list(args.genai_precisions):
         tl = lambda t: "threads: GenAI default" if t == "0" else f"threads {t}"  # noqa: E731
@@ -324,10 +330,11 @@ def genai_rows(args, unavailable: dict[str, str]) -> list[Row]:
         draft = [Config(f"k={k}, {p} draft, " + ("threads: GenAI default" if t == "0" else f"threads {t}, draft 1"),
                         ("--mode", "draft", "--precision", p, "--draft-precision", p, "--gamma", k, "--threads", t,
                          "--draft-threads", "0" if t == "0" else "1"))
-                 for t in _list(args.genai_threads) for k in _list(args.genai_draft_ks)]
+                 for t in _list(args.genai_spec_threads) for k in _list(args.genai_draft_ks)]
         ngram = [Config(f"k={k}, ngram_size={n}, {tl(t)}", ("--mode", "ngram", "--precision", p, "--gamma", k,
                                                              "--ngram-size", n, "--threads", t))
-                 for t in _list(args.genai_threads) for n in _list(args.genai_ngram_sizes) for k in _list(args.genai_ngram_ks)]
+                 for t in _list(args.genai_spec_threads) for n in _list(args.genai_ngram_sizes)
+                 for k in _list(args.genai_ngram_ks)]
         for kind, cfgs in (("plain", plain), ("draft", draft), ("ngram", ngram)):
             name = f"ORT GenAI {kind} {p}"
             why = unavailable.get(name) or unavailable.get(p)
@@ -370,7 +377,7 @@ def targets(systems: dict, rows: list[Row], roofline: dict) -> list[dict]:
     def ratio(text, a, b, threshold, extra=None) -> dict:
         t = {"target": text, "threshold": threshold, "a": a, "b": b}
         if not a or not b:
-            return dict(t, met=None, why="not measured: " + ("no edgespec row ran" if not a else "no peer row ran"))
+            return dict(t, met=None, why="no edgespec row ran" if not a else "no peer row ran")
         v = tps[a] / tps[b]
         t.update(a_tokens_per_s=tps[a], b_tokens_per_s=tps[b], value=v, met=bool(v >= threshold))
         if extra:
@@ -559,7 +566,6 @@ def _export_facts(out: Path) -> dict:
     return {"path": _rel(str(out)), "precision": m.get("precision"), "flavor": m.get("flavor"),
             "weight_bytes_per_token": (extra.get("weight_bytes_per_token") or {}).get("total"),
             "precision_gate": v.get("precision_gate"), "agreement_vs_fp32": v.get("agreement_vs_fp32"),
-            "allow_lossy": extra.get("allow_lossy", v.get("allow_lossy")),
             "native": {k: nat.get(k) for k in ("file", "weights", "weight_bytes_per_token", "unavailable") if k in nat}}
 
 
@@ -603,13 +609,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prose-prompts", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts each sweep configuration decodes")
-    ap.add_argument("--repeats", type=int, default=2, help="final passes over every prompt, rows rotated")
+    ap.add_argument("--repeats", type=int, default=1, help="final passes over every prompt, rows rotated (each "
+                                                           "more adds about half the run's time)")
     es = ap.add_argument_group("edgespec sweep")
     cores = str(os.cpu_count() or 1)
     es.add_argument("--plain-threads", default=",".join(dict.fromkeys(["1", cores])), help="plain: threads swept")
     es.add_argument("--spec-threads", default=cores, help="speculative rows: the target's threads swept")
     es.add_argument("--gammas", default="4,6,auto", help="draft: γ")
-    es.add_argument("--lookup-gammas", default="6,auto", help="draft+lookup: γ")
+    es.add_argument("--lookup-gammas", default="auto", help="draft+lookup: γ")
     es.add_argument("--lookups", default="2", help="draft+lookup: load(lookup=N)")
     es.add_argument("--lookup-lengths", default="0,16", help="draft+lookup: load(lookup_gamma=G) (0: γ)")
     es.add_argument("--ngram-gammas", default="4,auto", help="ngram: γ")
@@ -617,18 +624,20 @@ def build_parser() -> argparse.ArgumentParser:
     lc = ap.add_argument_group("llama.cpp sweep (bench_peers.llamacpp_modes)")
     lc.add_argument("--llamacpp-precisions", default="auto", help="GGUF types (auto: --precisions' f16, q8_0, q4_0; "
                                                                  "none: no llama.cpp rows)")
-    lc.add_argument("--llamacpp-threads", default="1,2")
-    lc.add_argument("--llamacpp-draft-threads", default="0")
-    lc.add_argument("--llamacpp-draft-ks", default="4,8")
-    lc.add_argument("--llamacpp-draft-p-mins", default="0,0.75")
+    lc.add_argument("--llamacpp-threads", default="1,2", help="plain: threads swept")
+    lc.add_argument("--llamacpp-spec-threads", default="2", help="draft and lookup: threads swept")
+    lc.add_argument("--llamacpp-draft-threads", default="0", help="draft threads (0: the target's)")
+    lc.add_argument("--llamacpp-draft-ks", default="4,8", help="--spec-draft-n-max")
+    lc.add_argument("--llamacpp-draft-p-mins", default="0,0.75", help="--spec-draft-p-min")
     lc.add_argument("--llamacpp-lookup-types", default="ngram-simple,ngram-cache")
     lc.add_argument("--llamacpp-ngram-sizes", default="3")
-    lc.add_argument("--llamacpp-lookup-lengths", default="8,16")
+    lc.add_argument("--llamacpp-lookup-lengths", default="8,16", help="ngram-simple: draft length after a match")
     ga = ap.add_argument_group("ONNX Runtime GenAI sweep")
     ga.add_argument("--genai-precisions", default="int4,fp16,fp32", help="builder precisions (none: no GenAI rows)")
-    ga.add_argument("--genai-threads", default="0,2", help="0: GenAI's default threading")
-    ga.add_argument("--genai-draft-ks", default="3,5")
-    ga.add_argument("--genai-ngram-ks", default="4")
+    ga.add_argument("--genai-threads", default="0,2", help="plain: threads swept (0: GenAI's default threading)")
+    ga.add_argument("--genai-spec-threads", default="2", help="draft and n-gram: the target's threads swept")
+    ga.add_argument("--genai-draft-ks", default="3,5", help="draft: max_draft_tokens")
+    ga.add_argument("--genai-ngram-ks", default="3,5", help="n-gram: max_draft_tokens")
     ga.add_argument("--genai-ngram-sizes", default="3")
     ap.add_argument("--membw-mib", type=int, default=512)
     ap.add_argument("--membw-reps", type=int, default=7)
@@ -686,7 +695,10 @@ def main(argv=None) -> int:
 
     tokens = ["--max-new-tokens", str(args.max_new_tokens)]
     tgt, dft = _rel(str(target_ck)), _rel(str(draft_ck))
-    base = {"edgespec": [sys.executable, _rel(str(HERE / "bench_peers.py")), "--edgespec-runner"] + tokens,
+    # --no-cost-model: a fixed-γ draft row skips bench_peers' cost measurement after its timed runs (10-25 s at
+    # this size; this report does not predict speedups)
+    base = {"edgespec": [sys.executable, _rel(str(HERE / "bench_peers.py")), "--edgespec-runner", "--no-cost-model"]
+            + tokens,
             "genai": [str(ROOT / ".venv-genai" / "bin" / "python"), _rel(str(HERE / "peers" / "genai_runner.py")),
                       "--target", tgt, "--draft", dft, "--work", _rel(str(WORK / "genai"))] + tokens,
             "llamacpp": [str(ROOT / ".venv-llamacpp" / "bin" / "python"),
@@ -882,6 +894,15 @@ def write_report(report: dict, out: Path) -> None:
     plot(report, out.with_suffix(".png"))
 
 
+def _why(err: str) -> str:
+    """A failed row's error on one line: a runner's stderr tail shortened to its last error line (an exception, a
+    compiler's "error:"), else bench_peers._brief's last line."""
+    head, _, tail = err.partition("stderr tail:")
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    key = [ln for ln in lines if "Error" in ln or "error:" in ln or "Exception" in ln]
+    return (head + key[-1]).replace("|", "/").replace("\n", " ") if key else _brief(err)
+
+
 def _f(x, fmt=".1f", none="–"):
     return none if x is None else format(x, fmt)
 
@@ -909,7 +930,7 @@ def markdown(r: dict) -> str:
              "% of DRAM roofline | peak RSS MiB | configuration (best in the sweep) |", "|---|---|---|---|---|---|---|"]
     for name, s in r["systems"].items():
         if s["status"] != "ok":
-            rows.append(f"| {name} | {s['status']}: {_brief(s.get('error', ''))[:200]} | | | | | |")
+            rows.append(f"| {name} | {s['status']}: {_why(s.get('error', ''))[:240]} | | | | | |")
             continue
         t = s["tokens_per_s"]
         same = s.get("identical_prompts", "–")
@@ -957,7 +978,7 @@ def markdown(r: dict) -> str:
         chosen = r["systems"].get(name, {}).get("config")
         for t in tried:
             if t["status"] != "ok":
-                rows.append(f"| {name} | {t['config']} | failed: {_brief(t['error'])[:160]} | | | |")
+                rows.append(f"| {name} | {t['config']} | failed: {_why(t['error'])[:200]} | | | |")
                 continue
             rows.append(f"| {name} | {t['config']} | {t['tokens_per_s']['median']:.1f} | "
                         f"{_f(t.get('acceptance_rate'), '.3f')} | {t.get('identical_prompts', '–')} | "

@@ -282,6 +282,11 @@ def test_the_edgespec_runner_takes_explicit_engine_folders_and_threads(monkeypat
     assert calls[-1] == {"target": tmp_path / "t-int4", "draft": None, "gamma": "auto", "provider": "cpu"}
     with pytest.raises(SystemExit, match="--mode draft needs a draft engine"):
         _run_edgespec(monkeypatch, capsys, tmp_path, load, target_engine=tmp_path / "t-int4", draft_engine=None)
+    measured = []
+    monkeypatch.setattr(_Gen, "measure_costs", lambda self: measured.append(1))
+    _run_edgespec(monkeypatch, capsys, tmp_path, load, **eng)  # fixed γ: costs measured after, for the prediction
+    _run_edgespec(monkeypatch, capsys, tmp_path, load, no_cost_model=True, **eng)  # bench_realsize: not
+    assert measured == [1]
 
 
 def test_an_edgespec_without_load_lookup_fails_the_mode_with_the_reason(monkeypatch, capsys, tmp_path):

@@ -105,7 +105,12 @@ def test_peer_rows_follow_the_precisions_and_a_failed_build_keeps_its_rows_unava
         assert (r.mode.configs == ()) == ("q8_0" in r.name) and bool(r.unavailable) == ("q8_0" in r.name)
     assert [r.name for r in br.llamacpp_rows(args(precisions="int4"), {})] == [
         "llama.cpp plain q4_0", "llama.cpp draft q4_0", "llama.cpp lookup q4_0"]
-    g = {r.name: r for r in br.genai_rows(args(genai_precisions="int4,fp16", genai_threads="0,2"),
+    lc = {r.name: r for r in br.llamacpp_rows(args(llamacpp_threads="1,2", llamacpp_spec_threads="2"), {})}
+    assert [c.label for c in lc["llama.cpp plain q4_0"].mode.configs] == ["q4_0, threads 1", "q4_0, threads 2"]
+    assert {c.argv[c.argv.index("--threads") + 1] for n in ("draft", "lookup")
+            for c in lc[f"llama.cpp {n} f16"].mode.configs} == {"2"}
+    g = {r.name: r for r in br.genai_rows(args(genai_precisions="int4,fp16", genai_threads="0,2",
+                                               genai_spec_threads="0,2"),
                                           {"ORT GenAI draft fp16": "did not build"})}
     assert set(g) == {f"ORT GenAI {k} {p}" for k in ("plain", "draft", "ngram") for p in ("int4", "fp16")}
     assert g["ORT GenAI draft fp16"].unavailable and g["ORT GenAI plain fp16"].mode.configs
@@ -179,7 +184,7 @@ def test_bytes_per_token_of_a_real_engine_folder(tiny_engine):
         row = z["embed"][0].nbytes
         want = sum(z[k].nbytes for k in z.files if k != "embed") + row
     nat = br.weight_bytes_per_token(tiny_engine, "cpu-native")
-    assert nat["bytes"] == want and nat["recorded"] == want - row  # inspect's figure: without the row
+    assert nat["bytes"] == want and nat["recorded"] == m["extra"]["native"]["weight_bytes_per_token"]
 
 
 def test_roofline_share_is_tokens_times_bytes_over_bandwidth():
@@ -304,3 +309,12 @@ def test_smoke_settings_apply_unless_given_and_a_checkpoint_is_required():
         br.parse_args(["--target", "x"])
     with pytest.raises(SystemExit):
         br.parse_args(["--preset", "qwen2.5-0.5b", "--precisions", "fp8"])
+
+
+def test_a_failed_rows_one_line_error_is_its_last_error_line():
+    err = ("exit 1, no JSON; stderr tail: edgespec/native_step.c:572:9: error: too few arguments to function 'qrows'\n"
+           "  572 |         qrows(rows, R, p, np, a->K, a->kind, out);\n      |         ^~~~~")
+    assert br._why(err) == "exit 1, no JSON; edgespec/native_step.c:572:9: error: too few arguments to function 'qrows'"
+    assert br._why("exit 2, no JSON; stderr tail: Traceback\nValueError: bad | thing\n") == \
+        "exit 2, no JSON; ValueError: bad / thing"
+    assert br._why("timed out after 900 s") == "timed out after 900 s"
