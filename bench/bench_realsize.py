@@ -12,8 +12,15 @@ Smoke run (2 prompts x 16 tokens, one configuration per mode but llama.cpp's two
 Other checkpoints: `--preset llama-3.2-1b`, or any Llama-shaped pair `--target CKPT --draft CKPT` (the stand-ins
 of docs/standins.md; the draft must share the target's tokenizer).
 
-Duration: the script prints its estimate first and a progress bar after (the first use of a preset also makes
-its engine folders, GGUFs and GenAI builds, untimed).
+Duration (2-core AMD EPYC, shared; the script prints its own estimate first and a progress bar after). The smoke
+command took 17.6 and 17.1 minutes (runs dd2605aba71e and 1fb2c5adb589): 5.5 minutes of set-up each (4 engine
+exports at 80-115 s, made again when the export code changes; GGUFs and GenAI builds about a minute the first
+time, reused after), then 45-51 sweep configurations and 42 final rows in about 11.5 minutes, mostly process start
+and model load. The full command (99 sweep configurations on 2 prompts x 64 tokens, 42 rows on 8 x 64, one repeat)
+is estimated from the second smoke run's per-row start-up, prefill and decode speeds at about 34 minutes when the
+machine is quiet (the smoke's sweep speeds) and up to about 70 when another CPU-bound process holds a core (its
+final-phase speeds: llama.cpp's 2-thread speculative rows fell to 1-4 tok/s), plus the set-up when engines are
+(re)made. Each --repeats beyond 1 adds about half of that again.
 
 What one run does, all in one invocation (bench_peers.check_same_run refuses a table holding a row from another):
 
