@@ -184,6 +184,9 @@ def native_agreement_gate(engine_dir: Path, token_rows: list, base: list[np.ndar
     from .validate import GateError, compare_logits, precision_gate
 
     m = C.Manifest.read(engine_dir)
+    cap = m.max_context  # the native decoder's cache holds no more; a longer row is judged on its first rows
+    cut = lambda r: (np.asarray(r[0])[:cap], r[1]) if isinstance(r, tuple) else np.asarray(r)[:cap]  # noqa: E731
+    token_rows, base = [cut(r) for r in token_rows], [np.asarray(b)[:cap] for b in base]
     agree = compare_logits(base, native_logits(engine_dir, token_rows), token_rows, *m.argmax_range)
     try:
         gate = precision_gate(agree, f"native {kind}", role, allow_lossy)

@@ -24,7 +24,8 @@ def test_external_data_exports_load_and_match_inline(tiny_checkpoints, tmp_path,
     inline = export_engine(path, tmp_path / "inline", external_data=False, **kw)
     assert ext.model_data_file == "model.onnx.data" and inline.model_data_file is None
     files = sorted(os.listdir(tmp_path / "ext"))
-    assert files == ["engine.json", "model.onnx", "model.onnx.data"], files  # the fp32 graph and data are gone
+    native = ["native.npz"] if ext.extra["native"].get("file") else []  # the fp16 folder's native weights
+    assert files == ["engine.json", "model.onnx", "model.onnx.data"] + native, files  # the fp32 graph is gone
     assert (tmp_path / "ext" / "model.onnx").stat().st_size < 64 * 1024  # the structure only
     assert ext.model_data_bytes == (tmp_path / "ext" / "model.onnx.data").stat().st_size
     ids = np.random.default_rng(0).integers(0, 96, size=(1, 20))
