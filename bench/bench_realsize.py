@@ -3,11 +3,12 @@
 Full run (0.5B stand-in; 8 held-out code prompts x 64 new tokens, greedy, every row from one run):
 
     bash bench/setup_peers.sh llamacpp && bash bench/setup_peers.sh genai     # once: the peers' environments
-    python bench/bench_realsize.py --preset qwen2.5-0.5b                       # -> bench/results/realsize-qwen2.5-0.5b.{json,md,png}
+    python bench/bench_realsize.py --preset qwen2.5-0.5b     # -> bench/results/realsize-qwen2.5-0.5b.{json,md,png}
 
-Smoke run (2 prompts x 16 tokens, one configuration per mode but llama.cpp's two thread counts, no repeat):
+Smoke run (2 prompts x 16 tokens, one configuration per mode but llama.cpp plain's two thread counts, no repeat):
 
-    nice python bench/bench_realsize.py --preset qwen2.5-0.5b --smoke --out .cache/realsize-smoke/realsize-qwen2.5-0.5b.json
+    nice python bench/bench_realsize.py --preset qwen2.5-0.5b --smoke \\
+        --out .cache/realsize-smoke/realsize-qwen2.5-0.5b.json
 
 Other checkpoints: `--preset llama-3.2-1b`, or any Llama-shaped pair `--target CKPT --draft CKPT` (the stand-ins
 of docs/standins.md; the draft must share the target's tokenizer).
@@ -104,9 +105,11 @@ MEMBW_SRC = HERE / "membw.c"
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
-             llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4", llamacpp_draft_p_mins="0",
+             llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4",
+             llamacpp_draft_p_mins="0",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
-             genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3", membw_reps=3)
+             genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
+             membw_reps=3)
 
 
 def _list(s: str) -> list[str]:
@@ -291,7 +294,8 @@ def _edgespec_configs(kind: str, prov: str, eng: str, draft: Folder | None, args
         dl = _draft_label(draft, prov)
         dv = ("--draft-engine", _rel(str(draft.path)))
         if kind == "draft":
-            out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t)) for g in _list(args.gammas)]
+            out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t))
+                    for g in _list(args.gammas)]
         else:
             out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "") + f", {dl}, threads {t}",
                            base + ("--gamma", g, "--lookup", n) + (("--lookup-gamma", L) if L != "0" else ()) + dv
@@ -429,7 +433,8 @@ def membw_binary() -> Path:
         r = subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", str(MEMBW_SRC), "-o", str(tmp)],
                            capture_output=True, text=True)
         if r.returncode != 0:
-            raise RuntimeError(f"cc -O3 -march=native -fopenmp {_rel(str(MEMBW_SRC))} failed: {r.stderr.strip()[-500:]}")
+            raise RuntimeError(f"cc -O3 -march=native -fopenmp {_rel(str(MEMBW_SRC))} failed: "
+                               f"{r.stderr.strip()[-500:]}")
         os.replace(tmp, exe)
     return exe
 
@@ -504,7 +509,8 @@ def checkpoints(args) -> tuple[Path, Path, str]:
                        check=True, cwd=ROOT, stdout=sys.stderr)
         base = ROOT / ".cache" / "standins" / args.preset
         return base / "target", base / "draft", args.preset
-    return Path(args.target).resolve(), Path(args.draft).resolve(), Path(args.target).resolve().name
+    t = Path(args.target).resolve()
+    return t, Path(args.draft).resolve(), f"{t.parent.name}-{t.name}"  # folders are often named "target"
 
 
 def code_fingerprint() -> str:
@@ -806,7 +812,8 @@ def main(argv=None) -> int:
             continue
         if r.name not in merged:
             err = next((t["error"] for t in sweep[r.name] if t["status"] != "ok"), "no configuration ran")
-            systems[r.name] = dict(meta, status="failed", error=f"every configuration failed in the sweep; first: {err}",
+            systems[r.name] = dict(meta, status="failed",
+                                   error=f"every configuration failed in the sweep; first: {err}",
                                    started=sweep_out[r.name][0][1]["started"], ended=sweep_out[r.name][-1][1]["ended"],
                                    **stamp)
             continue
@@ -946,7 +953,8 @@ def markdown(r: dict) -> str:
         if s.get("identical_to_own_plain"):
             same += f"; own plain {s['identical_to_own_plain']}"
         cfg = s.get("config", "") + (f" (of {s['selected_from']})" if s.get("selected_from", 1) > 1 else "")
-        rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | {_f(s.get('acceptance_rate'), '.3f')} "
+        rows.append(f"| {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | "
+                    f"{_f(s.get('acceptance_rate'), '.3f')} "
                     f"| {same} | {_f(100 * s['roofline_share'] if s.get('roofline_share') else None, '.0f')} | "
                     f"{s['peak_rss_mib']:.0f} | {cfg} |")
     rf = r["roofline"]
@@ -962,7 +970,8 @@ def markdown(r: dict) -> str:
     for name, e in rf["rows"].items():
         rows.append(f"- {name}: {e['bytes_per_token'] / 1e6:.1f} MB per token ({e['how']}) x "
                     f"{_tps(r['systems'][name]):.1f} tok/s = {e['achieved_gbs']:.1f} GB/s of {e['read_gbs']:.1f} at "
-                    f"{e['threads']} thread(s): **{100 * e['share']:.0f}%** (roofline {e['roofline_tokens_per_s']:.1f} tok/s)")
+                    f"{e['threads']} thread(s): **{100 * e['share']:.0f}%** "
+                    f"(roofline {e['roofline_tokens_per_s']:.1f} tok/s)")
     ld = r.get("load", {})
     rows += ["", "Machine load (load average 1/5/15 min; other processes' CPU, % of one core): " + "; ".join(
         f"{k} {v['loadavg_1_5_15']}, others {v['others_cpu_percent']}%"
@@ -977,7 +986,8 @@ def markdown(r: dict) -> str:
     rows += ["", "Peer builds (one short runner call each, before the sweep):", ""]
     for k, b in r["peer_builds"].items():
         rows.append(f"- {k}: {b['status']}" + (f" ({b['rows']} rows): {b['error']}" if b["status"] != "ok" else "")
-                    + "".join(f"; {role} `{_rel(x['builder_command'])}`" for role, x in (b.get("builds") or {}).items()))
+                    + "".join(f"; {role} `{_rel(x['builder_command'])}`"
+                              for role, x in (b.get("builds") or {}).items()))
     rows += ["", f"Every configuration tried (sweep: prompts {r['prompts']['sweep_prompt_indices']} of "
                  f"{r['prompts']['count']}, once each; {r['method']['selection']}):", "",
              "| row | configuration | tok/s | acceptance | identical | |", "|---|---|---|---|---|---|"]
