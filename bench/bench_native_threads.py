@@ -7,7 +7,8 @@ A robot's computer runs other processes beside the policy (camera drivers, ROS n
 step that is fast only on an idle machine is not fast. For each number of "hogs" (--hogs: processes that spin
 on a core, started before and stopped after that block) this decodes --tokens tokens greedily, plainly, on
 provider cpu-native at each thread count (--threads), --repeats times, the thread counts interleaved within
-every repeat, and reports each configuration's median tok/s. What issue 28 asks of it: beside one hog the
+every repeat, and reports each configuration's median tok/s; then, quiet, the time of one step at each batch
+size (--batches): one call runs every sequence, so a step reads the weights once. What issue 28 asks of it: beside one hog the
 default thread count keeps at least half of the quiet speed and never falls below the 1-thread speed beside
 the same hog. Writes JSON, a markdown table and a PNG beside --out (the command and the machine's load in
 the JSON).
@@ -49,6 +50,22 @@ def decode_tps(engine, prompt: list[int], tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def batch_step_ms(engine, batch: int, steps: int = 16) -> float:
+    """ms per decoder step of `batch` sequences (one call: the weights are read once per step), after a
+    32-token prefill of each; the median of `steps` steps."""
+    dec = engine.decoder(batch)
+    dec(np.tile(np.arange(10, 42, dtype=np.int64), (batch, 1)))
+    dec.cache.commit(32)
+    times = []
+    for _ in range(steps):
+        nxt = np.ascontiguousarray(dec.last_ids()[:, -1:], np.int64)
+        t0 = time.perf_counter()
+        dec(nxt)
+        times.append((time.perf_counter() - t0) * 1e3)
+        dec.cache.commit(1)
+    return float(np.median(times))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", type=Path, required=True, help="an engine folder with native weights")
@@ -57,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hogs", default="0,1,2", help="CPU-bound processes beside the decoder")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batches", default="1,4", help="quiet, default threads: ms per step at these batch sizes")
     a = ap.parse_args(argv)
 
     from edgespec.contract import Manifest
@@ -89,6 +107,13 @@ def main(argv=None) -> int:
             rows.append({"hogs": n_hogs, "threads": t, "tok_s": speeds[t], "median_tok_s": float(np.median(speeds[t]))})
             print(f"hogs {n_hogs}  threads {t}: median {np.median(speeds[t]):7.1f} tok/s  "
                   f"({' '.join(f'{s:.1f}' for s in speeds[t])})", flush=True)
+    batch_ms = {}
+    for r in range(3):  # quiet, at the default thread count; batch sizes interleaved
+        for b in [int(x) for x in a.batches.split(",")]:
+            batch_ms.setdefault(b, []).append(batch_step_ms(engines[max(threads)], b))
+    batches = {b: {"step_ms": v, "median_step_ms": float(np.median(v))} for b, v in batch_ms.items()}
+    for b, v in batches.items():
+        print(f"batch {b}: median {v['median_step_ms']:.1f} ms per step ({max(threads)} threads)", flush=True)
     med = {(r["hogs"], r["threads"]): r["median_tok_s"] for r in rows}
     default = os.cpu_count() or 1
     quiet_best = max(med[(0, t)] for t in threads)
@@ -103,7 +128,7 @@ def main(argv=None) -> int:
     report = {"command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
               "engine": str(a.engine), "weights": info.get("weights", "float16"),
               "weight_bytes_per_token": info.get("weight_bytes_per_token"), "parameters": m.extra.get("parameters"),
-              "tokens": a.tokens, "repeats": a.repeats, "rows": rows, "checks": checks,
+              "tokens": a.tokens, "repeats": a.repeats, "rows": rows, "checks": checks, "batches": batches,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
                           "load_after": os.getloadavg()},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
@@ -119,6 +144,8 @@ def main(argv=None) -> int:
         lines += ["", f"Default ({default} threads) beside one hog: {checks['beside_one_vs_quiet_best']:.2f}x the quiet "
                       f"best, {checks['beside_one_vs_one_thread_beside_one']:.2f}x one thread beside one hog "
                       f"(target >= 0.5x and >= 1.0x: {'met' if checks['met'] else 'NOT met'})."]
+    lines += ["", "Batches (quiet, one call per step for every sequence): " + ", ".join(
+        f"batch {b} {v['median_step_ms']:.1f} ms per step" for b, v in batches.items())]
     a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
