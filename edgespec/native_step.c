@@ -1021,6 +1021,29 @@ typedef struct { /* how es_forward runs its jobs */
     float *local; /* scratch when not pooled */
 } es_runner;
 
+/* u on the pool when threads > 1 and no other call holds it, else alone on a scratch of `local` floats of its
+   own: 0, or -2 when that cannot be allocated */
+static int runner_begin(es_runner *u, int threads, int64_t local) {
+    u->threads = threads < 1 ? 1 : threads;
+    u->pooled = u->threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
+    if (u->pooled) {
+        u->threads = start_helpers(u->threads);
+        if (!local_buf(0, local)) u->threads = 1;
+    }
+    if (!u->pooled || u->threads == 1) {
+        if (u->pooled) pthread_mutex_unlock(&pool.lock);
+        u->pooled = 0, u->threads = 1;
+        u->local = (float *)malloc((size_t)local * sizeof(float));
+        if (!u->local) return -2;
+    }
+    return 0;
+}
+
+static void runner_end(es_runner *u) {
+    if (u->pooled) pthread_mutex_unlock(&pool.lock);
+    else free(u->local);
+}
+
 static void job_rows(es_runner *u, int kind, int64_t l, int64_t n, int64_t local, int64_t cost, const float *src,
                      const float *w, float *dst) {
     es_job j;
@@ -1107,18 +1130,7 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     int64_t local = D + maxcap;
     const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
-    u.threads = threads < 1 ? 1 : threads;
-    u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
-    if (u.pooled) {
-        u.threads = start_helpers(u.threads);
-        if (!local_buf(0, local)) u.threads = 1;
-    }
-    if (!u.pooled || u.threads == 1) {
-        if (u.pooled) pthread_mutex_unlock(&pool.lock);
-        u.pooled = 0, u.threads = 1;
-        u.local = (float *)malloc((size_t)local * sizeof(float));
-        if (!u.local) return -2;
-    }
+    if (runner_begin(&u, threads, local) != 0) return -2;
 
     for (int64_t l = 0; l < m->L; l++) {
         const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
@@ -1145,8 +1157,7 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     job_rows(&u, J_NORM, 0, T, E, 3 * T * E, x, m->norm, h);
     job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL);
     job_rows(&u, J_ARGMAX, 0, T, 2, 2 * T * V, NULL, NULL, NULL);
-    if (u.pooled) pthread_mutex_unlock(&pool.lock);
-    else free(u.local);
+    runner_end(&u);
     if (hidden) memcpy(hidden, h, (size_t)(T * E) * sizeof(float));
     return 0;
 }
@@ -1162,22 +1173,12 @@ int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int
     float *q = (float *)malloc((size_t)(2 * T * nb + (T * K + 3) / 4) * sizeof(float));
     if (!q) return -2;
     u.c.xd = q, u.c.xs = (int32_t *)(q + T * nb), u.c.xq = (int8_t *)(q + 2 * T * nb);
-    u.threads = threads < 1 ? 1 : threads;
-    u.pooled = u.threads > 1 && pthread_mutex_trylock(&pool.lock) == 0;
-    if (u.pooled) u.threads = start_helpers(u.threads);
-    if (u.pooled && !local_buf(0, local)) u.threads = 1;
-    if (!u.pooled || u.threads == 1) {
-        if (u.pooled) pthread_mutex_unlock(&pool.lock);
-        u.pooled = 0, u.threads = 1;
-        u.local = (float *)malloc((size_t)local * sizeof(float));
-        if (!u.local) {
-            free(q);
-            return -2;
-        }
+    if (runner_begin(&u, threads, local) != 0) {
+        free(q);
+        return -2;
     }
     job_matmul(&u, x, w, kind, K, N, y, 0, NULL);
-    if (u.pooled) pthread_mutex_unlock(&pool.lock);
-    else free(u.local);
+    runner_end(&u);
     es_quiesce(); /* q is freed next: no helper may still read it */
     free(q);
     return 0;

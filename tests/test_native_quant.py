@@ -315,3 +315,24 @@ def test_the_model_struct_matches_the_c_layout():
     off = ctypes.c_int64()
     assert library().es_model_layout(ctypes.byref(off)) == ctypes.sizeof(_Model)
     assert off.value == _Model.inv_freq.offset
+
+
+def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_native_threads.py"
+    spec = importlib.util.spec_from_file_location("bench_native_threads", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ok = {(0, 1): 60.0, (0, 2): 100.0, (1, 1): 60.0, (1, 2): 61.0}
+    assert bench.threads_checks(ok, 2)["met"]
+    assert not bench.threads_checks({**ok, (1, 2): 59.0}, 2)["met"]  # below one thread beside the same load
+    assert not bench.threads_checks({**ok, (0, 2): 130.0, (1, 1): 40.0, (1, 2): 64.0}, 2)["met"]  # < half quiet
+    assert bench.threads_checks({(0, 1): 1.0, (0, 2): 2.0}, 2) == {}
+    out = tmp_path / "t.json"
+    assert bench.main(["--engine", str(quant_folders[("llama3", "int4")][0]), "--out", str(out), "--hogs", "0",
+                       "--tokens", "3", "--repeats", "1", "--batches", "1,2"]) == 0
+    r = json.loads(out.read_text())
+    assert [(x["hogs"], x["threads"]) for x in r["rows"]] == [(0, 1), (0, 2)] and r["weights"] == "int4"
+    assert set(r["batches"]) == {"1", "2"} and out.with_suffix(".md").is_file()
