@@ -815,7 +815,8 @@ void es_quiesce(void) {
 /* runs job j: on the pool (pooled: pool.lock held), or here alone with `local` as scratch */
 static void run_job(es_job *j, int pooled, float *local) {
     if (j->n <= 0) return;
-    if (!pooled || j->n == 1 || j->cost < MIN_PARALLEL) {
+    if (!pooled || j->n == 1 || j->cost < MIN_PARALLEL || j->n > (int64_t)IDX_MASK) { /* (more chunks than a claim
+                                                                                        word counts: alone) */
         if (pooled) local = local_buf(0, j->local);
         for (int64_t i = 0; i < j->n; i++) {
             run_chunk(j, i, local);
