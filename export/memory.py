@@ -8,6 +8,8 @@ An export holds, at its peak (N parameters, the checkpoint's weights in their st
       fp16: the fp32 graph loaded + converted     (4 + 2) N and the converter's copies: 6.3 N
       int4 / int8: the fp32 graph loaded + out    (4 + 1) N
       the native gate: fp32 session + fp16 copy   SESSION_BYTES_PER_PARAM N + 2 N
+      a variant's native weights: made, then loaded for their gate: at most 2 x 2 N (fp16), below the
+      variant's own stage, so they add nothing to the peak
 
 The builder streams each weight matrix to the external data file as it is made, so the graph itself adds one
 matrix at a time. bench/results/export-realsize.json holds measured peaks beside these estimates.
