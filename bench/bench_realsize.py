@@ -27,8 +27,8 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
 
   0. set-up (untimed): the stand-in pair if missing (python -m edgespec.export.standin --preset P); edgespec engine
      folders `edgespec export CKPT --out DIR --dtype D` for every precision asked (--precisions: fp16, int8, int4;
-     fp32 too when asked, and whenever cpu-native needs it: today the native step reads the float16 copy an fp32
-     export carries), and the draft (--draft-dtype, default int8, --role draft), cached in .cache/engines-realsize/
+     fp32 too when asked, or when no folder carries float16 native weights for the cpu-native fp16 rows (an fp32
+     export's native.npz holds them; an fp16 export now writes its own), and the draft (--draft-dtype, default int8, --role draft), cached in .cache/engines-realsize/
      and reused while the checkpoint (engine.json's source_sha256) and the export code (EXPORT_CODE's hash) are
      the same; llama.cpp GGUFs (f16 from convert_hf_to_gguf.py, q8_0 / q4_0 from llama-quantize) and GenAI
      builds, each made by one short call of its runner, so a precision that does not build is known before the
