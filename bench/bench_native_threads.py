@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     default = os.cpu_count() or 1
     checks = threads_checks(med, default)
     info = m.extra.get("native", {})
-    report = {"command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+    report = {"command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]),
               "engine": str(a.engine), "weights": info.get("weights", "float16"),
               "weight_bytes_per_token": info.get("weight_bytes_per_token"), "parameters": m.extra.get("parameters"),
               "tokens": a.tokens, "repeats": a.repeats, "rows": rows, "checks": checks, "batches": batches,

@@ -903,8 +903,9 @@ def write_report(report: dict, out: Path) -> None:
     from two runs)."""
     check_same_run(report)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    # the peers' build commands carry this machine's paths: the repository's are written relative to it
+    out.write_text(_rel(json.dumps(report, indent=2)) + "\n")
+    out.with_suffix(".md").write_text(_rel(markdown(report)))
     plot(report, out.with_suffix(".png"))
 
 
