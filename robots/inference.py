@@ -146,7 +146,9 @@ class InferenceProcess:
             self._proc.join(timeout_s)
         if self._proc.is_alive():  # hung in a call: it cannot answer "quit"
             self._proc.kill()
-            self._proc.join(timeout_s)
+            # SIGKILL cannot be refused, but a loaded machine may take a moment
+            # to reap the child: wait for it rather than return with it alive.
+            self._proc.join(max(timeout_s, 10.0))
         self._conn.close()
 
     def __enter__(self) -> "InferenceProcess":

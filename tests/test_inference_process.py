@@ -119,7 +119,7 @@ def test_the_loop_survives_a_raising_process_policy_and_a_hung_one():
         finally:
             t = time.perf_counter()
             pol.close(timeout_s=0.5)  # the child cannot answer "quit" while it sleeps: killed
-            assert time.perf_counter() - t < 3.0 and not pol._proc.is_alive()
+            assert time.perf_counter() - t < 10.0 and not pol._proc.is_alive()
 
 
 def blas_env():
