@@ -48,13 +48,12 @@ import numpy as np
 from edgespec import contract as C
 
 from .checkpoint import ModelSpec
+from .external import DataWriter
 
 OPSET = 17
 MS_DOMAIN = "com.microsoft"
 FUSED = "fused"
 ROPE_ROWS_MIN = 1024  # rotary table rows at least: the precision gate teacher-forces rows longer than max_context
-EXTERNAL_MIN = 1024  # bytes: initializers at least this large go to the external data file
-ALIGN = 64  # external data offsets are multiples of this
 
 
 class _Graph:
@@ -63,36 +62,17 @@ class _Graph:
 
     def __init__(self, data: Path | None = None):
         self.nodes, self.inits, self._n = [], [], 0
-        self.data_path = Path(data) if data else None
-        self._data = open(self.data_path, "wb") if data else None
-        self.data_bytes = 0
+        self._writer = DataWriter(Path(data)) if data else None
 
     def const(self, name: str, arr) -> str:
-        from onnx import TensorProto, helper, numpy_helper
+        from onnx import numpy_helper
         arr = np.asarray(arr)
-        if self._data is None or arr.nbytes < EXTERNAL_MIN:
-            self.inits.append(numpy_helper.from_array(arr, name))
-            return name
-        pad = (-self.data_bytes) % ALIGN
-        self._data.write(b"\0" * pad)
-        offset = self.data_bytes + pad
-        np.ascontiguousarray(arr).tofile(self._data)
-        self.data_bytes = offset + arr.nbytes
-        t = TensorProto()
-        t.name = name
-        t.data_type = helper.np_dtype_to_tensor_dtype(arr.dtype)
-        t.dims.extend(arr.shape)
-        t.data_location = TensorProto.EXTERNAL
-        for key, value in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
-            entry = t.external_data.add()
-            entry.key, entry.value = key, value
-        self.inits.append(t)
+        self.inits.append(self._writer.tensor(name, arr) if self._writer else numpy_helper.from_array(arr, name))
         return name
 
     def close(self) -> None:
-        if self._data is not None:
-            self._data.close()
-            self._data = None
+        if self._writer is not None:
+            self._writer.close()
 
     def op(self, op_type: str, inputs: list, outputs=1, domain: str = "", **attrs):
         from onnx import helper

@@ -110,16 +110,17 @@ def save_model(model, path: Path, external: bool) -> str | None:
 
 
 def to_fp16(src: Path, dst: Path, num_layers: int, external: bool = False) -> str | None:
-    """fp16 weights, compute and KV cache; the other inputs and outputs stay as the contract has them.
-    -> the external data file's name, or None."""
+    """fp16 weights, compute and KV cache; the other inputs and outputs stay as the contract has them. The
+    weights are converted one at a time (external.fp16_graph). -> the external data file's name, or None."""
     import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    model = onnx.load(str(src))
+    from .external import fp16_graph
+
+    skeleton = onnx.load(str(src), load_external_data=False)
     cache = {n for pair in C.cache_names(num_layers) for n in pair}
-    keep = [t.name for t in list(model.graph.input) + list(model.graph.output) if t.name not in cache]
-    model = convert_float_to_float16(model, keep_io_types=keep, disable_shape_infer=external)
-    return save_model(model, dst, external)
+    keep = [t.name for t in list(skeleton.graph.input) + list(skeleton.graph.output) if t.name not in cache]
+    del skeleton
+    return fp16_graph(src, dst, keep, external)
 
 
 def to_integer(src: Path, dst: Path, precision: str, external: bool = False) -> dict:

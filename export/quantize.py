@@ -82,28 +82,63 @@ def quantize(precision: str, src: Path, dst: Path, settings: WeightOnly | None =
     raise ValueError(f"integer precision must be one of {INTEGER_PRECISIONS}, got {precision!r}")
 
 
+CHUNK_BYTES = 256 << 20  # float32 weight bytes loaded per quantizer pass (one layer of a 3B model: ~0.4 GB)
+
+
 def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = False) -> dict:
-    """Every MatMul with a constant [K, N] weight -> MatMulNBits (module docstring)."""
+    """Every MatMul with a constant [K, N] weight -> MatMulNBits (module docstring). The graph is read without
+    its external weights; ONNX Runtime's quantizer then runs over a few MatMuls at a time (CHUNK_BYTES of
+    float32), the others excluded, their weights loaded just before: memory holds the quantized weights and
+    one chunk of float32 ones, never the whole fp32 model."""
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    model = onnx.load(str(src))
+    from .external import load_inline
+
+    src = Path(src)
+    model = onnx.load(str(src), load_external_data=False)
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
     matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
+    unnamed = [n for n in nodes if not n.name]
+    if unnamed or len({n.name for n in nodes}) != len(nodes):
+        raise ValueError(f"{src}: every MatMul with a constant weight needs a unique node name (the quantizer "
+                         f"excludes nodes by name); got {len(unnamed)} unnamed of {len(nodes)}")
     head = output_projection(model) if settings.head_bits not in (None, settings.bits) else None
-    out = model
-    with _quiet():  # two passes when the head has its own bits: the rest first, then the head
-        for bits, exclude in ((settings.bits, [head] if head else None), (settings.head_bits, None))[:1 + bool(head)]:
-            q = MatMulNBitsQuantizer(out, bits=bits, block_size=settings.block_size, nodes_to_exclude=exclude,
+    size = {n.name: 4 * int(np.prod(inits[n.input[1]].dims, dtype=np.int64)) for n in nodes}
+    weight_of = {n.name: n.input[1] for n in nodes}
+    passes = []  # (bits, [node names]) in graph order, at most CHUNK_BYTES of float32 weights each
+    for bits, names in ((settings.bits, [n.name for n in nodes if n.name != head]),
+                        (settings.head_bits, [head] if head else [])):
+        chunk, held = [], 0
+        for name in names:
+            if chunk and held + size[name] > CHUNK_BYTES:
+                passes.append((bits, chunk))
+                chunk, held = [], 0
+            chunk.append(name)
+            held += size[name]
+        if chunk:
+            passes.append((bits, chunk))
+    everything = set(size)
+    with _quiet():
+        for bits, chunk in passes:
+            inits = {t.name: t for t in model.graph.initializer}  # the quantizer replaces initializers
+            for name in chunk:
+                load_inline(inits[weight_of[name]], src.parent)
+            q = MatMulNBitsQuantizer(model, bits=bits, block_size=settings.block_size,
+                                     nodes_to_exclude=sorted(everything - set(chunk)),
                                      is_symmetric=settings.symmetric, accuracy_level=settings.accuracy_level or None,
                                      op_types_to_quantize=("MatMul",))
             q.process()
-            out = q.model.model
-    nbits = [n for n in out.graph.node if n.op_type == "MatMulNBits"]
+            model = q.model.model
+        for t in model.graph.initializer:  # what stays as it was (the embedding, norms, rotary tables)
+            load_inline(t, src.parent)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     if not nbits:
         raise ValueError(f"{src}: no MatMul with a constant weight to quantize (expected the exported decoder's "
                          f"projections, got {matmuls} MatMul nodes, none quantized)")
     from .onnx_export import save_model
-    data = save_model(out, Path(dst), external)
+    data = save_model(model, Path(dst), external)
     return {"method": "weight-only MatMulNBits (onnxruntime MatMulNBitsQuantizer, round to nearest)",
             **asdict(settings), "head": head, "quantized_matmuls": len(nbits),
             "activation_matmuls": matmuls - len(nbits),  # attention scores: no constant weight
