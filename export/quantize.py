@@ -100,10 +100,11 @@ def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = Fal
     inits = {t.name: t for t in model.graph.initializer}
     nodes = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
     matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
-    unnamed = [n for n in nodes if not n.name]
-    if unnamed or len({n.name for n in nodes}) != len(nodes):
-        raise ValueError(f"{src}: every MatMul with a constant weight needs a unique node name (the quantizer "
-                         f"excludes nodes by name); got {len(unnamed)} unnamed of {len(nodes)}")
+    seen: set[str] = set()
+    for i, n in enumerate(nodes):  # the quantizer excludes nodes by name: each needs its own
+        if not n.name or n.name in seen:
+            n.name = f"{n.name or 'MatMul'}_weight_only_{i}"
+        seen.add(n.name)
     head = output_projection(model) if settings.head_bits not in (None, settings.bits) else None
     size = {n.name: 4 * int(np.prod(inits[n.input[1]].dims, dtype=np.int64)) for n in nodes}
     weight_of = {n.name: n.input[1] for n in nodes}
