@@ -1,18 +1,18 @@
 """What an export will hold in memory, estimated before any work, and the refusal when it cannot fit.
 
-An export holds, at its peak (N parameters, the checkpoint's weights in their stored dtype of b bytes each):
+An export goes through stages one after another (onnx_export.py); its peak is the largest of them (N
+parameters, the checkpoint's weights in their stored dtype of b bytes each):
 
-    the checkpoint's tensors                      b N        (held for the reference and the native weights)
-    one stage at a time, the largest of:
-      the fp32 graph's ONNX Runtime session       SESSION_BYTES_PER_PARAM N   (the parity and verify gates)
-      fp16: the fp32 graph loaded + converted     (4 + 2) N and the converter's copies: 6.3 N
-      int4 / int8: the fp32 graph loaded + out    (4 + 1) N
-      the native gate: fp32 session + fp16 copy   SESSION_BYTES_PER_PARAM N + 2 N
-      a variant's native weights: made, then loaded for their gate: at most 2 x 2 N (fp16), below the
-      variant's own stage, so they add nothing to the peak
+    graph       the checkpoint's tensors, b N, while the fp32 graph streams to its data file one matrix at a
+                time and the reference computes the parity gate's logits
+    gates       the fp32 graph's ONNX Runtime session, SESSION_BYTES_PER_PARAM N (the checkpoint let go)
+    variant     fp16 / int8 / int4: made one weight at a time (external.py, quantize.weight_only), then its
+                session for the agreement report: VARIANT_BYTES_PER_PARAM[dtype] N
+    native      the checkpoint read again, b N, plus the native weights (made, written, then loaded for their
+                gate, one copy at a time): NATIVE_BYTES_PER_PARAM[dtype] N; an fp32 folder's exact float16
+                copy is gated against the fp32 session, which adds SESSION_BYTES_PER_PARAM N
 
-The builder streams each weight matrix to the external data file as it is made, so the graph itself adds one
-matrix at a time. bench/results/export-realsize.json holds measured peaks beside these estimates.
+bench/results/export-realsize.json holds measured peaks beside these estimates.
 """
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from pathlib import Path
 import numpy as np
 
 SESSION_BYTES_PER_PARAM = 4.0  # an fp32 session holds the weights once (ONNX Runtime's CPU MatMul reads them in place)
-VARIANT_BYTES_PER_PARAM = {"fp32": 0.0, "fp16": 6.3, "int4": 5.0, "int8": 5.0, "int8-dynamic": 5.0}
-#   measured (bench/results/export-realsize.json, the 2.8B stand-in): fp16 6.2, int4 4.75 bytes per parameter
+VARIANT_BYTES_PER_PARAM = {"fp32": 0.0, "fp16": 2.0, "int4": 1.2, "int8": 1.6, "int8-dynamic": 2.0}
+#   the variant's session (int8 / int4: the weights as MatMulNBits blocks, plus the float32 embedding), and
+#   while quantizing, the quantized weights beside one chunk of float32 ones
+NATIVE_BYTES_PER_PARAM = {"fp32": 2.0, "fp16": 2.0, "int8": 1.06, "int4": 0.6, "int8-dynamic": 1.06}
 MARGIN_BYTES = 1 << 30  # the interpreter, torch, ONNX Runtime and the gates' activations
 
 
@@ -43,13 +45,16 @@ def available_bytes() -> int | None:
 
 
 def estimate(spec, checkpoint_bytes: int, dtype: str) -> dict:
-    """The export's peak by part (module docstring), bytes; checkpoint_bytes: its weight files' size."""
+    """The export's peak by stage (module docstring), bytes; checkpoint_bytes: its weight files' size."""
     n = sum(int(np.prod(s)) for s in spec.checkpoint_shapes().values())
     held = checkpoint_bytes if checkpoint_bytes <= 3 * n else 4 * n  # bf16 files are widened to float32
-    native = (SESSION_BYTES_PER_PARAM + 2) * n if dtype == "fp32" else 0
-    stage = max(SESSION_BYTES_PER_PARAM * n, VARIANT_BYTES_PER_PARAM[dtype] * n, native)
-    return {"parameters": n, "checkpoint_bytes": int(held), "largest_stage_bytes": int(stage),
-            "total_bytes": int(held + stage + MARGIN_BYTES)}
+    native = held + NATIVE_BYTES_PER_PARAM[dtype] * n + (SESSION_BYTES_PER_PARAM * n if dtype == "fp32" else 0)
+    stages = {"graph": held, "gates": SESSION_BYTES_PER_PARAM * n, "variant": VARIANT_BYTES_PER_PARAM[dtype] * n,
+              "native": native}
+    largest = max(stages, key=stages.get)
+    return {"parameters": n, "checkpoint_bytes": int(held), "stages_bytes": {k: int(v) for k, v in stages.items()},
+            "largest_stage": largest, "largest_stage_bytes": int(stages[largest]),
+            "total_bytes": int(stages[largest] + MARGIN_BYTES)}
 
 
 def check_memory(spec, checkpoint_bytes: int, dtype: str, max_memory: int | None, ckpt_dir: Path) -> dict:
@@ -63,7 +68,7 @@ def check_memory(spec, checkpoint_bytes: int, dtype: str, max_memory: int | None
         source = "--max-memory" if max_memory is not None else "MemAvailable in /proc/meminfo"
         raise ExportMemoryError(
             f"{ckpt_dir}: exporting {est['parameters'] / 1e9:.2f}B parameters at {dtype} needs about "
-            f"{gib(est['total_bytes'])} (the checkpoint {gib(est['checkpoint_bytes'])} + its largest stage "
-            f"{gib(est['largest_stage_bytes'])} + 1 GiB), expected at most {gib(limit)} ({source}); free memory, "
+            f"{gib(est['total_bytes'])} (its largest stage, {est['largest_stage']}: "
+            f"{gib(est['largest_stage_bytes'])}, + 1 GiB), expected at most {gib(limit)} ({source}); free memory, "
             f"or raise --max-memory if the estimate is too cautious for this machine")
     return est

@@ -18,10 +18,12 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
      text draft head (text_head.npz, export/train_text_head.py), if present
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference, verify vs single steps (validate.py: 1e-4 of the
-     logits' scale, top-1 beside it)
-  5) the precision variant (fp16; int8, int4 or int8-dynamic from quantize.py) replacing the fp32 graph, with
-     its agreement report vs fp32 (the fp32 logits taken first, so the two sessions are never both held) and
-     the precision gate: a target below 0.99 top-1 agreement is refused unless --allow-lossy (recorded)
+     logits' scale, top-1 beside it); the reference's logits are taken first and the checkpoint is then let
+     go, so the fp32 session holds the only copy of the weights
+  5) the precision variant (fp16; int8, int4 or int8-dynamic from quantize.py) replacing the fp32 graph, made
+     one weight at a time (external.py), with its agreement report vs fp32 (the fp32 logits taken first, so
+     the two sessions are never both held) and the precision gate: a target below 0.99 top-1 agreement is
+     refused unless --allow-lossy (recorded); then native.npz from the checkpoint, read again
   6) engine.json (the manifest, with hashes, the gate reports, the quantization settings, the weight bytes
      read per token, the parameter count and the export's peak RSS after each stage)
 """
@@ -38,7 +40,8 @@ import edgespec
 from edgespec import contract as C
 
 from .checkpoint import CheckpointError, ModelSpec, hash_files, load_weights, read_config, weight_files
-from .validate import ROLES, agreement, parity_gate, precision_gate, require, teacher_forced, verify_gate
+from .validate import (ROLES, agreement, parity_gate, parity_reference, precision_gate, require, teacher_forced,
+                       verify_gate)
 
 DEFAULT_MAX_CONTEXT = 2048
 CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int8": "float32",  # KV cache I/O dtype
@@ -272,17 +275,22 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         manifest.source_sha256 = hash_files(weight_files(ckpt_dir) + [ckpt_dir / "config.json"])
         manifest.model_sha256 = C.file_sha256(stage / fp32_name)
         manifest.write(stage)
-        # 4) gates on the fp32 graph
+        # 4) gates on the fp32 graph: the reference's logits first; then the checkpoint is let go, so that the
+        #    fp32 session is the only copy of the weights in memory (read again for the native weights)
+        bar.set_description("export: reference logits")
+        cases = parity_reference(ReferenceDecoder(spec, weights), spec.vocab_size, max_context)
+        del weights
+        gc.collect()
+        stage_done("reference logits", 0)
         bar.set_description("export: parity gate vs reference")
         engine = OrtEngine(stage)
-        reference = ReferenceDecoder(spec, weights)
-        parity = parity_gate(engine, reference, max_context, embed=embed)
+        parity = parity_gate(engine, cases, max_context, embed=embed)
+        del cases
         require("parity vs reference", parity)
         stage_done("parity gate")
         bar.set_description("export: verify-pass gate")
         verify = verify_gate(engine, max_context, embed=embed)
         require("verify pass vs single steps", verify)
-        del reference
         validation = {"parity": parity, "verify": verify}
         quantization = None  # int4 / int8 / int8-dynamic: the settings (quantize.py)
         native_info = None  # extra["native"]: the native step's weights, or why there are none
@@ -324,8 +332,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             if input_mode == "ids":  # native weights of this precision, gated against the same fp32 logits
                 from .native import add_native
                 bar.set_description(f"export: native {dtype} weights")
-                native_info = add_native(stage, spec, weights, None, base=(rows, base_logits), role=role,
-                                         allow_lossy=allow_lossy)
+                native_info = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None), None,
+                                         base=(rows, base_logits), role=role, allow_lossy=allow_lossy)
             del base_logits
             gc.collect()
         else:
@@ -345,7 +353,8 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         if dtype == "fp32" and input_mode == "ids":  # float16 weights for provider cpu-native, where exact
             from .native import add_native
             rows, _ = calibration_rows(ckpt_dir, spec.vocab_size, 64, seq=64)
-            manifest.extra["native"] = add_native(stage, spec, weights, np.asarray(rows[0])[:max_context])
+            manifest.extra["native"] = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None),
+                                                  np.asarray(rows[0])[:max_context])
         mem.mark("native weights")
         manifest.extra["export_memory"] = {**mem.record(), "estimate_bytes": estimate}
         manifest.extra["export_seconds"] = round(time.time() - t0, 2)

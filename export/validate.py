@@ -90,28 +90,41 @@ def _top1(got: np.ndarray, want: np.ndarray, tol: float) -> tuple[int, int]:
     return int(wrong.sum()), int(decisive.sum())
 
 
-def parity_gate(engine, reference, max_context: int, seed: int = 0, embed=None) -> dict:
-    """Worst |ORT - reference| over the logits of a 4-token call at past length 0, and of one sequence of
-    max_context tokens fed in chunks: a prefill to half, a 4-token step there (mid), a prefill to near
-    capacity and a 4-token step at the end (near_capacity), every position compared; against the logits'
-    scale, with top-1 agreement on every decisive position. The cache starts as garbage in every row."""
+def parity_reference(reference, vocab_size: int, max_context: int, seed: int = 0) -> list[tuple]:
+    """The parity gate's sequences and the reference's logits for them: [(label, ids (1, T), cuts, logits
+    (1, T, V))], a 4-token call at past length 0 ("past0") and one sequence of max_context tokens ("long") fed
+    in chunks (cuts: (start, end) per call): a prefill to half, a 4-token step there (mid), a prefill to near
+    capacity and a 4-token step at the end (near_capacity). Computed apart from the engine, so that the
+    exporter can let the checkpoint go before it opens the fp32 session."""
     import torch
 
-    m = engine.manifest
     rng = np.random.default_rng(seed)
     s = 4
-    report, pairs = {}, []
     mid, near = max(0, min(max_context // 2, max_context - 2 * s)), max(0, max_context - s)
-    ids0 = rng.integers(0, m.vocab_size, size=(1, s), dtype=np.int64)
-    ids = rng.integers(0, m.vocab_size, size=(1, max(near + s, mid + s)), dtype=np.int64)
+    ids0 = rng.integers(0, vocab_size, size=(1, s), dtype=np.int64)
+    ids = rng.integers(0, vocab_size, size=(1, max(near + s, mid + s)), dtype=np.int64)
+    cases = []
     for label, seq, cuts in (("past0", ids0, [(0, s)]),
                              ("long", ids, [(0, mid), (mid, mid + s), (mid + s, near), (near, near + s)])):
         with torch.no_grad():
             want = reference(torch.from_numpy(seq)).numpy()  # (1, T, V): one forward for every chunk
+        cases.append((label, seq, [(a, b) for a, b in cuts if b > a], want))
+    return cases
+
+
+def parity_gate(engine, reference, max_context: int, seed: int = 0, embed=None) -> dict:
+    """Worst |ORT - reference| over parity_reference's calls (reference: a ReferenceDecoder, or the cases
+    parity_reference made), every position compared; against the logits' scale, with top-1 agreement on
+    every decisive position. The cache starts as garbage in every row."""
+    m = engine.manifest
+    cases = reference if isinstance(reference, list) else parity_reference(reference, m.vocab_size, max_context, seed)
+    rng = np.random.default_rng([seed, 1])
+    s = 4
+    mid, near = max(0, min(max_context // 2, max_context - 2 * s)), max(0, max_context - s)
+    report, pairs = {}, []
+    for _, seq, cuts, want in cases:
         buffers = _empty_past(m, 1, max_context, rng)  # garbage everywhere: stale rows must be masked
         for a, b in cuts:
-            if b <= a:
-                continue
             got = step(engine, seq[:, a:b], buffers, a, embed)
             w = want[:, a:b]
             name = {0: "past0", mid: "mid", near: "near_capacity"}.get(a) if b - a == s else None
