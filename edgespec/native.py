@@ -122,6 +122,8 @@ def _library(path: Path):
     lib.es_quiesce.restype = None
     lib.es_stolen.argtypes = []
     lib.es_stolen.restype = i64
+    lib.es_profile.argtypes = [P, ctypes.c_int]
+    lib.es_profile.restype = ctypes.c_int
     lib.es_model_layout.argtypes = [ctypes.POINTER(i64)]
     lib.es_model_layout.restype = i64
     off = i64()
@@ -148,6 +150,22 @@ QB = 32  # integer weights: values per block along the input (native_step.c's QB
 # extra["native"]["weights"] -> native_step.c's ES_F16 / ES_Q8 / ES_Q4, and bytes per (block, panel)
 WEIGHT_KINDS = {"float16": 0, "int8": 1, "int4": 2}
 BLOCK_BYTES = {"int8": 32 + QB * 16, "int4": 32 + QB * 8}
+
+
+JOB_KINDS = ("norm", "add_norm", "matmul", "kv", "attention", "activation", "argmax", "quantize")  # native_step.c
+
+
+def profile(reset: bool = True) -> dict[str, dict]:
+    """Where the native step's calls spent their time since the last reset, by job kind (JOB_KINDS):
+    {kind: {"jobs": n, "ms": the calling thread's wall time in them, "wait_ms": of which waiting for helper
+    threads to finish chunks they had claimed}}. Counted in every build; reading costs a few microseconds."""
+    lib = library()
+    out = np.zeros(3 * len(JOB_KINDS), np.int64)
+    if lib.es_profile(out.ctypes.data, int(reset)) != len(JOB_KINDS):
+        raise EngineError(f"{SOURCE}: es_profile counts other job kinds than native.py's {JOB_KINDS}")
+    n = len(JOB_KINDS)
+    return {k: {"jobs": int(out[i]), "ms": out[n + i] / 1e6, "wait_ms": out[2 * n + i] / 1e6}
+            for i, k in enumerate(JOB_KINDS)}
 
 
 def pack(w: np.ndarray) -> np.ndarray:

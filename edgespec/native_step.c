@@ -602,7 +602,7 @@ static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, in
 #define MIN_PARALLEL 300000 /* multiply-adds below which a job runs on the caller alone: handing out a few
                                microseconds of work costs more than it saves */
 
-enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT };
+enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT, J_KINDS };
 
 typedef struct { /* one es_forward call */
     const es_model *m;
@@ -813,7 +813,31 @@ void es_quiesce(void) {
 }
 
 /* runs job j: on the pool (pooled: pool.lock held), or here alone with `local` as scratch */
+/* es_profile's counters, per job kind: jobs run, nanoseconds in them (the caller's wall time), and of those
+   the nanoseconds the caller spent waiting for helpers after its own chunks ran out */
+static _Atomic int64_t prof_jobs[J_KINDS], prof_ns[J_KINDS], prof_wait_ns[J_KINDS];
+
+static void run_job_timed(es_job *j, int pooled, float *local);
+
 static void run_job(es_job *j, int pooled, float *local) {
+    const int64_t t0 = now_ns();
+    run_job_timed(j, pooled, local);
+    atomic_fetch_add_explicit(&prof_jobs[j->kind], 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&prof_ns[j->kind], now_ns() - t0, memory_order_relaxed);
+}
+
+/* out (3 J_KINDS): the counters since the last reset (jobs, ns, wait ns per kind: J_NORM, J_ADDNORM, J_MATMUL,
+   J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT); reset: zero them after reading. -> J_KINDS */
+int es_profile(int64_t *out, int reset) {
+    for (int k = 0; k < J_KINDS; k++) {
+        out[k] = reset ? atomic_exchange(&prof_jobs[k], 0) : atomic_load(&prof_jobs[k]);
+        out[J_KINDS + k] = reset ? atomic_exchange(&prof_ns[k], 0) : atomic_load(&prof_ns[k]);
+        out[2 * J_KINDS + k] = reset ? atomic_exchange(&prof_wait_ns[k], 0) : atomic_load(&prof_wait_ns[k]);
+    }
+    return J_KINDS;
+}
+
+static void run_job_timed(es_job *j, int pooled, float *local) {
     if (j->n <= 0) return;
     if (!pooled || j->n == 1 || j->cost < MIN_PARALLEL || j->n > (int64_t)IDX_MASK) { /* (more chunks than a claim
                                                                                         word counts: alone) */
@@ -828,7 +852,7 @@ static void run_job(es_job *j, int pooled, float *local) {
         int64_t cap = j->n > 2 * pool.state_cap ? j->n : 2 * pool.state_cap;
         _Atomic uint64_t *st = (_Atomic uint64_t *)calloc((size_t)cap, sizeof(uint64_t));
         if (!st) { /* no memory for it: run alone */
-            run_job(j, 0, local_buf(0, j->local));
+            run_job_timed(j, 0, local_buf(0, j->local));
             return;
         }
         pool.state = st;
@@ -862,6 +886,7 @@ static void run_job(es_job *j, int pooled, float *local) {
         }
         cpu_relax();
     }
+    atomic_fetch_add_explicit(&prof_wait_ns[j->kind], now_ns() - t1, memory_order_relaxed);
 }
 
 /* ---- the chunks of each job ---- */

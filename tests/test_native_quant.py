@@ -336,3 +336,20 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path):
     r = json.loads(out.read_text())
     assert [(x["hogs"], x["threads"]) for x in r["rows"]] == [(0, 1), (0, 2)] and r["weights"] == "int4"
     assert set(r["batches"]) == {"1", "2"} and out.with_suffix(".md").is_file()
+
+
+def test_the_profile_counts_each_job_of_a_call(quant_folders):
+    """One call of a 2-layer int4 model runs per layer 2 norms, 4 products (each after its input's quantize
+    job), the cache rows and the attention, and the final norm, lm_head and argmax: the profile counts them."""
+    from edgespec import native
+    folder = quant_folders[("llama3", "int4")][0]
+    dec = open_engine(folder, "cpu-native", threads=1).decoder()
+    L = Manifest.read(folder).num_layers
+    native.profile(reset=True)
+    dec(np.arange(5)[None])
+    p = native.profile(reset=True)
+    want = {"norm": 2 * L + 1, "add_norm": 0, "matmul": 4 * L + 1, "kv": L, "attention": L, "activation": L,
+            "argmax": 1, "quantize": 4 * L + 1}
+    assert {k: v["jobs"] for k, v in p.items()} == want
+    assert all(v["ms"] > 0 for k, v in p.items() if want[k]) and p["matmul"]["wait_ms"] == 0  # one thread
+    assert native.profile(reset=False)["matmul"]["jobs"] == 0  # the reset zeroed them
