@@ -413,7 +413,34 @@ __attribute__((unused)) static int wu(const uint8_t *blk, int kind, int k, int c
     return (k & 7) < 4 ? byte & 15 : byte >> 4;
 }
 
-/* a row's activations for integer weights: xq (K) int8, and per block dx (K/QB) and the sum of its xq */
+/* a row's activations for integer weights: xq (K) int8, and per block dx (K/QB) and the sum of its xq; the
+   AVX-512 version computes the same values (max, one product, round to nearest even, clamp: each exact or
+   rounded once, in the same order) */
+#ifdef ES_AVX512
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, int32_t *xs) {
+    const __m512 inf = _mm512_set1_ps(INFINITY), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (int64_t b = 0; b < K / QB; b++) {
+        const __m512 a0 = _mm512_loadu_ps(x + b * QB), a1 = _mm512_loadu_ps(x + b * QB + 16);
+        const __m512 m0 = _mm512_abs_ps(a0), m1 = _mm512_abs_ps(a1);
+        const int finite = (_mm512_cmp_ps_mask(m0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(m1, inf, _CMP_LT_OQ)) == 0xFFFF;
+        const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(m0, m1)) : 0.f;
+        if (finite && amax > 0.f) {
+            const __m512 id = _mm512_set1_ps(127.f / amax);
+            const int r = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a0, id), r), lo), hi));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a1, id), r), lo), hi));
+            _mm_storeu_si128((__m128i *)(xq + b * QB), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + b * QB + 16), _mm512_cvtepi32_epi8(q1));
+            xs[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            dx[b] = amax / 127.f;
+        } else {
+            memset(xq + b * QB, 0, QB);
+            dx[b] = finite ? 0.f : NAN;
+            xs[b] = 0;
+        }
+    }
+}
+#else
 static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, int32_t *xs) {
     for (int64_t b = 0; b < K / QB; b++) {
         const float *v = x + b * QB;
@@ -441,6 +468,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, int32
         xs[b] = sum;
     }
 }
+#endif
 
 #if defined(ES_AVX512) && defined(__AVX512VNNI__)
 #define ES_VNNI 1
@@ -450,13 +478,17 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
                                                           const int NP, int64_t K, const int kind, float *out) {
     const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
     const __m512i low4 = _mm512_set1_epi8(15);
-    const __m512i off = _mm512_set1_epi32(weight_offset(kind));
+    const int32_t off = weight_offset(kind);
     __m512 tot[12];
     __m512i acc[12];
     for (int i = 0; i < R * NP; i++) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = p + b * bb;
-        for (int i = 0; i < R * NP; i++) acc[i] = _mm512_setzero_si512();
+        /* each sum starts at -offset x the block's input sum: the stored weights are q + offset */
+        for (int r = 0; r < R; r++) {
+            const __m512i start = _mm512_set1_epi32(-off * xs[r][b]);
+            for (int q = 0; q < NP; q++) acc[r * NP + q] = start;
+        }
         if (kind == ES_Q8) {
             for (int g = 0; g < QB / 4; g++) {
                 __m512i w[4];
@@ -491,9 +523,8 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
         for (int q = 0; q < NP; q++) {
             const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * ps)));
             for (int r = 0; r < R; r++) {
-                const __m512i dot = _mm512_sub_epi32(acc[r * NP + q], _mm512_mullo_epi32(off, _mm512_set1_epi32(xs[r][b])));
                 const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(dx[r][b]), s);
-                tot[r * NP + q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ds, tot[r * NP + q]);
+                tot[r * NP + q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * NP + q]), ds, tot[r * NP + q]);
             }
         }
     }

@@ -1,0 +1,140 @@
+"""Where a native step's time goes, by job kind, against the DRAM roofline.
+
+    python bench/bench_native_profile.py --engine .cache/engines-realsize/qwen2.5-0.5b-int4 \\
+        --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48]
+
+For each call size S (--rows: S = 1 is a decode step, S = k + 1 a verify pass of k drafted tokens) this runs
+--calls calls of S tokens on provider cpu-native from a 64-token prompt, the sizes interleaved, --repeats
+times, and reports per call: the wall time, the time in each job kind of native_step.c (edgespec.native.profile:
+norms, matrix products, the input quantization of integer products, the cache rows, attention, activation,
+argmax; and of those, the caller's wait for helper threads), and the host's share (Python, ctypes, the cache's
+bookkeeping). The weight bytes a call reads (engine.json's native weight_bytes_per_token) over the matrix
+products' time and over the whole call give the bandwidth each reaches, beside the machine's read bandwidth
+measured in the same run (bench/membw.c, as bench_realsize.py measures it). Writes JSON and a markdown table
+beside --out, with the command and the machine's load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def profile_calls(engine, rows: int, calls: int, prompt: int, seed: int) -> dict:
+    """`calls` calls of `rows` tokens after a `prompt`-token prefill, on a fresh decoder: ms per call (wall)
+    and the native profile's per-kind ms per call."""
+    from edgespec import native
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.manifest.vocab_size
+    dec = engine.decoder()
+    dec(rng.integers(0, vocab, (1, prompt)))
+    dec.cache.commit(prompt)
+    feeds = [rng.integers(0, vocab, (1, rows)) for _ in range(calls)]
+    native.profile(reset=True)
+    t0 = time.perf_counter()
+    for ids in feeds:
+        dec(ids)
+        dec.cache.commit(rows)
+    wall = (time.perf_counter() - t0) * 1e3 / calls
+    prof = native.profile(reset=True)
+    return {"ms": wall, "kinds": {k: {"ms": v["ms"] / calls, "wait_ms": v["wait_ms"] / calls,
+                                      "jobs": v["jobs"] / calls} for k, v in prof.items()}}
+
+
+def summarize(runs: list[dict], bytes_per_call: int, gbs: float | None) -> dict:
+    """Medians over the repeats of one call size, with the bandwidth the products and the whole call reach."""
+    med = lambda xs: float(np.median(xs))  # noqa: E731
+    kinds = {k: {f: med([r["kinds"][k][f] for r in runs]) for f in ("ms", "wait_ms", "jobs")}
+             for k in runs[0]["kinds"]}
+    wall = med([r["ms"] for r in runs])
+    native_ms = sum(v["ms"] for v in kinds.values())
+    products = kinds["matmul"]["ms"]
+    out = {"ms_per_call": wall, "kinds": kinds, "native_ms": native_ms, "host_ms": wall - native_ms,
+           "products_gbs": bytes_per_call / products / 1e6 if products else None,
+           "call_gbs": bytes_per_call / wall / 1e6}
+    if gbs:
+        out["products_share_of_read_bw"] = out["products_gbs"] / gbs if products else None
+        out["call_share_of_read_bw"] = out["call_gbs"] / gbs
+    return out
+
+
+def markdown(r: dict) -> str:
+    kinds = list(next(iter(r["calls"].values()))["kinds"])
+    lines = [f"# Native step profile: {r['engine']} ({r['weights']} weights, {r['threads']} threads)", "",
+             f"`{r['command']}`", "",
+             f"Weight bytes per call: {r['bytes_per_call'] / 1e6:.1f} MB; read bandwidth measured in the run: "
+             f"{r['read_gbs'] or float('nan'):.1f} GB/s ({r['threads']} threads). Machine load before: "
+             f"{r['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Medians of {r['repeats']} repeats, ms per call.",
+             "", "| rows per call | wall | " + " | ".join(kinds) + " | host | products GB/s (share) | call GB/s (share) |",
+             "|" + "---|" * (len(kinds) + 5)]
+    for rows, c in r["calls"].items():
+        cells = [f"{c['kinds'][k]['ms']:.2f}" + (f" (wait {c['kinds'][k]['wait_ms']:.2f})"
+                                                   if c["kinds"][k]["wait_ms"] >= 0.01 else "") for k in kinds]
+        share = lambda g, s: f"{g:.1f}" + (f" ({s:.0%})" if s is not None else "")  # noqa: E731
+        lines.append(f"| {rows} | {c['ms_per_call']:.2f} | " + " | ".join(cells) + f" | {c['host_ms']:.2f} | "
+                     f"{share(c['products_gbs'] or 0, c.get('products_share_of_read_bw'))} | "
+                     f"{share(c['call_gbs'], c.get('call_share_of_read_bw'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", type=Path, required=True, help="an engine folder with native weights")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,2,5,8", help="tokens per call, comma-separated")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=48)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--membw-mib", type=int, default=512)
+    a = ap.parse_args(argv)
+    from bench_realsize import machine_load, read_bandwidth
+
+    from edgespec.contract import Manifest
+    from edgespec.engine import open_engine
+
+    m = Manifest.read(a.engine)
+    info = (m.extra or {}).get("native") or {}
+    if not info.get("file"):
+        print(f"error: {a.engine} has no native weights ({info.get('unavailable', 'engine.json names none')})",
+              file=sys.stderr)
+        return 2
+    rows = [int(x) for x in a.rows.split(",")]
+    need = a.prompt + max(rows) * a.calls
+    if need > m.max_context:
+        print(f"error: {a.prompt} prompt tokens + {a.calls} calls of {max(rows)} rows = {need} positions; "
+              f"{a.engine} holds {m.max_context} (lower --calls)", file=sys.stderr)
+        return 2
+    load = machine_load()
+    bw = read_bandwidth([a.threads], a.membw_mib, 5)
+    gbs = bw.get(str(a.threads), {}).get("gbs_best")
+    engine = open_engine(a.engine, "cpu-native", threads=a.threads)
+    profile_calls(engine, 1, 8, a.prompt, 99)  # warm: the library built and loaded, the weights paged in
+    runs: dict[int, list] = {r: [] for r in rows}
+    for rep in range(a.repeats):
+        for r in rows:
+            runs[r].append(profile_calls(engine, r, a.calls, a.prompt, rep))
+    bytes_per_call = int(info["weight_bytes_per_token"])
+    report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+              "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
+              "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
+              "read_bandwidth": bw, "read_gbs": gbs, "bytes_per_call": bytes_per_call,
+              "calls": {str(r): summarize(runs[r], bytes_per_call, gbs) for r in rows}, "raw": runs}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    a.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
