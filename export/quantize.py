@@ -87,10 +87,12 @@ CHUNK_BYTES = 256 << 20  # float32 weight bytes loaded per quantizer pass (one l
 
 def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = False) -> dict:
     """Every MatMul with a constant [K, N] weight -> MatMulNBits (module docstring). The graph is read without
-    its external weights; ONNX Runtime's quantizer then runs over a few MatMuls at a time (CHUNK_BYTES of
-    float32), the others excluded, their weights loaded just before: memory holds the quantized weights and
-    one chunk of float32 ones, never the whole fp32 model."""
+    its external weights; ONNX Runtime's quantizer then runs on a graph of its own per chunk of MatMuls (their
+    nodes and weights only, CHUNK_BYTES of float32 at most) whose quantized nodes and weights replace the
+    originals. A chunk's graph is dropped whole after its pass: a protobuf message keeps the memory of every
+    field it ever held, so float32 weights loaded into the model itself would stay until the end."""
     import onnx
+    from onnx import TensorProto, helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     from .external import load_inline
@@ -101,13 +103,13 @@ def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = Fal
     nodes = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
     matmuls = sum(n.op_type == "MatMul" for n in model.graph.node)
     seen: set[str] = set()
-    for i, n in enumerate(nodes):  # the quantizer excludes nodes by name: each needs its own
+    for i, n in enumerate(nodes):  # each chunk's result is matched back by node name: each needs its own
         if not n.name or n.name in seen:
             n.name = f"{n.name or 'MatMul'}_weight_only_{i}"
         seen.add(n.name)
     head = output_projection(model) if settings.head_bits not in (None, settings.bits) else None
+    by_name = {n.name: n for n in nodes}
     size = {n.name: 4 * int(np.prod(inits[n.input[1]].dims, dtype=np.int64)) for n in nodes}
-    weight_of = {n.name: n.input[1] for n in nodes}
     passes = []  # (bits, [node names]) in graph order, at most CHUNK_BYTES of float32 weights each
     for bits, names in ((settings.bits, [n.name for n in nodes if n.name != head]),
                         (settings.head_bits, [head] if head else [])):
@@ -120,20 +122,54 @@ def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = Fal
             held += size[name]
         if chunk:
             passes.append((bits, chunk))
-    everything = set(size)
+    replaced: dict[str, onnx.NodeProto] = {}  # original node name -> its MatMulNBits node
+    new_inits: list[onnx.TensorProto] = []
+    opsets = {o.domain: o.version for o in model.opset_import}
     with _quiet():
         for bits, chunk in passes:
-            inits = {t.name: t for t in model.graph.initializer}  # the quantizer replaces initializers
+            part = onnx.ModelProto()
+            part.ir_version = model.ir_version
+            part.opset_import.extend(model.opset_import)
+            part.graph.name = "weight-only chunk"
             for name in chunk:
-                load_inline(inits[weight_of[name]], src.parent)
-            q = MatMulNBitsQuantizer(model, bits=bits, block_size=settings.block_size,
-                                     nodes_to_exclude=sorted(everything - set(chunk)),
+                n = by_name[name]
+                part.graph.node.add().CopyFrom(n)
+                t = part.graph.initializer.add()
+                t.CopyFrom(inits[n.input[1]])
+                load_inline(t, src.parent)
+                part.graph.input.append(helper.make_tensor_value_info(n.input[0], TensorProto.FLOAT, None))
+                part.graph.output.append(helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, None))
+            q = MatMulNBitsQuantizer(part, bits=bits, block_size=settings.block_size,
                                      is_symmetric=settings.symmetric, accuracy_level=settings.accuracy_level or None,
                                      op_types_to_quantize=("MatMul",))
             q.process()
-            model = q.model.model
-        for t in model.graph.initializer:  # what stays as it was (the embedding, norms, rotary tables)
-            load_inline(t, src.parent)
+            part = q.model.model
+            made = {n.output[0]: n for n in part.graph.node}
+            for name in chunk:
+                out = made.get(by_name[name].output[0])
+                if out is None or len(part.graph.node) != len(chunk):
+                    raise ValueError(f"{src}: the quantizer did not turn MatMul {name!r} into one node (expected one "
+                                     f"MatMulNBits per MatMul, got {[n.op_type for n in part.graph.node]})")
+                replaced[name] = onnx.NodeProto()
+                replaced[name].CopyFrom(out)
+            for t in part.graph.initializer:  # copies: a reference into `part` would keep all of it alive
+                new_inits.append(onnx.TensorProto())
+                new_inits[-1].CopyFrom(t)
+            for o in part.opset_import:
+                opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+            model.ir_version = max(model.ir_version, part.ir_version)
+            del part, q
+    gone = {by_name[name].input[1] for name in replaced}
+    kept_nodes = [replaced.get(n.name, n) for n in model.graph.node]
+    kept_inits = [t for t in model.graph.initializer if t.name not in gone]
+    del model.graph.node[:]
+    model.graph.node.extend(kept_nodes)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept_inits + new_inits)
+    del model.opset_import[:]
+    model.opset_import.extend(helper.make_opsetid(d, v) for d, v in opsets.items())
+    for t in model.graph.initializer:  # what stays as it was (the embedding, norms, rotary tables)
+        load_inline(t, src.parent)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     if not nbits:
         raise ValueError(f"{src}: no MatMul with a constant weight to quantize (expected the exported decoder's "
