@@ -242,7 +242,8 @@ def edgespec_runner(args) -> None:
     """Subprocess: decode the prompts with edgespec in one mode; print one JSON object."""
     import edgespec
     from edgespec.cli import ensure_demo_engines
-    from edgespec.generate import DRAFT_THREADS
+    from edgespec.engine import draft_provider
+    from edgespec.generate import draft_threads_for
     if getattr(args, "target_engine", None):  # explicit engine folders (bench_realsize.py's stand-ins)
         target, draft = args.target_engine, args.draft_engine
     else:
@@ -292,7 +293,8 @@ def edgespec_runner(args) -> None:
     config = {"gamma": gamma, "max_ngram": args.max_ngram if args.mode == "ngram" else None,
               "lookup": args.lookup, "lookup_gamma": args.lookup_gamma,
               "threads": threads or int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count(),
-              "draft_threads": DRAFT_THREADS if args.mode == "draft" else None, "provider": args.provider}
+              "draft_threads": (draft_threads_for(draft_provider(args.provider or "cpu", draft), None, threads)
+                                or "the target's") if args.mode == "draft" else None, "provider": args.provider}
     mode = "draft+lookup" if args.lookup else args.mode
     print(json.dumps({"system": f"edgespec {edgespec.__version__}", "mode": mode, "config": config,
                       "results": results, "cost_model": cost,

@@ -706,12 +706,20 @@ class Generator:
         self.last_stats = stats
 
 
-DRAFT_THREADS = 1  # the draft runs on the calling thread: a second ORT thread pool would fight the
-#                   target's pool for the cores
+DRAFT_THREADS = 1  # an ONNX Runtime draft runs on the calling thread: a second ORT thread pool would fight the
+#                   target's pool for the cores. A cpu-native draft shares the target's pool (one step runs
+#                   at a time), so it gets the target's threads (bench/results/NOTES.md, "draft threads").
+
+
+def draft_threads_for(draft_provider: str, draft_threads: int | None, threads: int | None) -> int | None:
+    """The draft engine's threads: the caller's choice, else the target's on cpu-native, else DRAFT_THREADS."""
+    if draft_threads is not None:
+        return draft_threads
+    return threads if draft_provider == "cpu-native" else DRAFT_THREADS
 
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
-         threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = DRAFT_THREADS,
+         threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = None,
          gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
          local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
@@ -741,7 +749,8 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
         kind, head = "head", TextHead.load(tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else draft)
     elif draft is not None:
-        dft = open_engine(draft, draft_provider(provider, draft), draft_threads or threads)
+        dprov = draft_provider(provider, draft)
+        dft = open_engine(draft, dprov, draft_threads_for(dprov, draft_threads, threads))
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"
     if gamma != "auto" and kind is None and gamma != 0:
