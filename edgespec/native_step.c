@@ -63,6 +63,9 @@
 #define ES_AVX512 1 /* a panel is one 16-lane register */
 #endif
 #define MAX_ROWS 12 /* rows of x per pass over a panel */
+#define CHUNK_PANELS_MAX 64 /* panels of a matrix product's chunk, at most */
+#define CHUNK_MIN_BYTES (64 << 10) /* weight bytes a chunk streams, at least, where the matrix has enough */
+#define CHUNKS_PER_THREAD 16 /* a product's chunks per thread, at most */
 
 enum { ES_SILU = 0, ES_GELU_TANH = 1 };
 enum { ES_F16 = 0, ES_Q8 = 1, ES_Q4 = 2 }; /* how a weight matrix is stored (es_model.wkind, head_kind) */
@@ -657,7 +660,7 @@ typedef struct {
     const float *src, *w, *bias; /* J_NORM, J_ADDNORM: rows of src normed by w; J_MATMUL: src @ mat + bias */
     float *dst;              /* J_NORM: dst = ..; J_ADDNORM: dst += ..; J_MATMUL: dst = or += (residual) */
     es_mat mat;
-    int residual, np;        /* J_MATMUL: panels per chunk */
+    int residual, np, kw;    /* J_MATMUL: panels per chunk; panels per kernel pass (np is a multiple) */
     int64_t row_groups;      /* J_MATMUL: chunks per panel group (of MAX_ROWS rows) */
 } es_job;
 
@@ -951,7 +954,7 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         const int64_t p0 = g * j->np;
         float tmp[MAX_ROWS * 8 * PANEL];
         for (int64_t q = p0; q < p0 + j->np && q < panels;) {
-            const int np = (panels - q >= j->np && matmul_fits(a->kind, rows_n, j->np)) ? j->np : 1;
+            const int np = (panels - q >= j->kw && matmul_fits(a->kind, rows_n, j->kw)) ? j->kw : 1;
             mat_rows(a, &rows, rows_n, q, np, tmp);
             for (int r = 0; r < rows_n; r++)
                 memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
@@ -1119,11 +1122,20 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.kind = J_MATMUL, j.active = u->threads, j.c = u->c, j.src = src, j.dst = dst, j.bias = bias;
     j.residual = residual;
     j.mat.w = w, j.mat.kind = kind, j.mat.K = K, j.mat.N = N;
-    /* one row: 4 panels a chunk (float16: 8 chains in flight; integer: 4 of 16 lanes), else the kernel's width */
-    j.np = T == 1 ? (kind == ES_F16 ? 4 : mat_panels_for(kind, 1)) : mat_panels_for(kind, T < MAX_ROWS ? (int)T : MAX_ROWS);
+    /* kernel passes: one row, 4 panels (float16: 8 chains in flight; integer: 4 of 16 lanes), else the kernel's
+       width. A chunk is several passes over consecutive panels, which lie one after another in memory: a
+       thread streams CHUNK_MIN_BYTES or more before it claims again (a new claim jumps past the other
+       threads' chunks, and the hardware prefetcher starts over), and there are still up to CHUNKS_PER_THREAD
+       chunks per thread to even out the threads' finishing times. */
+    j.kw = T == 1 ? (kind == ES_F16 ? 4 : mat_panels_for(kind, 1)) : mat_panels_for(kind, T < MAX_ROWS ? (int)T : MAX_ROWS);
     j.row_groups = (T + MAX_ROWS - 1) / MAX_ROWS;
+    int64_t per_thread = panels * panel_bytes(&j.mat) / ((int64_t)u->threads * CHUNK_MIN_BYTES);
+    per_thread = per_thread < 1 ? 1 : per_thread > CHUNKS_PER_THREAD ? CHUNKS_PER_THREAD : per_thread;
+    int64_t np = (panels + per_thread * u->threads - 1) / (per_thread * u->threads);
+    np = (np + j.kw - 1) / j.kw * j.kw;
+    j.np = (int)(np < j.kw ? j.kw : np > CHUNK_PANELS_MAX ? CHUNK_PANELS_MAX / j.kw * j.kw : np);
     j.n = (panels + j.np - 1) / j.np * j.row_groups;
-    j.local = MAX_ROWS * 8 * PANEL;
+    j.local = MAX_ROWS * CHUNK_PANELS_MAX * PANEL;
     j.cost = T * K * N;
     if (kind != ES_F16) { /* the input rows quantized first (K is a multiple of QB: native.py checks) */
         es_job qj;
@@ -1185,7 +1197,7 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     }
     attended = attended / B + 1;
     int64_t local = D + maxcap;
-    const int64_t needs[] = {2 * D, E, I, MAX_ROWS * 8 * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
+    const int64_t needs[] = {2 * D, E, I, MAX_ROWS * CHUNK_PANELS_MAX * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
     if (runner_begin(&u, threads, local) != 0) return -2;
 
@@ -1226,7 +1238,7 @@ int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int
     es_runner u;
     memset(&u, 0, sizeof u);
     u.c.m = &m, u.c.T = T;
-    const int64_t nb = K / QB + 1, local = MAX_ROWS * 8 * PANEL > K / 4 + 2 * nb ? MAX_ROWS * 8 * PANEL : K / 4 + 2 * nb;
+    const int64_t nb = K / QB + 1, local = MAX_ROWS * CHUNK_PANELS_MAX * PANEL > K / 4 + 2 * nb ? MAX_ROWS * CHUNK_PANELS_MAX * PANEL : K / 4 + 2 * nb;
     float *q = (float *)malloc((size_t)(2 * T * nb + (T * K + 3) / 4) * sizeof(float));
     if (!q) return -2;
     u.c.xd = q, u.c.xs = (int32_t *)(q + T * nb), u.c.xq = (int8_t *)(q + 2 * T * nb);

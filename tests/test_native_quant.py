@@ -79,7 +79,9 @@ def _matmul(lib, kind, x, packed, k, n, threads):
 def _kernel_results(kind):
     """-> (y of one 30-row call, 1 thread; the same rows as 1-, 5- and 13-row calls, 2 threads; numpy's)"""
     rng = np.random.default_rng(1)
-    k, n = 5 * QB, 16 * 7  # 7 panels: the 4-panel and 2-panel kernels' tails
+    # 37 panels: the 4-panel and 2-panel kernels' tails; large enough (over native_step.c's MIN_PARALLEL even
+    # for one row) that the 2-thread calls run on the pool, in chunks of several kernel passes
+    k, n = 20 * QB, 16 * 37
     w = rng.normal(0, 0.2, (n, k)).astype(np.float32)
     x = rng.normal(0, 1, (30, k)).astype(np.float32)
     packed = _packed(w, kind)

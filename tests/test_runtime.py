@@ -582,3 +582,10 @@ def test_generator_reuses_its_decoders_but_never_shares_one(tiny_engines):
     assert other.token_ids == first.token_ids
     it1.close()
     assert sum(len(v) for v in gen._free.values()) == 4
+
+
+def test_a_native_draft_gets_the_targets_threads_and_an_ort_draft_one():
+    from edgespec.generate import DRAFT_THREADS, draft_threads_for
+    assert draft_threads_for("cpu-native", None, 2) == 2  # one shared pool: no fight for the cores
+    assert draft_threads_for("cpu", None, 2) == DRAFT_THREADS == 1  # a second ORT pool would fight the target's
+    assert draft_threads_for("cpu-native", 1, 2) == 1 and draft_threads_for("cpu", 3, 2) == 3  # the caller's choice
