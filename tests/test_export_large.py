@@ -96,8 +96,9 @@ def test_the_estimate_counts_each_stage(tiny_checkpoints):
     fp16 = memory.estimate(spec, 2 * n, "fp16")
     assert fp16["parameters"] == n and fp16["checkpoint_bytes"] == 2 * n
     # the checkpoint is not held beside the fp32 session: the gates hold 4 N, the native stage 2 N + 2 N
-    assert fp16["stages_bytes"] == {"graph": 2 * n, "gates": 4 * n, "variant": 2 * n, "native": 4 * n}
-    assert fp16["largest_stage_bytes"] == 4 * n and fp16["total_bytes"] == 4 * n + memory.MARGIN_BYTES
+    assert fp16["stages_bytes"] == {"graph": 2 * n, "gates": 4 * n, "variant": int(4.6 * n), "native": 4 * n}
+    assert fp16["largest_stage"] == "variant"
+    assert fp16["total_bytes"] == int(4.6 * n) + memory.MARGIN_BYTES
     int4 = memory.estimate(spec, 2 * n, "int4")
     assert int4["largest_stage"] == "gates" and int4["stages_bytes"]["native"] == int(2.6 * n)
     fp32 = memory.estimate(spec, 2 * n, "fp32")  # its exact native copy is gated against the fp32 session
