@@ -355,3 +355,32 @@ def test_the_profile_counts_each_job_of_a_call(quant_folders):
     assert {k: v["jobs"] for k, v in p.items()} == want
     assert all(v["ms"] > 0 for k, v in p.items() if want[k]) and p["matmul"]["wait_ms"] == 0  # one thread
     assert native.profile(reset=False)["matmul"]["jobs"] == 0  # the reset zeroed them
+
+
+def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
+    """bench_native_profile.py on a tiny int4 folder: per call size, the job kinds' times add up to at most the
+    wall time, the product count per call is the model's, and a folder without native weights is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_native_profile.py"
+    spec = importlib.util.spec_from_file_location("bench_native_profile", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    folder = quant_folders[("llama3", "int4")][0]
+    out = tmp_path / "p.json"
+    assert bench.main(["--engine", str(folder), "--out", str(out), "--rows", "1,3", "--calls", "4", "--prompt", "8",
+                       "--repeats", "1", "--membw-mib", "16"]) == 0
+    r = json.loads(out.read_text())
+    L = Manifest.read(folder).num_layers
+    for rows in ("1", "3"):
+        c = r["calls"][rows]
+        assert c["kinds"]["matmul"]["jobs"] == 4 * L + 1 and c["kinds"]["quantize"]["jobs"] == 4 * L + 1
+        assert 0 < c["native_ms"] <= c["ms_per_call"] and c["host_ms"] == pytest.approx(c["ms_per_call"] - c["native_ms"])
+    assert r["weights"] == "int4" and out.with_suffix(".md").read_text().count("\n| ") == 3
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    m = Manifest.read(bare)
+    m.extra["native"] = {"unavailable": "none here"}
+    m.write(bare)
+    assert bench.main(["--engine", str(bare), "--out", str(tmp_path / "x.json")]) == 2
