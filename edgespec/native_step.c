@@ -129,7 +129,7 @@ static float reduce8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + 
 #define PANEL 16
 
 /* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
-static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
+__attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
 #ifdef ES_AVX2
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
 }
 
 /* how many panels a pass over R rows takes: enough chains in flight for few rows, registers for many */
-static int panels_for(int R) { return R <= 2 ? 8 : R <= 5 ? 4 : 2; }
+static int panels_for(int R) { return R == 1 ? 4 : R <= 2 ? 8 : R <= 5 ? 4 : 2; }
 
 #define RP_CASE(n) case n: { if (np == panels_for(n)) rows_panels_r(x, n, p, panels_for(n), K, out); \
                              else rows_panels_r(x, n, p, 1, K, out); } break;
@@ -612,8 +612,14 @@ typedef struct {
 static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, int np, float *out) {
     const uint8_t *p = (const uint8_t *)a->w + p0 * panel_bytes(a);
     if (a->kind == ES_F16) {
+#ifdef ES_AVX512 /* one row takes rows_panels' 16-lane path: a conversion and an FMA per 16 weights */
+        if (R == 1 && np != panels_for(1))
+            for (int j = 0; j < np; j++) rows_panels(rows->x, 1, (const uint16_t *)p + j * a->K * PANEL, 1, a->K, out + j * PANEL);
+        else rows_panels(rows->x, R, (const uint16_t *)p, np, a->K, out);
+#else
         if (R == 1 && np <= 4) row_panels(rows->x[0], (const uint16_t *)p, np, a->K, out);
         else rows_panels(rows->x, R, (const uint16_t *)p, np, a->K, out);
+#endif
     } else
         qrows(rows->xq, rows->dx, rows->xs, R, p, np, a->K, a->kind, out);
 }
