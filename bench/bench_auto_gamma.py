@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         print(json.dumps(one_load(args)))
         return 0
 
-    from edgespec.cli import ensure_demo_engines
+    from edgespec.export.bundled import ensure_demo_engines
     from bench_speculative import machine
     target, draft = ensure_demo_engines(args.models, args.engines)
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(args.out),

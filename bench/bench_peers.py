@@ -115,7 +115,7 @@ def _gammas(s: str) -> list[str]:
 
 def plan(args) -> list[Mode]:
     """Every mode and every configuration the sweep tries, from the command's sweep settings."""
-    from edgespec.cli import DEMO_ENGINES
+    from edgespec.export.bundled import DEMO_ENGINES
     from edgespec.generate import DRAFT_THREADS
     es_threads = int(os.environ.get("EDGESPEC_THREADS", 0)) or os.cpu_count() or 1  # edgespec's target
     es_draft = f"{DEMO_ENGINES['demo-draft'][1]} draft"  # edgespec's demo draft engine: "int8 draft"
@@ -241,7 +241,7 @@ def _prompts(n_code: int, n_prose: int) -> list[str]:
 def edgespec_runner(args) -> None:
     """Subprocess: decode the prompts with edgespec in one mode; print one JSON object."""
     import edgespec
-    from edgespec.cli import ensure_demo_engines
+    from edgespec.export.bundled import ensure_demo_engines
     from edgespec.engine import draft_provider
     from edgespec.generate import draft_threads_for
     if getattr(args, "target_engine", None):  # explicit engine folders (bench_realsize.py's stand-ins)

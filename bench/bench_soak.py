@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_speculative import machine  # noqa: E402
-from edgespec.cli import ensure_policy_engines  # noqa: E402
+from edgespec.export.bundled import ensure_policy_engines  # noqa: E402
 from edgespec.policy import load_policy  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
 from edgespec.robots.reacher import COLORS, SUCCESS_RADIUS, ReacherRobot  # noqa: E402

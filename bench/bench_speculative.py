@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
-from edgespec.cli import ensure_demo_engines  # noqa: E402
+from edgespec.export.bundled import ensure_demo_engines  # noqa: E402
 from edgespec.costmodel import expected_tokens  # noqa: E402
 from edgespec.decoder import Decoder  # noqa: E402
 from prompts import code_prompts  # noqa: E402

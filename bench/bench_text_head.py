@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
-from edgespec.cli import ensure_demo_engines  # noqa: E402
+from edgespec.export.bundled import ensure_demo_engines  # noqa: E402
 from edgespec.generate import Generator  # noqa: E402
 from edgespec.text_head import TextHead, TextHeadDraft  # noqa: E402
 from prompts import code_prompts  # noqa: E402

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
 from bench_speculative import machine  # noqa: E402
-from edgespec.cli import ensure_policy_engines  # noqa: E402
+from edgespec.export.bundled import ensure_policy_engines  # noqa: E402
 from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
 
 

@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("MUJOCO_GL", "osmesa")
     from edgespec import serve
-    from edgespec.cli import ensure_policy_engines
+    from edgespec.export.bundled import ensure_policy_engines
     policy_dir = ensure_policy_engines(ROOT / "models", ROOT / "engines")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"

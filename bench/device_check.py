@@ -122,7 +122,7 @@ def ensure_plan(d: Path, gamma_max: int = 8) -> str:
 def prepare(vla: bool, plans_wanted: bool = True) -> dict:
     """Exports first (CPU work), then plans; each item records its own error, so a machine without
     TensorRT still gets every export and the ORT paths still run."""
-    from edgespec.cli import ensure_demo_engines, ensure_policy_engines
+    from edgespec.export.bundled import ensure_demo_engines, ensure_policy_engines
     out, plans = {}, []
 
     def item(name, fn):

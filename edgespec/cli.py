@@ -12,11 +12,15 @@ import json
 import os
 import shlex
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from edgespec.costmodel import DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT
 from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
 
+# Packages that build on the runtime add their subcommands through this entry-point group (pyproject.toml):
+# each entry is register(subparsers). The runtime never names them, so it imports neither.
+COMMANDS_GROUP = "edgespec.commands"
 LOOKUP_DEFAULT = 0  # --lookup: off unless asked for
 DEMO_LOOKUP = 3  # edgespec demo: prompt lookup before the draft model (the fastest mode in bench_peers)
 LOOKUP_GAMMA_DEFAULT = 0  # --lookup-gamma: a lookup round proposes at most γ, unless asked for more
@@ -31,51 +35,6 @@ def lookup_flags(p, lookup: int, lookup_gamma: int) -> None:
     p.add_argument("--lookup-gamma", type=int, default=lookup_gamma, metavar="G",
                    help="with --lookup: the most proposals a round drafted by lookup makes (0..16; 0: γ). "
                         "Lookup proposals cost no draft call, so they may run past the model's γ")
-
-
-def _need_export_extra():
-    try:
-        import torch  # noqa: F401
-        import onnx  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"`edgespec export` needs the export extra ({e.name} is missing): "
-                         f"pip install 'edgespec[export]' (on x86 CPU machines: pip install torch==2.13.0 first)")
-
-
-def cmd_export(args) -> int:
-    _need_export_extra()
-    from edgespec.export.onnx_export import export_engine
-
-    m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
-                      input_mode=args.inputs, force=args.force, progress=not args.quiet,
-                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor, hidden=args.hidden,
-                      max_memory=None if args.max_memory is None else int(args.max_memory * 2**30))
-    v = m.extra["validation"]
-    print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
-          f"{m.num_layers} layers, vocab {m.vocab_size})")
-    for key, what in (("parity", "parity vs reference"), ("verify", "verify pass vs single steps")):
-        r = v[key]
-        print(f"  {what}: max |diff| {r['max_abs_diff']:.2e} (tolerance {r['tolerance']:.2e} = 1e-4 x max(1, "
-              f"max |logit| {r['max_abs_logit']:.3g}); top-1 equal on {r['top1']['decisive_tokens'] - r['top1']['disagree']}"
-              f" of {r['top1']['decisive_tokens']} decisive tokens)")
-    em = m.extra.get("export_memory") or {}
-    if em:
-        est = em.get("estimate_bytes") or {}
-        print(f"  peak RSS {em['peak_rss_bytes'] / 2**30:.2f} GiB (estimated {est.get('total_bytes', 0) / 2**30:.2f} "
-              f"GiB), {m.extra.get('parameters', 0) / 1e6:.1f}M parameters, {m.extra.get('export_seconds')} s")
-    if "agreement_vs_fp32" in v:
-        a = v["agreement_vs_fp32"]
-        print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "
-              f"top-1 agreement {a['top1_agreement']:.4f}, mean KL {a['mean_kl']:.2e}")
-    if "precision_gate" in v:
-        g = v["precision_gate"]
-        verdict = ("passed" if g["passed"] else "overridden (--allow-lossy)" if g["overridden"]
-                   else "not enforced (a draft: the target verifies every token)")
-        print(f"  precision gate (top-1 >= {g['threshold']} for a target): {verdict}")
-    if args.tensorrt:  # a native plan for this GPU and TensorRT version (provider="tensorrt" runs it)
-        from edgespec.export.tensorrt import main as build_plan
-        return build_plan([str(args.out)] + (["--fp32"] if m.precision == "fp32" else []))
-    return 0
 
 
 def cmd_inspect(args) -> int:
@@ -314,112 +273,10 @@ DEMO_PROMPTS = [
 ]
 
 
-DEMO_ENGINES = {"demo-target": ("demo-target", "fp32"),  # engine folder -> (checkpoint, precision)
-                "demo-draft": ("demo-draft", "int8")}  # int8 draft: 4x fewer bytes to stream per draft step
-DEMO_RECIPE = 4  # bump when the demo engines' export changes (2: --flavor auto, weight-only int8; 3: the target
-#                 carries native weights for provider cpu-native; 4: both flavours emitted by graph.py, per-layer
-#                 windows in the graph): re-exported on use
-
-
-def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
-    """engines/demo-{target,draft}, exported from models/ on first use (needs the export extra).
-    The target is fp32; the draft is int8 (the target verifies every token, so output is unchanged)."""
-    out = []
-    for name, (ckpt, dtype) in DEMO_ENGINES.items():
-        eng = engines / name
-        old = _older_contract(eng) or _older_recipe(eng)
-        if not (eng / "engine.json").is_file() or old:
-            if not (models / ckpt / "config.json").is_file():
-                raise FileNotFoundError(f"neither {eng} nor the checkpoint {models / ckpt} exists; run from the "
-                                        f"repository root, or pass --engines/--models")
-            _need_export_extra()
-            from edgespec.export.onnx_export import export_engine
-            why = "made by an older edgespec" if old else "first run only"
-            print(f"exporting {models / ckpt} -> {eng} ({dtype}, {why})", file=sys.stderr)
-            m = export_engine(models / ckpt, eng, dtype=dtype, max_context=2048, force=old,
-                              role="draft" if name == "demo-draft" else "target")  # the gate binds targets
-            m.extra["demo_recipe"] = DEMO_RECIPE
-            m.write(eng)
-        out.append(eng)
-    return out[0], out[1]
-
-
-VLA_POLICY = "vla-reacher"  # models/vla-reacher (train_vla.py) -> engines/vla-reacher (export_policy)
-
-
-def _sha(path: Path) -> str:
-    from edgespec.contract import file_sha256
-    return file_sha256(path)
-
-
-def _manifest_json(engine_dir: Path) -> dict | None:
-    """engine.json as a dict, or None (missing or unreadable: loading reports a broken file)."""
-    from edgespec.contract import MANIFEST_FILE
-    path = Path(engine_dir) / MANIFEST_FILE
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _older_recipe(engine_dir: Path) -> bool:
-    """True for a demo engine folder exported by an earlier demo recipe (DEMO_RECIPE)."""
-    data = _manifest_json(engine_dir)
-    return data is not None and (data.get("extra") or {}).get("demo_recipe") != DEMO_RECIPE
-
-
-def _older_contract(engine_dir: Path) -> bool:
-    """True for an engine folder exported for an earlier engine contract (re-exported on use)."""
-    from edgespec.contract import CONTRACT_VERSION
-    data = _manifest_json(engine_dir)
-    return data is not None and data.get("contract_version") != CONTRACT_VERSION
-
-
-def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
-    """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
-    from edgespec.contract import CONTENT_HASH, HEAD_FILE, POLICY_FILE
-
-    eng, src = Path(engines) / name, Path(models) / name
-    stale = None  # why the exported folder no longer matches the model folder or this edgespec
-    if (eng / POLICY_FILE).is_file() and (src / POLICY_FILE).is_file():
-        try:
-            got, want = json.loads((eng / POLICY_FILE).read_text()), json.loads((src / POLICY_FILE).read_text())
-        except json.JSONDecodeError:
-            got, want = None, None
-        if not isinstance(got, dict):
-            stale = "its policy.json is not a JSON object"
-        elif CONTENT_HASH not in got:
-            stale = "exported before policy.json carried a content hash"
-        elif isinstance(want, dict) and any(got.get(k) != v for k, v in want.items()):
-            stale = "the model's policy.json changed (e.g. its state/action semantics)"
-        elif (src / HEAD_FILE).is_file() and got.get("draft_head_sha256") != _sha(src / HEAD_FILE):
-            stale = "its draft head changed"
-    if _older_contract(eng / "target"):
-        stale = "exported for an older engine contract"
-    if not (eng / POLICY_FILE).is_file() or stale:
-        if not (src / POLICY_FILE).is_file():
-            raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "
-                                    f"root, or pass --engines/--models")
-        _need_export_extra()
-        from edgespec.export.vla import export_policy
-        print(f"exporting {src} -> {eng} ({'stale: ' + stale if stale else 'first run only'})", file=sys.stderr)
-        export_policy(src, eng, progress=False, force=bool(stale))
-    return eng
-
-
-def cmd_export_policy(args) -> int:
-    _need_export_extra()
-    from edgespec.export.vla import export_policy
-    meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
-                         allow_lossy=args.allow_lossy)
-    print(f"wrote {args.out}: encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
-          f"H={meta['horizon']} x D={meta['dims']} action tokens, {meta['n_bins']} bins")
-    return 0
-
-
 def cmd_demo(args) -> int:
     import edgespec
+
+    from edgespec.export.bundled import ensure_demo_engines  # only re-exports (torch) when a folder is stale
 
     _check_text_args(args)
     target, draft = ensure_demo_engines(args.models, args.engines)
@@ -446,69 +303,9 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_robot(args) -> int:
-    """`edgespec robot ...` lives in the robots package (it imports the runtime, never the reverse):
-    the front door forwards the arguments to it by module name."""
-    import importlib
-    try:
-        robots_cli = importlib.import_module("edgespec.robots.cli")
-    except ImportError as e:
-        raise SystemExit(f"`edgespec robot` needs the robots extra ({e.name} is missing): "
-                         f"pip install 'edgespec[robots]'")
-    return robots_cli.main(args.robot_args)
-
-
-DTYPES = ["fp32", "fp16", "int8", "int4", "int8-dynamic"]  # contract.PRECISIONS; integer ones: export/quantize.py
-DTYPE_HELP = ("int8 / int4: weight-only blocks of the MatMul weights (ONNX Runtime MatMulNBits, CPU and CUDA); "
-              "int8-dynamic: int8 weights + activations quantized at run time (standard ONNX ops)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edgespec", description="Speculative decoding on edge devices.")
     sub = ap.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("export", help="checkpoint folder -> validated engine folder")
-    p.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder (config.json + safetensors)")
-    p.add_argument("--out", type=Path, required=True, help="engine folder to write")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
-    p.add_argument("--role", choices=["target", "draft"], default="target",
-                   help="what the engine is for: the precision gate binds targets (a draft's tokens are all "
-                        "verified, so a lossy draft costs speed, not output)")
-    p.add_argument("--allow-lossy", action="store_true",
-                   help="export a fp16/int8/int4 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
-                        "records the override); for a draft this costs speed only, for a target it changes output")
-    p.add_argument("--max-context", type=int, default=None, help="KV capacity (default min(model limit, 2048))")
-    p.add_argument("--flavor", choices=["auto", "ort", "portable"], default="auto",
-                   help="ort: ONNX Runtime contrib ops (GroupQueryAttention, cache in place; CPU and CUDA), with a "
-                        "per-op fallback to standard ops; portable: standard ONNX ops only (TensorRT); auto "
-                        "(default): ort where its attention is fused, else portable")
-    p.add_argument("--inputs", choices=["ids", "embeds"], default="ids",
-                   help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
-    p.add_argument("--hidden", action="store_true",
-                   help="also output the final hidden state (what the feature-level text draft head reads)")
-    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
-                   help="memory the export may use, GiB (default: what the machine has available); an export "
-                        "whose estimated peak is larger is refused before any work")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--tensorrt", action="store_true",
-                   help="also build model.plan for this GPU (needs an NVIDIA GPU and the trt extra)")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("robot", help="run a VLA policy on the control loop (run) or as a ROS 2 DDS node (node)",
-                       add_help=False)
-    p.add_argument("robot_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_robot)
-
-    p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
-    p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
-    p.add_argument("--allow-lossy", action="store_true",
-                   help="export a fp16/int8/int4 target decoder below 0.99 top-1 agreement with fp32 anyway (recorded)")
-    p.add_argument("--force", action="store_true")
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_export_policy)
 
     def sampling_flags(p):
         p.add_argument("--max-new-tokens", type=int, default=128)
@@ -593,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("engine_dir", type=Path)
     p.add_argument("--json", action="store_true", help="print engine.json only")
     p.set_defaults(func=cmd_inspect)
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        ep.load()(sub)  # `export`, `export-policy` (edgespec.export), `robot` (edgespec.robots)
     return ap
 
 

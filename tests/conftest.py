@@ -213,7 +213,7 @@ def bundled_policy_dir():
     """engines/vla-reacher, exported from models/vla-reacher if it is missing or stale (about a minute)."""
     from pathlib import Path
 
-    from edgespec.cli import ensure_policy_engines
+    from edgespec.export.bundled import ensure_policy_engines
     root = Path(__file__).resolve().parents[1]
     return ensure_policy_engines(root / "models", root / "engines")
 

@@ -229,10 +229,10 @@ class _Gen:
 
 
 def _run_edgespec(monkeypatch, capsys, tmp_path, load, **over):
-    pytest.importorskip("onnxruntime", reason="edgespec.cli needs onnxruntime (a runtime dependency)")
+    pytest.importorskip("onnxruntime", reason="edgespec needs onnxruntime (a runtime dependency)")
     import edgespec
-    import edgespec.cli
-    monkeypatch.setattr(edgespec.cli, "ensure_demo_engines", lambda models, engines: ("TARGET", "DRAFT"))
+    import edgespec.export.bundled
+    monkeypatch.setattr(edgespec.export.bundled, "ensure_demo_engines", lambda models, engines: ("TARGET", "DRAFT"))
     monkeypatch.setattr(edgespec, "load", load)
     (tmp_path / "p.json").write_text(json.dumps(["a", "b"]))
     args = argparse.Namespace(**{**dict(engines=tmp_path, prompts=tmp_path / "p.json", mode="draft", gamma="5",

@@ -115,7 +115,8 @@ def test_a_bug_still_raises_with_its_traceback(engine, monkeypatch):
 
 
 def test_demo_with_a_manifest_that_is_not_an_object_is_one_error_line(tmp_path, capsys):
-    for name in cli.DEMO_ENGINES:
+    from edgespec.export.bundled import DEMO_ENGINES
+    for name in DEMO_ENGINES:
         (tmp_path / name).mkdir()
         (tmp_path / name / "engine.json").write_text("[1, 2]")
     assert cli_main(["demo", "--engines", str(tmp_path), "--models", str(tmp_path)]) == 2

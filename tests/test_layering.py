@@ -17,10 +17,11 @@ FORBIDDEN = {  # folder -> packages it must never import
     "export": ("edgespec.robots",),
     "robots": ("edgespec.export",),
 }
-# The `edgespec export` / `export-policy` commands import the exporter inside the command's function, after
-# checking the export extra (torch) is installed: `import edgespec` on a device never reaches it. Nothing
-# else may.
-LAZY_ALLOWED = {("edgespec/cli.py", "edgespec.export"), ("edgespec/cli.py", "torch")}
+# `edgespec demo` imports the bundled-engine helper (export/bundled.py) inside its function, to re-export the
+# demo pair when it is missing or stale: `import edgespec` on a device never reaches it. Nothing else may.
+# (`edgespec export` and `edgespec robot` come from the "edgespec.commands" entry points: the runtime names
+# neither package.)
+LAZY_ALLOWED = {("edgespec/cli.py", "edgespec.export")}
 
 
 def module_name(path: Path, root: Path = ROOT) -> tuple[str, str]:
@@ -53,10 +54,25 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[list[str], int, bool]]:
                     base = child.module or ""
                 found.append(([base] + [f"{base}.{a.name}" for a in child.names if a.name != "*"], child.lineno,
                               in_func))
+            elif isinstance(child, ast.Call) and _dynamic_import(child):  # importlib.import_module("..."), __import__
+                name = child.args[0].value
+                if name.startswith("."):  # import_module(".x", package): relative to this file's package
+                    dots = len(name) - len(name.lstrip("."))
+                    parts = pkg.split(".")
+                    name = ".".join(parts[:len(parts) - (dots - 1)] + ([name.lstrip(".")] if name.lstrip(".") else []))
+                found.append(([name], child.lineno, in_func))
             visit(child, inner)
 
     visit(ast.parse(path.read_text(), str(path)), False)
     return found
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    """A call of importlib.import_module / import_module / __import__ with a literal module name."""
+    f = call.func
+    named = (isinstance(f, ast.Attribute) and f.attr == "import_module") or \
+        (isinstance(f, ast.Name) and f.id in ("import_module", "__import__"))
+    return named and bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
 
 
 def violations(root: Path = ROOT) -> list[str]:
@@ -90,6 +106,11 @@ def test_no_package_imports_against_the_table():
     ("export", "from ..policy import load_policy\nfrom .vla import export_policy\n", False),
     ("robots", "from edgespec.policy import load_policy\nfrom .reacher import ThreeTargetReacher\n", False),
     ("edgespec", "import numpy\nfrom .contract import Manifest\n", False),
+    ("edgespec", "import importlib\nm = importlib.import_module('edgespec.robots.cli')\n", True),
+    ("edgespec", "def f():\n    return __import__('edgespec.export.vla')\n", True),
+    ("edgespec", "from importlib import import_module\nimport_module('.robots', 'edgespec')\n", True),
+    ("robots", "import importlib\nimportlib.import_module('edgespec.export.vla')\n", True),
+    ("edgespec", "import importlib\nimportlib.import_module('json')\n", False),
 ])
 def test_the_check_sees_absolute_relative_and_lazy_imports(tmp_path, folder, source, banned):
     for f in PACKAGES:
@@ -108,3 +129,16 @@ def test_the_cli_exception_covers_lazy_imports_only(tmp_path):
     assert len(violations(tmp_path)) == 1
     (tmp_path / "edgespec" / "cli.py").write_text("def cmd():\n    import edgespec.robots.cli\n")
     assert len(violations(tmp_path)) == 1  # the exception is for the exporter only
+
+
+def test_export_and_robot_subcommands_come_from_their_own_packages():
+    """edgespec/cli.py names neither package: their subcommands arrive through the entry-point group."""
+    from importlib.metadata import entry_points
+
+    from edgespec.cli import COMMANDS_GROUP, build_parser
+    eps = {e.name: e.value for e in entry_points(group=COMMANDS_GROUP)}
+    assert eps == {"export": "edgespec.export.commands:register", "robot": "edgespec.robots.commands:register"}
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert {"export", "export-policy", "robot", "demo", "generate"} <= set(sub.choices)
+    assert sub.choices["export"].get_default("func").__module__ == "edgespec.export.commands"
+    assert sub.choices["robot"].get_default("func").__module__ == "edgespec.robots.commands"

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def reacher_policy():
-    from edgespec.cli import ensure_policy_engines
+    from edgespec.export.bundled import ensure_policy_engines
     from edgespec.policy import load_policy
     return load_policy(ensure_policy_engines(ROOT / "models", ROOT / "engines"), draft="head")
 

@@ -132,7 +132,7 @@ def fake_folders(tmp_path, tiny_reacher_policy):
 ])
 def test_ensure_policy_engines_re_exports_stale_folders(tiny_reacher_policy, tmp_path, monkeypatch, change, stale):
     import edgespec.export.vla as vla
-    from edgespec.cli import ensure_policy_engines
+    from edgespec.export.bundled import ensure_policy_engines
     src, eng = fake_folders(tmp_path, tiny_reacher_policy)
     if change:
         edit(eng, change)

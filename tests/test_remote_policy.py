@@ -62,7 +62,7 @@ def test_token_cache_keeps_embedding_rows_with_the_ids():
 # -- against a real vLLM server ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy_dir():
-    from edgespec.cli import ensure_policy_engines
+    from edgespec.export.bundled import ensure_policy_engines
     return ensure_policy_engines(MODELS, ROOT / "engines")
 
 

@@ -541,29 +541,29 @@ def test_demo_engines_from_an_older_contract_are_re_exported(tiny_checkpoints, t
     import json
     import shutil
 
-    from edgespec import cli
+    from edgespec.export import bundled
     models, engines = tmp_path / "models", tmp_path / "engines"
-    monkeypatch.setattr(cli, "DEMO_ENGINES", {"t": ("ck", "fp32"), "d": ("ck", "fp32")})
+    monkeypatch.setattr(bundled, "DEMO_ENGINES", {"t": ("ck", "fp32"), "d": ("ck", "fp32")})
     shutil.copytree(tiny_checkpoints["llama"][0], models / "ck")
     cfg = json.loads((models / "ck" / "config.json").read_text())
     (models / "ck" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 2048}))  # the demo's
-    eng, _ = cli.ensure_demo_engines(models, engines)
+    eng, _ = bundled.ensure_demo_engines(models, engines)
     manifest = json.loads((eng / "engine.json").read_text())
     manifest["contract_version"] = C.CONTRACT_VERSION - 1
     (eng / "engine.json").write_text(json.dumps(manifest))
     with pytest.raises(EngineError, match="re-export"):
         edgespec.load(eng)
-    cli.ensure_demo_engines(models, engines)
+    bundled.ensure_demo_engines(models, engines)
     assert json.loads((eng / "engine.json").read_text())["contract_version"] == C.CONTRACT_VERSION
     assert len(edgespec.load(eng).generate([1, 2, 3], max_new_tokens=3).token_ids) == 3
     # a folder from an earlier demo recipe (before flavours and weight-only int8) is re-exported too
     manifest = json.loads((eng / "engine.json").read_text())
-    assert manifest["extra"]["demo_recipe"] == cli.DEMO_RECIPE
+    assert manifest["extra"]["demo_recipe"] == bundled.DEMO_RECIPE
     del manifest["extra"]["demo_recipe"]
     (eng / "engine.json").write_text(json.dumps(manifest))
     stamp = (eng / "engine.json").stat().st_mtime_ns
-    cli.ensure_demo_engines(models, engines)
-    assert json.loads((eng / "engine.json").read_text())["extra"]["demo_recipe"] == cli.DEMO_RECIPE
+    bundled.ensure_demo_engines(models, engines)
+    assert json.loads((eng / "engine.json").read_text())["extra"]["demo_recipe"] == bundled.DEMO_RECIPE
     assert (eng / "engine.json").stat().st_mtime_ns != stamp
 
 

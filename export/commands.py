@@ -1,0 +1,101 @@
+"""`edgespec export` and `edgespec export-policy`: registered on the runtime's command line through the
+"edgespec.commands" entry point (pyproject.toml), so the runtime never imports the exporter. Nothing here
+imports torch until a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from edgespec.export.bundled import need_export_extra
+
+DTYPES = ["fp32", "fp16", "int8", "int4", "int8-dynamic"]  # contract.PRECISIONS; integer ones: export/quantize.py
+DTYPE_HELP = ("int8 / int4: weight-only blocks of the MatMul weights (ONNX Runtime MatMulNBits, CPU and CUDA); "
+              "int8-dynamic: int8 weights + activations quantized at run time (standard ONNX ops)")
+
+
+def cmd_export(args) -> int:
+    need_export_extra()
+    from edgespec.export.onnx_export import export_engine
+
+    m = export_engine(args.checkpoint, args.out, dtype=args.dtype, max_context=args.max_context,
+                      input_mode=args.inputs, force=args.force, progress=not args.quiet,
+                      role=args.role, allow_lossy=args.allow_lossy, flavor=args.flavor, hidden=args.hidden,
+                      max_memory=None if args.max_memory is None else int(args.max_memory * 2**30))
+    v = m.extra["validation"]
+    print(f"wrote {args.out} ({m.precision}, max context {m.max_context}, {m.architecture}, "
+          f"{m.num_layers} layers, vocab {m.vocab_size})")
+    for key, what in (("parity", "parity vs reference"), ("verify", "verify pass vs single steps")):
+        r = v[key]
+        print(f"  {what}: max |diff| {r['max_abs_diff']:.2e} (tolerance {r['tolerance']:.2e} = 1e-4 x max(1, "
+              f"max |logit| {r['max_abs_logit']:.3g}); top-1 equal on {r['top1']['decisive_tokens'] - r['top1']['disagree']}"
+              f" of {r['top1']['decisive_tokens']} decisive tokens)")
+    em = m.extra.get("export_memory") or {}
+    if em:
+        est = em.get("estimate_bytes") or {}
+        print(f"  peak RSS {em['peak_rss_bytes'] / 2**30:.2f} GiB (estimated {est.get('total_bytes', 0) / 2**30:.2f} "
+              f"GiB), {m.extra.get('parameters', 0) / 1e6:.1f}M parameters, {m.extra.get('export_seconds')} s")
+    if "agreement_vs_fp32" in v:
+        a = v["agreement_vs_fp32"]
+        print(f"  {m.precision} vs fp32 over {a['tokens']} tokens of {a['text']}: "
+              f"top-1 agreement {a['top1_agreement']:.4f}, mean KL {a['mean_kl']:.2e}")
+    if "precision_gate" in v:
+        g = v["precision_gate"]
+        verdict = ("passed" if g["passed"] else "overridden (--allow-lossy)" if g["overridden"]
+                   else "not enforced (a draft: the target verifies every token)")
+        print(f"  precision gate (top-1 >= {g['threshold']} for a target): {verdict}")
+    if args.tensorrt:  # a native plan for this GPU and TensorRT version (provider="tensorrt" runs it)
+        from edgespec.export.tensorrt import main as build_plan
+        return build_plan([str(args.out)] + (["--fp32"] if m.precision == "fp32" else []))
+    return 0
+
+
+def cmd_export_policy(args) -> int:
+    need_export_extra()
+    from edgespec.export.vla import export_policy
+    meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
+                         allow_lossy=args.allow_lossy)
+    print(f"wrote {args.out}: encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
+          f"H={meta['horizon']} x D={meta['dims']} action tokens, {meta['n_bins']} bins")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this package's subcommands to `edgespec`'s parser."""
+    p = sub.add_parser("export", help="checkpoint folder -> validated engine folder")
+    p.add_argument("checkpoint", type=Path, help="Hugging Face checkpoint folder (config.json + safetensors)")
+    p.add_argument("--out", type=Path, required=True, help="engine folder to write")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
+    p.add_argument("--role", choices=["target", "draft"], default="target",
+                   help="what the engine is for: the precision gate binds targets (a draft's tokens are all "
+                        "verified, so a lossy draft costs speed, not output)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="export a fp16/int8/int4 engine below 0.99 top-1 agreement with fp32 anyway (engine.json "
+                        "records the override); for a draft this costs speed only, for a target it changes output")
+    p.add_argument("--max-context", type=int, default=None, help="KV capacity (default min(model limit, 2048))")
+    p.add_argument("--flavor", choices=["auto", "ort", "portable"], default="auto",
+                   help="ort: ONNX Runtime contrib ops (GroupQueryAttention, cache in place; CPU and CUDA), with a "
+                        "per-op fallback to standard ops; portable: standard ONNX ops only (TensorRT); auto "
+                        "(default): ort where its attention is fused, else portable")
+    p.add_argument("--inputs", choices=["ids", "embeds"], default="ids",
+                   help="first graph input: input_ids, or inputs_embeds for VLA/VLM prefixes")
+    p.add_argument("--hidden", action="store_true",
+                   help="also output the final hidden state (what the feature-level text draft head reads)")
+    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                   help="memory the export may use, GiB (default: what the machine has available); an export "
+                        "whose estimated peak is larger is refused before any work")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tensorrt", action="store_true",
+                   help="also build model.plan for this GPU (needs an NVIDIA GPU and the trt extra)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
+    p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="export a fp16/int8/int4 target decoder below 0.99 top-1 agreement with fp32 anyway (recorded)")
+    p.add_argument("--force", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_export_policy)
