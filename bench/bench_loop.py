@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
 from bench_speculative import machine  # noqa: E402
 from edgespec.export.bundled import ensure_policy_engines  # noqa: E402
-from edgespec.robots.cli import cpu_set  # noqa: E402
+from edgespec.robots.policy_args import cpu_set  # noqa: E402
 from edgespec.robots.inference import InferenceProcess, single_threaded_env  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402
 from edgespec.robots.profile import chrome_trace, plot_timeline  # noqa: E402

@@ -153,3 +153,19 @@ def fp16_graph(src: Path, dst: Path, keep_io: list[str], external: bool) -> str 
 
 
 __all__ = ["ALIGN", "EXTERNAL_MIN", "DataWriter", "fp16_graph", "is_external", "load_inline", "read_tensor"]
+
+
+def save_model(model, path: Path, external: bool) -> str | None:
+    """Save `model` to path; with `external`, its weights into path.name + ".data" beside it. -> that file's
+    name, or None."""
+    import onnx
+
+    if not external:
+        onnx.save(model, str(path))
+        return None
+    data = path.name + ".data"
+    if (path.parent / data).exists():
+        (path.parent / data).unlink()  # onnx appends to an existing file
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+              size_threshold=1024)
+    return data

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-lossy", action="store_true", help="keep a target below the precision gate (recorded)")
     a = p.parse_args(argv)
     from .checkpoint import hash_files, weight_files
-    from .onnx_export import calibration_rows
+    from .validate import calibration_rows
     try:
         m = C.Manifest.read(a.engine_dir)
         spec, weights = load_checkpoint(a.checkpoint)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,8 @@ import edgespec
 from edgespec import contract as C
 
 from .checkpoint import CheckpointError, ModelSpec, hash_files, load_weights, read_config, weight_files
-from .validate import (ROLES, agreement, parity_gate, parity_reference, precision_gate, require, teacher_forced,
-                       verify_gate)
+from .validate import (ROLES, agreement, calibration_rows, parity_gate, parity_reference, precision_gate, require,
+                       teacher_forced, verify_gate)
 
 DEFAULT_MAX_CONTEXT = 2048
 CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int8": "float32",  # KV cache I/O dtype
@@ -96,22 +95,6 @@ def choose_flavor(spec: ModelSpec, flavor: str, input_mode: str = "ids") -> tupl
 EXTERNAL_DATA_BYTES = 1 << 30  # weights beyond this go to an external data file (ONNX's protobuf stops at 2 GB)
 
 
-def save_model(model, path: Path, external: bool) -> str | None:
-    """Save `model` to path; with `external`, its weights into path.name + ".data" beside it. -> that file's
-    name, or None."""
-    import onnx
-
-    if not external:
-        onnx.save(model, str(path))
-        return None
-    data = path.name + ".data"
-    if (path.parent / data).exists():
-        (path.parent / data).unlink()  # onnx appends to an existing file
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
-              size_threshold=1024)
-    return data
-
-
 def to_fp16(src: Path, dst: Path, num_layers: int, external: bool = False) -> str | None:
     """fp16 weights, compute and KV cache; the other inputs and outputs stay as the contract has them. The
     weights are converted one at a time (external.fp16_graph). -> the external data file's name, or None."""
@@ -131,30 +114,6 @@ def to_integer(src: Path, dst: Path, precision: str, external: bool = False) -> 
     from .quantize import quantize
 
     return quantize(precision, src, dst, external=external)
-
-
-def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq: int = 256) -> tuple[list, str]:
-    """Token rows for the agreement report: held-out Python stdlib code through the checkpoint's tokenizer,
-    or random ids when the checkpoint has no tokenizer (random-init test models)."""
-    rows_needed = -(-n_tokens // seq)
-    tok_path = Path(ckpt_dir) / "tokenizer.json"
-    if tok_path.is_file():
-        import sysconfig
-
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(str(tok_path))
-        root = Path(sysconfig.get_paths()["stdlib"])
-        ids: list[int] = []
-        for p in sorted(root.glob("*.py")):  # same held-out rule as train_demo.py
-            if zlib.crc32(str(p.relative_to(root)).encode()) % 50 == 0:
-                ids.extend(tok.encode(p.read_text(encoding="utf-8", errors="replace")).ids)
-            if len(ids) >= rows_needed * seq:
-                break
-        if len(ids) >= rows_needed * seq:
-            arr = np.asarray(ids[:rows_needed * seq], dtype=np.int64).reshape(rows_needed, seq)
-            return [r for r in arr if r.max() < vocab_size], "python-stdlib held-out code"
-    rng = np.random.default_rng(0)
-    return [rng.integers(0, vocab_size, size=seq) for _ in range(rows_needed)], "random token ids"
 
 
 def rss_bytes() -> tuple[int, int]:

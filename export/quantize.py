@@ -174,7 +174,7 @@ def weight_only(src: Path, dst: Path, settings: WeightOnly, external: bool = Fal
     if not nbits:
         raise ValueError(f"{src}: no MatMul with a constant weight to quantize (expected the exported decoder's "
                          f"projections, got {matmuls} MatMul nodes, none quantized)")
-    from .onnx_export import save_model
+    from .external import save_model
     data = save_model(model, Path(dst), external)
     return {"method": "weight-only MatMulNBits (onnxruntime MatMulNBitsQuantizer, round to nearest)",
             **asdict(settings), "head": head, "quantized_matmuls": len(nbits),

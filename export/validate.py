@@ -18,6 +18,9 @@ rounding does (tests/test_gates.py breaks each on purpose and expects a refusal)
 """
 from __future__ import annotations
 
+import zlib
+from pathlib import Path
+
 import numpy as np
 
 from edgespec import contract as C
@@ -263,3 +266,27 @@ def precision_gate(agree: dict, precision: str, role: str, allow_lossy: bool = F
                         f"records the override)")
     return {"threshold": threshold, "top1": top1, "tokens": tokens, "role": role, "enforced": enforced,
             "passed": passed, "overridden": enforced and not passed and allow_lossy}
+
+
+def calibration_rows(ckpt_dir: Path, vocab_size: int, n_tokens: int = 1024, seq: int = 256) -> tuple[list, str]:
+    """Token rows for the agreement report: held-out Python stdlib code through the checkpoint's tokenizer,
+    or random ids when the checkpoint has no tokenizer (random-init test models)."""
+    rows_needed = -(-n_tokens // seq)
+    tok_path = Path(ckpt_dir) / "tokenizer.json"
+    if tok_path.is_file():
+        import sysconfig
+
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(tok_path))
+        root = Path(sysconfig.get_paths()["stdlib"])
+        ids: list[int] = []
+        for p in sorted(root.glob("*.py")):  # same held-out rule as train_demo.py
+            if zlib.crc32(str(p.relative_to(root)).encode()) % 50 == 0:
+                ids.extend(tok.encode(p.read_text(encoding="utf-8", errors="replace")).ids)
+            if len(ids) >= rows_needed * seq:
+                break
+        if len(ids) >= rows_needed * seq:
+            arr = np.asarray(ids[:rows_needed * seq], dtype=np.int64).reshape(rows_needed, seq)
+            return [r for r in arr if r.max() < vocab_size], "python-stdlib held-out code"
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, vocab_size, size=seq) for _ in range(rows_needed)], "random token ids"

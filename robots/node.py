@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None, policy: Policy | None = None, embodiment
 
 
 def cmd_node(argv) -> int:
-    from .cli import make_policy, one_line, policy_flags
+    from .policy_args import make_policy, one_line, policy_flags
 
     p = argparse.ArgumentParser(prog="edgespec robot node", add_help=False)
     policy_flags(p)

@@ -9,7 +9,7 @@ from conftest import FAMILIES
 from edgespec import contract as C
 from edgespec.cli import main as cli_main
 from edgespec.engine import OrtEngine
-from edgespec.export import onnx_export
+from edgespec.export import onnx_export, validate
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.validate import GateError
 
@@ -63,7 +63,7 @@ def test_agreement_rows_are_held_out_from_demo_training(tmp_path, monkeypatch):
         read.append(text)
         return text
     monkeypatch.setattr(Path, "read_text", recording)
-    rows, source = onnx_export.calibration_rows(tmp_path, 96, n_tokens=1024, seq=256)
+    rows, source = validate.calibration_rows(tmp_path, 96, n_tokens=1024, seq=256)
     monkeypatch.undo()
     assert source == "python-stdlib held-out code" and sum(len(r) for r in rows) >= 1000
     train, val = split_corpus(TrainConfig())

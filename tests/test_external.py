@@ -8,7 +8,8 @@ import pytest
 from edgespec import contract as C
 from edgespec.export import quantize
 from edgespec.export.external import DataWriter, fp16_graph, read_tensor
-from edgespec.export.onnx_export import export_engine, save_model
+from edgespec.export.external import save_model
+from edgespec.export.onnx_export import export_engine
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,7 @@ def test_a_policy_that_does_not_load_is_one_error_line(tmp_path, monkeypatch, ca
 
     def broken(**kw):  # what ONNX Runtime raises for a truncated model.onnx (its messages span lines)
         raise InvalidProtobuf("[ONNXRuntimeError] : 7 : INVALID_PROTOBUF : Load model failed:\nProtobuf parsing failed.")
-    monkeypatch.setattr("edgespec.robots.cli.load_policy", broken)
+    monkeypatch.setattr("edgespec.robots.policy_args.load_policy", broken)
     with pytest.raises(SystemExit) as e:
         edgespec_main(["robot", command, "--policy", str(tmp_path), "--inference", "thread"])
     err = capsys.readouterr().err
