@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from edgespec.contract import (CONTENT_HASH, CONTRACT_VERSION, HEAD_FILE, MANIFEST_FILE, POLICY_FILE,
+                               file_sha256)
+
 
 def need_export_extra() -> None:
     """SystemExit with the install line when torch or onnx (the export extra) is missing."""
@@ -52,14 +55,8 @@ def ensure_demo_engines(models: Path, engines: Path) -> tuple[Path, Path]:
 VLA_POLICY = "vla-reacher"  # models/vla-reacher (train_vla.py) -> engines/vla-reacher (export_policy)
 
 
-def _sha(path: Path) -> str:
-    from edgespec.contract import file_sha256
-    return file_sha256(path)
-
-
 def _manifest_json(engine_dir: Path) -> dict | None:
     """engine.json as a dict, or None (missing or unreadable: loading reports a broken file)."""
-    from edgespec.contract import MANIFEST_FILE
     path = Path(engine_dir) / MANIFEST_FILE
     try:
         data = json.loads(path.read_text()) if path.is_file() else None
@@ -76,15 +73,12 @@ def _older_recipe(engine_dir: Path) -> bool:
 
 def _older_contract(engine_dir: Path) -> bool:
     """True for an engine folder exported for an earlier engine contract (re-exported on use)."""
-    from edgespec.contract import CONTRACT_VERSION
     data = _manifest_json(engine_dir)
     return data is not None and data.get("contract_version") != CONTRACT_VERSION
 
 
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
-    from edgespec.contract import CONTENT_HASH, HEAD_FILE, POLICY_FILE
-
     eng, src = Path(engines) / name, Path(models) / name
     stale = None  # why the exported folder no longer matches the model folder or this edgespec
     if (eng / POLICY_FILE).is_file() and (src / POLICY_FILE).is_file():
@@ -98,7 +92,7 @@ def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -
             stale = "exported before policy.json carried a content hash"
         elif isinstance(want, dict) and any(got.get(k) != v for k, v in want.items()):
             stale = "the model's policy.json changed (e.g. its state/action semantics)"
-        elif (src / HEAD_FILE).is_file() and got.get("draft_head_sha256") != _sha(src / HEAD_FILE):
+        elif (src / HEAD_FILE).is_file() and got.get("draft_head_sha256") != file_sha256(src / HEAD_FILE):
             stale = "its draft head changed"
     if _older_contract(eng / "target"):
         stale = "exported for an older engine contract"

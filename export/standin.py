@@ -2,8 +2,8 @@
 
     python -m edgespec.export.standin --list                              # presets, parameter counts, bytes
     python -m edgespec.export.standin --preset llama-3.2-1b               # -> .cache/standins/llama-3.2-1b/{target,draft}
-    python -m edgespec.export.standin --preset qwen2.5-0.5b --role draft --out /tmp/q
-    python -m edgespec.export.standin --source models/demo-target --out /tmp/x \\
+    python -m edgespec.export.standin --preset qwen2.5-0.5b --role draft --out .cache/standins/q
+    python -m edgespec.export.standin --source models/demo-target --out .cache/standins/x \\
         --shape hidden_size=640,num_attention_heads=12,num_key_value_heads=6,head_dim=128,intermediate_size=1600,num_hidden_layers=10
 
 No real weights can be downloaded here, so benchmarks at real size run on checkpoints made from the bundled demo

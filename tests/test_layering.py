@@ -176,10 +176,21 @@ def test_no_import_cycle_in_the_exporter_or_the_robots_package(folder):
     assert import_cycles(folder) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 29 item 1: engine.py, decoder.py, native.py and trt.py import each "
-                                       "other; this test passes (and must lose its mark) once backends/ lands")
-def test_no_import_cycle_in_the_runtime():
-    assert import_cycles("edgespec") == []
+# The runtime's cycles today, each to go with issue 29 item 1 (edgespec/backends/; profiling without Generator):
+# the test fails on a new cycle and on one of these gone, so this list only ever shrinks to [].
+RUNTIME_CYCLES = [
+    ["edgespec.decoder", "edgespec.engine", "edgespec.decoder"],
+    ["edgespec.decoder", "edgespec.engine", "edgespec.native", "edgespec.decoder"],
+    ["edgespec.decoder", "edgespec.engine", "edgespec.trt", "edgespec.decoder"],
+    ["edgespec.generate", "edgespec.pipeline", "edgespec.profiling", "edgespec.generate"],
+    ["edgespec.generate", "edgespec.pipeline", "edgespec.speculative", "edgespec.profiling", "edgespec.generate"],
+    ["edgespec.generate", "edgespec.profiling", "edgespec.generate"],
+    ["edgespec.generate", "edgespec.speculative", "edgespec.profiling", "edgespec.generate"],
+]
+
+
+def test_the_runtime_has_no_import_cycle_but_the_known_ones():
+    assert import_cycles("edgespec") == RUNTIME_CYCLES
 
 
 def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path):
