@@ -1,4 +1,4 @@
-"""bench/device_setup.py: the device check's set-up decides, from what is installed, which indexes answer and
+"""tools/device/device_setup.py: the device check's set-up decides, from what is installed, which indexes answer and
 whether there is a GPU, what to install and which paths can run; with no GPU path it stops in seconds."""
 import json
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools" / "device"))
 import device_setup as ds  # noqa: E402
 
 ALL = {"runtime": True, "edgespec": True, "setuptools": True, "onnxruntime": True, "onnxruntime-gpu": True, "cuda-python": True, "tensorrt": True,
@@ -100,7 +100,7 @@ def test_the_script_without_a_gpu_stops_at_once_and_says_why(tmp_path):
         pytest.skip("this machine has an NVIDIA GPU: the no-GPU stop does not apply")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "EDGESPEC_DEVICE_VENV": str(tmp_path / "venv")}
     t0 = time.time()
-    r = subprocess.run(["bash", str(ROOT / "bench" / "device_check.sh")], env=env, capture_output=True, text=True)
+    r = subprocess.run(["bash", str(ROOT / "tools" / "device" / "device_check.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == ds.BLOCKED, r.stdout + r.stderr
     assert time.time() - t0 < 60 and not (tmp_path / "venv").exists()  # nothing created, nothing installed
     data = json.loads((tmp_path / "out" / "device.json").read_text())
@@ -131,7 +131,7 @@ def test_offline_machine_with_a_gpu_is_blocked_without_running_pip(tmp_path, mon
 
 
 def test_wheels_folder_must_exist(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "device_setup.py"), "--wheels", str(tmp_path / "nope"),
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "device" / "device_setup.py"), "--wheels", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "d.json")], capture_output=True, text=True)
     assert r.returncode == 2 and "expected a folder of .whl files" in r.stderr
 

@@ -150,8 +150,8 @@ def test_check_raises_with_the_error_name(monkeypatch):
 
 
 def test_device_check_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "bench" / "device_check.sh")], check=True)
-    subprocess.run([sys.executable, "-m", "py_compile", str(ROOT / "bench" / "device_check.py")], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "tools" / "device" / "device_check.sh")], check=True)
+    subprocess.run([sys.executable, "-m", "py_compile", str(ROOT / "tools" / "device" / "device_check.py")], check=True)
 
 
 # -- CudaMemory over the fake runtime -----------------------------------------------------------------------
@@ -372,7 +372,7 @@ def _real_gpu():
 def real_plans(tiny_engines, tmp_path_factory):
     _real_gpu()
     from edgespec.export.tensorrt import build_engine
-    # fp32: runtime correctness here; fp16 quality is bench/device_check.py's
+    # fp32: runtime correctness here; fp16 quality is tools/device/device_check.py's
     return _with_plans(tiny_engines, tmp_path_factory.mktemp("plans"), lambda d, p: build_engine(d, p, fp16=False))
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One GPU check for a fresh NVIDIA machine.
 #
-#   bash bench/device_check.sh            # results: ${OUT:-bench/results}/device.json (+ a summary on stdout)
-#   DEVICE_CHECK_ARGS="--only native" bash bench/device_check.sh
-#   EDGESPEC_WHEELS=wheels/ bash bench/device_check.sh    # a machine with no network: install from a wheel folder
+#   bash tools/device/device_check.sh     # results: ${OUT:-bench/results}/device.json (+ a summary on stdout)
+#   DEVICE_CHECK_ARGS="--only native" bash tools/device/device_check.sh
+#   EDGESPEC_WHEELS=wheels/ bash tools/device/device_check.sh   # no network: install from a wheel folder
 #
-# bench/device_setup.py (standard library only) finds the GPU, creates the venv ($EDGESPEC_DEVICE_VENV, default
+# tools/device/device_setup.py (standard library only) finds the GPU, creates the venv ($EDGESPEC_DEVICE_VENV, default
 # .venv-device, with the system's packages visible), installs what each path lacks, one package group at a time,
 # from the wheel folder or the indexes that answer (PyPI; pypi.nvidia.com for TensorRT), and says which paths can
 # run. When none of the GPU paths can (no GPU, or their packages cannot be installed here), it writes device.json
@@ -13,7 +13,7 @@
 # Re-runnable: the venv, exported engines (engines/, engines/device/) and TensorRT plans / ORT TensorRT caches are
 # reused when present.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR="${OUT:-bench/results}"
 mkdir -p "$OUT_DIR"
 VENV="${EDGESPEC_DEVICE_VENV:-.venv-device}"
@@ -22,7 +22,7 @@ log() { echo "[device_check +$(( $(date +%s) - T0 ))s] $*"; }
 
 log "setting up $VENV"
 rc=0
-ONLY=$(python3 bench/device_setup.py --venv "$VENV" --out "$OUT_DIR/device.json") || rc=$?
+ONLY=$(python3 tools/device/device_setup.py --venv "$VENV" --out "$OUT_DIR/device.json") || rc=$?
 if [ "$rc" != 0 ]; then
   log "stopped: no GPU path can run here (exit $rc); $OUT_DIR/device.json says why"
   exit "$rc"
@@ -35,7 +35,8 @@ PY="$VENV/bin/python"
 TRT_LIBS=$("$PY" -c "import os, tensorrt_libs; print(os.path.dirname(tensorrt_libs.__file__))" 2>/dev/null || true)
 if [ -n "$TRT_LIBS" ]; then export LD_LIBRARY_PATH="$TRT_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 
-log "running bench/device_check.py"
+log "running tools/device/device_check.py"
 # shellcheck disable=SC2086
-"$PY" bench/device_check.py --out "$OUT_DIR/device.json" --only "$ONLY" --setup "$VENV/setup.json" ${DEVICE_CHECK_ARGS:-}
+"$PY" tools/device/device_check.py --out "$OUT_DIR/device.json" --only "$ONLY" --setup "$VENV/setup.json" \
+  ${DEVICE_CHECK_ARGS:-}
 log "done"

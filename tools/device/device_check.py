@@ -1,10 +1,10 @@
 """One GPU run that checks and measures every GPU path against the CPU, written to one JSON.
 
-    python bench/device_check.py --out bench/results/device.json [--only cpu,cuda,tensorrt,native] [--no-vla]
-                                 [--setup .venv-device/setup.json]
+    python tools/device/device_check.py --out bench/results/device.json [--only cpu,cuda,tensorrt,native]
+                                        [--no-vla] [--setup .venv-device/setup.json]
 
-(run through bench/device_check.sh on a fresh machine: bench/device_setup.py installs the packages and picks the
-paths that can run; --setup puts its record, with the reason for each path left out, in the report.)
+(run through tools/device/device_check.sh on a fresh machine: tools/device/device_setup.py installs the packages
+and picks the paths that can run; --setup puts its record, with the reason for each path left out, in the report.)
 
 Paths: cpu (ONNX Runtime CPU, fp32 target + int8 draft: the shipped CPU pair), cuda (ORT CUDA EP),
 tensorrt (ORT TensorRT EP, explicit profiles + engine cache), native (edgespec.trt: a TensorRT plan through
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # prompts.py, as the other benches import it
 

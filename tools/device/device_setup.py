@@ -1,8 +1,8 @@
 """Set up the device check's environment and decide which of its paths can run on this machine.
 
-    python3 bench/device_setup.py --venv .venv-device --out bench/results/device.json [--wheels DIR]
+    python3 tools/device/device_setup.py --venv .venv-device --out bench/results/device.json [--wheels DIR]
 
-bench/device_check.sh runs it with the machine's own python3, before anything is installed, so it uses the
+tools/device/device_check.sh runs it with the machine's own python3, before anything is installed, so it uses the
 standard library only. What it does:
 
 - Finds the GPU (nvidia-smi, or the driver's device files on a Jetson). Without one it stops at once.
@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("cpu", "cuda", "tensorrt", "native")  # as in device_check.py
 BLOCKED = 3
 PYPI = "https://pypi.org/simple/"
