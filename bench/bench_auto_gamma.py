@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 from prompts import code_prompts  # noqa: E402
 
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         return 0
 
     from edgespec.export.bundled import ensure_demo_engines
-    from bench_speculative import machine
+    from host import machine
     target, draft = ensure_demo_engines(args.models, args.engines)
     worker = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(args.out),
               "--target", str(target), "--draft", str(args.draft or draft), "--prompts", str(args.prompts),

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 
 
 def main(argv=None) -> int:
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    from bench_realsize import machine_load
+    from host import machine_load
     from prompts import code_prompts
 
     import edgespec

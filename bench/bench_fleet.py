@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "lib"))  # the benches' shared helpers (bench/lib)
 
 
 def _prompts(n: int) -> list[str]:

@@ -10,7 +10,7 @@ norms, matrix products, the input quantization of integer products, the cache ro
 argmax; and of those, the caller's wait for helper threads), and the host's share (Python, ctypes, the cache's
 bookkeeping). The weight bytes a call reads (engine.json's native weight_bytes_per_token) over the matrix
 products' time and over the whole call give the bandwidth each reaches, beside the machine's read bandwidth
-measured in the same run (bench/membw.c, as bench_realsize.py measures it). Writes JSON and a markdown table
+measured in the same run (bench/lib/membw.c, as bench_realsize.py measures it). Writes JSON and a markdown table
 beside --out, with the command and the machine's load.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 
 
 def profile_calls(engine, rows: int, calls: int, prompt: int, seed: int) -> dict:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--membw-mib", type=int, default=512)
     a = ap.parse_args(argv)
-    from bench_realsize import machine_load, read_bandwidth
+    from host import machine_load, read_bandwidth
 
     from edgespec.contract import Manifest
     from edgespec.engine import open_engine

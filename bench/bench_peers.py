@@ -78,7 +78,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 
 SAMPLED = "edgespec draft sampled T=0.8"  # the one row outside the greedy comparison
 DRAFT = "edgespec draft"  # the row whose speedup over plain the paper's formula predicts
@@ -824,7 +824,7 @@ def main(argv=None) -> int:
     run["ended_epoch"] = time.time()
     run["ended"] = _iso(run["ended_epoch"])
     run["duration_min"] = round((run["ended_epoch"] - run["started_epoch"]) / 60, 1)
-    from bench_speculative import machine
+    from host import machine
     report = {"run": run, "prompts": {"code": args.code_prompts, "prose": n - args.code_prompts, "count": n},
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy (except the sampled row)",
               "method": {"sweep_prompt_indices": sweep_idx, "sweep_repeats": 1, "final_repeats": args.repeats,

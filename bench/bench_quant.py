@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 import edgespec  # noqa: E402
-from bench_speculative import machine  # noqa: E402
+from host import machine  # noqa: E402
 from edgespec.contract import PRECISIONS  # noqa: E402
 from edgespec.export.onnx_export import export_engine  # noqa: E402
 from prompts import code_prompts  # noqa: E402

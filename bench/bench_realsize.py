@@ -33,7 +33,7 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
      the same; llama.cpp GGUFs (f16 from convert_hf_to_gguf.py, q8_0 / q4_0 from llama-quantize) and GenAI
      builds, each made by one short call of its runner, so a precision that does not build is known before the
      sweep (its rows are recorded unavailable with the builder's error, not run);
-  1. DRAM read bandwidth at 1 and 2 threads (bench/membw.c, a native OpenMP read loop over 512 MiB, compiled on
+  1. DRAM read bandwidth at 1 and 2 threads (bench/lib/membw.c, a native OpenMP read loop over 512 MiB, compiled on
      first use with cc -O3 -march=native -fopenmp) and the machine's load (load average, other processes' CPU);
   2. sweep: every configuration of every row on --sweep-prompts prompts, once, configurations interleaved across
      rows: edgespec plain over threads; draft model over γ; draft + prompt lookup over γ x lookup x lookup γ;
@@ -85,9 +85,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "lib"))
 
 from bench_peers import (Config, Mode, Progress, _brief, _iso, _mmss, _rel, _tps, check_same_run,  # noqa: E402
                          llamacpp_modes, merge_repeats, run_system, select_best, summarize)
+from host import machine, machine_load  # noqa: E402
+from host import read_bandwidth as _read_bandwidth  # noqa: E402
 
 PRECISIONS = ("fp16", "int8", "int4", "fp32")  # the weights a row reads; table order
 PROVIDERS = ("cpu-native", "cpu")
@@ -101,7 +104,6 @@ WORK = ROOT / ".cache" / "realsize"
 # what an export's output depends on beside the checkpoint: a cached folder made by other code is re-exported
 EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py", "export/native.py",
                "export/checkpoint.py", "export/validate.py", "edgespec/native.py", "edgespec/contract.py")
-MEMBW_SRC = HERE / "membw.c"
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
@@ -423,36 +425,10 @@ def targets(systems: dict, rows: list[Row], roofline: dict) -> list[dict]:
 
 
 # ---- the machine: bandwidth and load ---------------------------------------------------------------------------
-def membw_binary() -> Path:
-    """bench/membw.c compiled (cc -O3 -march=native -fopenmp) into .cache/realsize/, once per source version."""
-    src = MEMBW_SRC.read_bytes()
-    exe = WORK / f"membw-{hashlib.sha256(src).hexdigest()[:12]}"
-    if not exe.is_file():
-        WORK.mkdir(parents=True, exist_ok=True)
-        tmp = exe.with_suffix(".partial")
-        r = subprocess.run(["cc", "-O3", "-march=native", "-fopenmp", str(MEMBW_SRC), "-o", str(tmp)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"cc -O3 -march=native -fopenmp {_rel(str(MEMBW_SRC))} failed: "
-                               f"{r.stderr.strip()[-500:]}")
-        os.replace(tmp, exe)
-    return exe
-
-
 def read_bandwidth(threads: list[int], mib: int, reps: int) -> dict:
-    """{threads: membw's JSON} (GB/s of each repetition, best, median), or {"error": ...}."""
-    try:
-        exe = membw_binary()
-    except (RuntimeError, OSError) as e:
-        return {"error": str(e)}
-    out = {}
-    for t in threads:
-        r = subprocess.run([str(exe), str(mib), str(reps), str(t)], capture_output=True, text=True, timeout=600,
-                           env=dict(os.environ, OMP_PROC_BIND="false"))
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-        out[str(t)] = json.loads(lines[-1]) if r.returncode == 0 and lines else \
-            {"error": f"exit {r.returncode}: {r.stderr.strip()[-300:]}"}
-    return out
+    """{threads: membw's JSON} (GB/s of each repetition, best, median), or {"error": ...}: bench/lib/membw.c,
+    compiled into WORK once per source version."""
+    return _read_bandwidth(threads, mib, reps, work=WORK)
 
 
 def best_bandwidth(measures: list[dict], threads: int) -> float | None:
@@ -460,44 +436,6 @@ def best_bandwidth(measures: list[dict], threads: int) -> float | None:
     got = [m.get(str(threads), {}).get("gbs_best") for m in measures]
     got = [g for g in got if g]
     return max(got) if got else None
-
-
-def _proc_times() -> dict[int, tuple[str, int, int]]:
-    """{pid: (name, parent pid, utime + stime ticks)} of every process, from /proc."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            s = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        name = s[s.index("(") + 1:s.rindex(")")]
-        f = s[s.rindex(")") + 2:].split()
-        out[int(d)] = (name, int(f[1]), int(f[11]) + int(f[12]))
-    return out
-
-
-def machine_load(seconds: float = 1.0) -> dict:
-    """The load beside this run: load averages, and the CPU other processes (not this one nor its children) used
-    over `seconds` (percent of one core; the busiest five named)."""
-    a = _proc_times()
-    time.sleep(seconds)
-    b = _proc_times()
-    ours = {os.getpid()}
-    changed = True
-    while changed:
-        changed = False
-        for pid, (_, ppid, _) in b.items():
-            if ppid in ours and pid not in ours:
-                ours.add(pid)
-                changed = True
-    hz = os.sysconf("SC_CLK_TCK")
-    busy = {pid: (b[pid][2] - a[pid][2]) * 100.0 / (hz * seconds) for pid in b if pid in a and pid not in ours}
-    top = sorted(((p, v) for p, v in busy.items() if v >= 1.0), key=lambda x: -x[1])[:5]
-    return {"time": _iso(time.time()), "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-            "others_cpu_percent": round(sum(busy.values()), 1),
-            "busiest_others": [{"pid": p, "name": b[p][0], "cpu_percent": round(v, 1)} for p, v in top]}
 
 
 # ---- set-up: checkpoints, exports, peer builds -----------------------------------------------------------------
@@ -618,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", default="cpu-native,cpu", help="edgespec target providers")
     ap.add_argument("--draft-dtype", default="int8", help="edgespec draft engine precision (--role draft)")
     ap.add_argument("--reexport", action="store_true", help="export every engine folder again")
-    ap.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (bench/prompts.py)")
+    ap.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (bench/lib/prompts.py)")
     ap.add_argument("--prose-prompts", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts each sweep configuration decodes")
@@ -867,7 +805,6 @@ def main(argv=None) -> int:
     run["ended_epoch"] = time.time()
     run["ended"] = _iso(run["ended_epoch"])
     run["duration_min"] = round((run["ended_epoch"] - run["started_epoch"]) / 60, 1)
-    from bench_speculative import machine
     report = {"run": run, "checkpoints": {"name": name, "target": tgt, "draft": dft, "preset": args.preset,
                                           "standin": _standin_facts(target_ck)},
               "prompts": {"code": args.code_prompts, "prose": n - args.code_prompts, "count": n,
@@ -965,7 +902,7 @@ def markdown(r: dict) -> str:
             f"{t} thread{'s' if t != '1' else ''} {v['gbs_best']:.1f} GB/s (median {v['gbs_median']:.1f})"
             if "gbs_best" in v else f"{t}: {v.get('error')}" for t, v in m.items() if isinstance(v, dict))
             if "error" not in m else f"error: {m['error']}")
-    rows += ["", f"DRAM read bandwidth (bench/membw.c, a native read loop over 512 MiB): {'; '.join(bwl)}. Roofline "
+    rows += ["", f"DRAM read bandwidth (bench/lib/membw.c, a native read loop over 512 MiB): {'; '.join(bwl)}. Roofline "
                  f"rows use the best at their thread count; KV cache at the prompts' mean context "
                  f"({rf['mean_context_tokens']:.0f} tokens).", ""]
     for name, e in rf["rows"].items():

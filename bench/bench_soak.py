@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_speculative import machine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
+from host import machine  # noqa: E402
 from edgespec.export.bundled import ensure_policy_engines  # noqa: E402
 from edgespec.policy import load_policy  # noqa: E402
 from edgespec.robots.loop import ControlLoop, LoopConfig  # noqa: E402

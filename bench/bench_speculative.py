@@ -12,31 +12,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 import edgespec  # noqa: E402
 from edgespec.export.bundled import ensure_demo_engines  # noqa: E402
 from edgespec.costmodel import expected_tokens  # noqa: E402
 from edgespec.decoder import Decoder  # noqa: E402
 from prompts import code_prompts  # noqa: E402
-
-
-def machine() -> dict:
-    import onnxruntime as ort
-    cpu = "unknown"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "edgespec": edgespec.__version__}
+from host import machine  # noqa: E402
 
 
 def alpha_hat(accepted: int, rejections: int) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 import edgespec  # noqa: E402
 from edgespec.export.bundled import ensure_demo_engines  # noqa: E402
 from edgespec.generate import Generator  # noqa: E402

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 import edgespec  # noqa: E402
-from bench_speculative import machine  # noqa: E402
+from host import machine  # noqa: E402
 from edgespec.export.bundled import ensure_policy_engines  # noqa: E402
 from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
 

@@ -329,7 +329,7 @@ def test_real_llama_cpp_tokenises_the_benchmark_prompts_as_edgespec_does(tmp_pat
     """Every prompt of bench_peers (20 code + 4 prose) through llama.cpp's own tokenizer (the GGUF's, pre-tokenizer
     gpt-2) gives edgespec's ids; and the q4_0 GGUF (quantized from the same f16) tokenises the same."""
     pytest.importorskip("onnxruntime", reason="edgespec needs onnxruntime")
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "lib"))
     import edgespec
     from prompts import PROSE, code_prompts
     tok = edgespec.tokenizer.TextTokenizer(ROOT / "models" / "demo-target" / "tokenizer.json")

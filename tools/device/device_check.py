@@ -31,7 +31,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))  # prompts.py, as the other benches import it
+sys.path.insert(0, str(ROOT / "bench" / "lib"))  # prompts.py, as the benches import it
 
 import edgespec  # noqa: E402
 from edgespec import contract as C  # noqa: E402

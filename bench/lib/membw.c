@@ -1,7 +1,7 @@
 /* DRAM read bandwidth: a native read loop over a buffer far larger than the last-level cache, the ceiling a
- * decode step that streams its weights can reach (bench/bench_realsize.py's roofline).
+ * decode step that streams its weights can reach (the roofline of bench/bench_realsize.py and bench/bench_native_profile.py).
  *
- *     cc -O3 -march=native -fopenmp bench/membw.c -o membw && ./membw 512 7 2
+ *     cc -O3 -march=native -fopenmp bench/lib/membw.c -o membw && ./membw 512 7 2
  *
  * Arguments: buffer MiB (default 512), repetitions (default 7), OpenMP threads (default: OpenMP's). Each repetition
  * sums every 64-bit word of the buffer (a static split across the threads, unrolled by hand and vectorised by the
