@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
 import edgespec  # noqa: E402
 from host import machine  # noqa: E402
-from edgespec.decoder import Decoder  # noqa: E402
+from edgespec.backends.ort import OrtDecoder  # noqa: E402
 from edgespec.export.onnx_export import export_engine  # noqa: E402
 from prompts import code_prompts  # noqa: E402
 
@@ -28,7 +28,7 @@ def dir_size(p: Path) -> int:
 
 def verify_cost(engine_dir: Path, context: int = 128, reps: int = 30) -> dict:
     gen = edgespec.load(engine_dir)
-    d = Decoder(gen.target, 1)
+    d = OrtDecoder(gen.target, 1)
     rng = np.random.default_rng(0)
     d(rng.integers(0, gen.target.manifest.vocab_size, (1, context)))
     d.cache.commit(context)

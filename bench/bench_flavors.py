@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import engine as E
+from edgespec.backends import ort as E
 from edgespec.contract import Manifest
 
 CONTEXT = 100  # committed rows before the timed steps

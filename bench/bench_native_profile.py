@@ -5,7 +5,7 @@
 
 For each call size S (--rows: S = 1 is a decode step, S = k + 1 a verify pass of k drafted tokens) this runs
 --calls calls of S tokens on provider cpu-native from a 64-token prompt, the sizes interleaved, --repeats
-times, and reports per call: the wall time, the time in each job kind of native_step.c (edgespec.native.profile:
+times, and reports per call: the wall time, the time in each job kind of native_step.c (edgespec.backends.native_lib.profile:
 norms, matrix products, the input quantization of integer products, the cache rows, attention, activation,
 argmax; and of those, the caller's wait for helper threads), and the host's share (Python, ctypes, the cache's
 bookkeeping). The weight bytes a call reads (engine.json's native weight_bytes_per_token) over the matrix
@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 def profile_calls(engine, rows: int, calls: int, prompt: int, seed: int) -> dict:
     """`calls` calls of `rows` tokens after a `prompt`-token prefill, on a fresh decoder: ms per call (wall)
     and the native profile's per-kind ms per call."""
-    from edgespec import native
+    from edgespec.backends import native_lib as native
 
     rng = np.random.default_rng(seed)
     vocab = engine.manifest.vocab_size
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     from host import machine_load, read_bandwidth
 
     from edgespec.contract import Manifest
-    from edgespec.engine import open_engine
+    from edgespec.backends import open_engine
 
     m = Manifest.read(a.engine)
     info = (m.extra or {}).get("native") or {}

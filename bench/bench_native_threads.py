@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from edgespec.contract import Manifest
-    from edgespec.engine import open_engine
+    from edgespec.backends import open_engine
 
     threads = [int(t) for t in a.threads.split(",")]
     hogs = [int(h) for h in a.hogs.split(",")]

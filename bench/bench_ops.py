@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec import engine as E
-from edgespec.decoder import Decoder
+from edgespec.backends import ort as E
+from edgespec.backends.ort import OrtDecoder
 
 
 def main(argv=None) -> int:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     E.session_options = profiled
     eng = E.OrtEngine(args.engine)
     E.session_options = base
-    d = Decoder(eng, 1)
+    d = OrtDecoder(eng, 1)
     d(np.arange(100)[None] % eng.manifest.vocab_size)
     d.cache.commit(100)
     one = np.ones((1, 1), np.int64)

@@ -82,7 +82,7 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 
 SAMPLED = "edgespec draft sampled T=0.8"  # the one row outside the greedy comparison
 DRAFT = "edgespec draft"  # the row whose speedup over plain the paper's formula predicts
-PLAIN_NATIVE = "edgespec plain native"  # plain decoding on provider cpu-native (edgespec/native.py)
+PLAIN_NATIVE = "edgespec plain native"  # plain decoding on provider cpu-native (edgespec/backends/native.py)
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def edgespec_runner(args) -> None:
     """Subprocess: decode the prompts with edgespec in one mode; print one JSON object."""
     import edgespec
     from edgespec.export.bundled import ensure_demo_engines
-    from edgespec.engine import draft_provider
+    from edgespec.backends import draft_provider
     from edgespec.generate import draft_threads_for
     if getattr(args, "target_engine", None):  # explicit engine folders (bench_realsize.py's stand-ins)
         target, draft = args.target_engine, args.draft_engine

@@ -45,7 +45,7 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
      process per (row, repeat), rows rotated each repeat;
   4. bandwidth and load again; the report.
 
-Rows. edgespec: plain, draft, draft+lookup, ngram x provider cpu-native (edgespec/native.py) and cpu (ONNX
+Rows. edgespec: plain, draft, draft+lookup, ngram x provider cpu-native (edgespec/backends/native.py) and cpu (ONNX
 Runtime) x weight precision. A row is labelled by the weights it reads: cpu rows by the engine folder's precision,
 cpu-native rows by engine.json's extra.native.weights ("fp16" when absent: the fp32 folder's native.npz holds the
 checkpoint's float16 weights). A (provider, precision) no exported folder supports is kept as an unavailable row
@@ -103,7 +103,7 @@ ENGINES = ROOT / ".cache" / "engines-realsize"
 WORK = ROOT / ".cache" / "realsize"
 # what an export's output depends on beside the checkpoint: a cached folder made by other code is re-exported
 EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py", "export/native.py",
-               "export/checkpoint.py", "export/validate.py", "edgespec/native.py", "edgespec/contract.py")
+               "export/checkpoint.py", "export/validate.py", "edgespec/backends/native_format.py", "edgespec/contract.py")
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
@@ -278,7 +278,7 @@ def edgespec_rows(folders: dict[str, Folder], draft: Folder | None, args) -> lis
 
 
 def _draft_label(draft: Folder, provider: str) -> str:
-    on = "cpu-native" if provider == "cpu-native" and draft.native else "cpu"  # edgespec.engine.draft_provider
+    on = "cpu-native" if provider == "cpu-native" and draft.native else "cpu"  # edgespec.backends.draft_provider
     return f"{draft.native if on == 'cpu-native' else draft.dtype} draft on {on}"
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches'
 import edgespec  # noqa: E402
 from edgespec.export.bundled import ensure_demo_engines  # noqa: E402
 from edgespec.costmodel import expected_tokens  # noqa: E402
-from edgespec.decoder import Decoder  # noqa: E402
+from edgespec.backends.ort import OrtDecoder  # noqa: E402
 from prompts import code_prompts  # noqa: E402
 from host import machine  # noqa: E402
 
@@ -38,7 +38,7 @@ def round_cost_vs_context(gen, gamma: int, contexts=(64, 128, 256, 512, 1024), r
     v = gen.target.manifest.vocab_size
     out = {}
     for ctx in contexts:
-        tgt, dft = Decoder(gen.target, 1), Decoder(gen.draft, 1)
+        tgt, dft = OrtDecoder(gen.target, 1), OrtDecoder(gen.draft, 1)
         ids = rng.integers(0, v, (1, ctx))
         tgt(ids)
         dft(ids)

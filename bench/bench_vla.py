@@ -105,7 +105,7 @@ class Mode:
         if pol.draft is not None or pol.head is not None:
             out["draft"] = "head" if pol.head is not None else "decoder"
             out.update(gamma=pol.cfg.gamma, stop_below=pol.cfg.stop_below)
-        if pol.cfg.mode == "relaxed" and (pol.draft is not None or pol.head is not None):
+        if pol.cfg.acceptance == "relaxed" and (pol.draft is not None or pol.head is not None):
             out["radius_bins"] = self.policy.cfg.radius
             out["max_accepted_dev_bins"] = int(self.max_dev_bins)
             out["worst_case_dev_per_token"] = self.policy.worst_case_deviation().tolist()  # action units

@@ -17,6 +17,8 @@ from .generate import GenerationResult, Generator, Stats, load  # noqa: E402
 from .policy import Policy, load_policy  # noqa: E402
 from .remote import RemoteConfig, RemoteUnavailable  # noqa: E402
 from .sampling import SamplingConfig  # noqa: E402
+from .speculation import SpeculationConfig  # noqa: E402
+from .stats import RoundStats  # noqa: E402
 
-__all__ = ["load", "load_policy", "Policy", "Generator", "GenerationResult", "Stats", "SamplingConfig", "EngineError",
-           "RemoteConfig", "RemoteUnavailable", "__version__"]
+__all__ = ["load", "load_policy", "Policy", "Generator", "GenerationResult", "Stats", "RoundStats", "SamplingConfig",
+           "SpeculationConfig", "EngineError", "RemoteConfig", "RemoteUnavailable", "__version__"]

@@ -15,31 +15,25 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from edgespec.costmodel import DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT
-from edgespec.engine import ENGINE_PROVIDERS, ORT_ERROR_MODULE
+from edgespec.speculation import from_args, speculation_flags
+from edgespec.backends import ENGINE_PROVIDERS
+from edgespec.backends.ort import ORT_ERROR_MODULE
 
 # Packages that build on the runtime add their subcommands through this entry-point group (pyproject.toml):
 # each entry is register(subparsers). The runtime never names them, so it imports neither.
 COMMANDS_GROUP = "edgespec.commands"
-LOOKUP_DEFAULT = 0  # --lookup: off unless asked for
 DEMO_LOOKUP = 3  # edgespec demo: prompt lookup before the draft model (the fastest mode in bench_peers)
-LOOKUP_GAMMA_DEFAULT = 0  # --lookup-gamma: a lookup round proposes at most γ, unless asked for more
 DEMO_LOOKUP_GAMMA = 12  # edgespec demo: lookup rounds propose up to 12 (bench_peers' draft+lookup sweep)
 
 
-def lookup_flags(p, lookup: int, lookup_gamma: int) -> None:
-    """--lookup and --lookup-gamma (prompt lookup before the draft model) with these defaults."""
-    p.add_argument("--lookup", type=int, default=lookup, metavar="N",
-                   help="with a draft engine: propose from an earlier occurrence of the last N+ tokens before "
-                        "running the draft model (prompt lookup; 0: off)")
-    p.add_argument("--lookup-gamma", type=int, default=lookup_gamma, metavar="G",
-                   help="with --lookup: the most proposals a round drafted by lookup makes (0..16; 0: γ). "
-                        "Lookup proposals cost no draft call, so they may run past the model's γ")
+def provider_flag(p) -> None:
+    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
+                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
 
 
 def cmd_inspect(args) -> int:
     from edgespec.contract import EngineError, Manifest
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtEngine
 
     try:
         m = Manifest.read(args.engine_dir)
@@ -112,15 +106,6 @@ def _print_weight_bytes(m, engine_dir: Path) -> None:
               f"KV cache {kv} B per context token")
 
 
-def _gamma(v: str):
-    if v == "auto":
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--gamma must be an integer or 'auto', got {v!r}") from None
-
-
 def _read_batch_file(path: Path) -> list[str]:
     """One prompt per line; a line that is a JSON string (\"...\") may hold newlines as \\n."""
     prompts = []
@@ -176,8 +161,7 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--deadline and --local go with a server target (--target http://HOST:PORT), got "
                          f"--target {args.target}")
     remote = RemoteConfig(args.target, deadline_s=args.deadline) if args.deadline is not None else None
-    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma,
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, spec=from_args(args),
                         local=args.local, remote=remote)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
@@ -231,8 +215,7 @@ def cmd_profile(args) -> int:
     from edgespec.profiling import profile
 
     _check_text_args(args)
-    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma)
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, spec=from_args(args))
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
@@ -282,8 +265,7 @@ def cmd_demo(args) -> int:
     target, draft = ensure_demo_engines(args.models, args.engines)
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
-    spec = edgespec.load(target, draft=draft, provider=args.provider, gamma=args.gamma,
-                        gamma_max=args.gamma_max, lookup=args.lookup, lookup_gamma=args.lookup_gamma)
+    spec = edgespec.load(target, draft=draft, provider=args.provider, spec=from_args(args))
     kw = dict(max_new_tokens=args.max_new_tokens)
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
     plain.generate(prompts[0], max_new_tokens=8)
@@ -327,12 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft engine folder, or 'ngram' (prompt lookup)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
-    p.add_argument("--gamma", type=_gamma, default="auto", help="draft length, or 'auto' (device-measured)")
-    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
-                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    lookup_flags(p, LOOKUP_DEFAULT, LOOKUP_GAMMA_DEFAULT)
-    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
-                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
+    speculation_flags(p)
+    provider_flag(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     sampling_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -342,12 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", type=Path, default=Path("models"))
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=_gamma, default="auto")
-    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
-                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    lookup_flags(p, DEMO_LOOKUP, DEMO_LOOKUP_GAMMA)
-    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
-                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
+    speculation_flags(p, lookup=DEMO_LOOKUP, lookup_gamma=DEMO_LOOKUP_GAMMA)
+    provider_flag(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("profile", help="latency profile: per-round timeline, percentiles, Perfetto trace")
@@ -356,15 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompts-file", type=Path, default=None, help="one prompt per line (JSON strings allowed)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--gamma", type=_gamma, default="auto")
-    p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
-                   help=f"longest draft (1..{GAMMA_MAX_LIMIT}) auto may choose or --gamma may ask for")
-    lookup_flags(p, LOOKUP_DEFAULT, LOOKUP_GAMMA_DEFAULT)
+    speculation_flags(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)
-    p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
-                   help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
+    provider_flag(p)
     p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON (Perfetto)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     p.add_argument("--lossless-check", type=int, default=0, metavar="N",

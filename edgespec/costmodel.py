@@ -12,17 +12,27 @@ t_draft(L): one draft proposal (a draft model call); t_draft_round: what a draft
 whatever it proposes (an n-gram lookup); t_round: the host's part of a round (acceptance, bookkeeping).
 a_i: acceptance at draft position i, f_i: how often the drafter proposes position i when asked
 (AcceptanceEstimator). The γ with the most expected tokens per second wins; γ = 0 is plain decoding.
+
+`measure` times those terms on this device at load, with probes of its own (target calls, draft runs, and
+rounds of speculative.fast_round with a free draft); the decode loop then refines them from the rounds it runs
+(`CostModel.observe`).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import numpy as np
 
+from .drafts import Drafter, Proposal
+from .profiling import Timer
+from .speculative import fast_round
+
 CONTEXT_BUCKETS = (64, 256, 1024)  # contexts where load-time costs are measured (capped at the engine's)
-DEFAULT_GAMMA_MAX = 8  # longest draft `auto` considers unless load(gamma_max=) says otherwise
-GAMMA_MAX_LIMIT = 16  # the longest draft `gamma_max` may allow
+MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
+MEASURE_REPS = (3, 40)  # ... but at least / at most this many passes (each timing every call once)
 OUTLIER_RATIO = 3.0  # an observed time above this many times the estimate counts as this many (a
 #                      descheduled round or a GC pause must not move the model much)
 
@@ -289,3 +299,123 @@ def monotone(x) -> np.ndarray:
             (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
             blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
     return np.concatenate([np.full(int(w), m) for m, w in blocks])
+
+
+class _FixedDraft(Drafter):
+    """Proposes γ copies of token 0 at no cost: probe rounds with it time the host's part of a round."""
+
+    def propose(self, contexts, gamma, pick, active) -> Proposal:
+        return Proposal(np.zeros((len(contexts), gamma), np.int64), np.where(active, gamma, 0))
+
+    def draft(self, ctx, gamma, out) -> int:
+        out[:gamma] = 0
+        return gamma
+
+
+def _filled(dec, n: int):
+    """dec with n committed rows of zeros in its cache: for timing only (a call costs the same whatever the
+    rows hold), it saves the prefill of every measured context."""
+    dec.cache.reserve(n)
+    dec.cache.wrote(n)
+    dec.cache.commit(n)
+    return dec
+
+
+def _draft_probe(drafter: Drafter, ctx: list[int], gamma: int, counts: list) -> None:
+    """One draft run over ctx (its last token pending), then the drafter forgets it again, so every run does a
+    round's work at the same context: a catch-up of one token and γ proposals (a LookupDraft's model: lookup
+    rounds cost next to nothing, model rounds are priced)."""
+    out = np.empty(gamma, np.int64)
+    counts.append(drafter.model_draft(ctx, gamma, out))
+    if drafter.decoder is not None:  # back to ctx[:-1] in its cache
+        cache = drafter.decoder.cache
+        cache.rewind_to(np.minimum(cache.lengths, len(ctx) - 1))
+
+
+def _round_probe(target, prompt: list[int], gamma: int, host: list) -> Callable[[], None]:
+    """-> a call that runs one fast_round with a free draft on a decoder of `target` (restarting the sequence
+    before it outgrows the engine) and appends the round's host time (outside draft and verify) to `host`."""
+    dec, timer, cap = target.decoder(1), Timer(), target.manifest.max_context
+    state = {"ctx": None}
+
+    def one_round() -> None:
+        ctx = state["ctx"]
+        if ctx is None or len(ctx) + gamma + 2 > cap:
+            ctx = state["ctx"] = list(prompt)
+            dec.cache.rewind_to(0)
+            _filled(dec, len(ctx) - 1)
+        t0, d0, v0 = time.perf_counter(), timer.t["draft"], timer.t["verify"]
+        new, _, _ = fast_round(dec, _FixedDraft(), ctx, gamma, timer=timer)
+        ctx += new
+        host.append(time.perf_counter() - t0 - (timer.t["draft"] - d0) - (timer.t["verify"] - v0))
+    return one_round
+
+
+def measure(target, make_drafter: Callable[[], Drafter | None], gamma_max: int, capacity: int,
+            budget_s: float = MEASURE_BUDGET_S, min_reps: int = MEASURE_REPS[0], max_reps: int = MEASURE_REPS[1],
+            contexts=CONTEXT_BUCKETS) -> CostModel:
+    """Time what a round is made of on this device, at each context bucket (capped at `capacity`, the
+    engines' smallest): target calls of S = 1..γmax+1 tokens, the drafter (make_drafter(): a fresh one for
+    one sequence, None without a draft) asked for 1 and for a few tokens (per proposal and per round), and
+    rounds with a free draft (the host's part). After one warm-up pass, passes that time every call once, in
+    a shuffled order, repeat until `budget_s` is spent (at least min_reps, at most max_reps passes); each cost
+    is the median over passes."""
+    if not (budget_s >= 0 and 1 <= min_reps <= max_reps):
+        raise ValueError(f"need budget_s >= 0 and 1 <= min_reps <= max_reps, got {budget_s}, {min_reps}, {max_reps}")
+    m, gmax = target.manifest, gamma_max
+    top = capacity - gmax - 2  # room for a verify call of γmax+1 tokens (and a draft run) after the context
+    if top < 1:
+        raise ValueError(f"gamma_max {gmax} leaves no context to measure at (capacity {capacity})")
+    ctxs = sorted({min(int(c), top) for c in contexts})
+    rng = np.random.default_rng(0)
+    block = rng.integers(0, m.vocab_size, 32)  # contexts repeat it, so an n-gram draft finds continuations
+    probes = {}  # key -> a call to time; ("verify", k, s) | ("draft", k, g) | ("round",)
+    counts = {}  # ("draft", k, g) -> proposals per call
+    g2 = min(4, gmax)
+    drafting = False
+    for k, n in enumerate(ctxs):
+        tgt = _filled(target.decoder(1), n)  # fresh, never pooled: it grows to this bucket's length
+        for s in range(1, gmax + 2):
+            probes[("verify", k, s)] = partial(tgt.ids, rng.integers(0, m.vocab_size, (1, s)))
+        drafter = make_drafter()
+        drafting = drafter is not None
+        if drafting and drafter.decoder is not None:
+            _filled(drafter.decoder, n - 1)  # the probe's draft runs catch up on the last token only
+        for g in sorted({1, g2}) if drafting else ():
+            probes[("draft", k, g)] = partial(_draft_probe, drafter, list(np.resize(block, n)), g,
+                                              counts.setdefault(("draft", k, g), []))
+    host: list = []
+    if drafting:
+        probes[("round",)] = _round_probe(target, np.resize(block, ctxs[0]).tolist(), g2, host)
+    times = {key: [] for key in probes}
+    keys = list(probes)
+    t0, passes = time.perf_counter(), -1  # pass -1 warms every shape and is not kept
+    while passes < min_reps or (passes < max_reps and time.perf_counter() - t0 < budget_s):
+        if passes == 0:
+            t0 = time.perf_counter()
+        for i in rng.permutation(len(keys)):
+            key = keys[i]
+            t = time.perf_counter()
+            probes[key]()
+            if passes >= 0:
+                times[key].append(time.perf_counter() - t)
+        passes += 1
+    med = {key: float(np.median(v)) for key, v in times.items()}
+    t_verify = [monotone([med[("verify", k, s)] for s in range(1, gmax + 2)]) for k in range(len(ctxs))]
+    t_draft, fixed, t_round = [0.0] * len(ctxs), [0.0], 0.0
+    if drafting:
+        fixed = []
+        for k in range(len(ctxs)):
+            (t1, c1), (t2, c2) = [(med[("draft", k, g)], float(np.median(counts[("draft", k, g)])))
+                                  for g in (1, g2)]
+            if c2 > c1:  # time = fixed + c·per proposal, through the two points
+                per = max(0.0, (t2 - t1) / (c2 - c1))
+                t_draft[k], f = per, max(0.0, t1 - c1 * per)
+            elif c1 > 0:
+                t_draft[k], f = t1 / c1, 0.0
+            else:  # never proposed anything: all of it is per round
+                f = t1
+            fixed.append(f)
+        kept = host[len(host) // 4:]  # the first rounds warm up
+        t_round = float(np.median(kept)) if kept else 0.0
+    return CostModel(t_verify, t_draft, t_round, contexts=ctxs, t_draft_round=float(np.median(fixed)))

@@ -183,6 +183,7 @@ class HeadDraft(OneSequenceDrafter):
     the chunk's ids. It drafts from the prefix alone (start(prefix) once per chunk), so a chunk's first round
     can be the target's prefill (speculative.fast_round with prefix). Stops after a proposal with
     probability < stop_below."""
+    from_prefix = True
 
     def __init__(self, head: DraftHead, offset: int, stop_below: float = 0.0):
         self.head, self.offset, self.stop_below = head, offset, stop_below

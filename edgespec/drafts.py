@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .decoder import Decoder
+from .backends.base import Decoder
 from .sampling import check_ids
 
 # pick(logits (B, V), positions (B,)) -> (tokens (B,), q (B, V) or None): how a model draft chooses a token
@@ -37,6 +37,8 @@ class Drafter(ABC):
     # the last draft() skipped what this drafter's costs are measured on (a LookupDraft round drafted by
     # lookup): its time says nothing about a proposal's cost, so auto γ does not learn from it
     last_draft_unpriced = False
+    decoder = None  # the draft model's Decoder when this drafter runs one (its calls, engine time and cache)
+    from_prefix = False  # drafts a chunk's first tokens from a policy's prefix alone (the first round is the prefill)
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...
@@ -53,6 +55,11 @@ class Drafter(ABC):
         c = int(prop.counts[0])
         out[:c] = prop.tokens[0, :c]
         return c
+
+    def model_draft(self, ctx: list[int], gamma: int, out: np.ndarray) -> int:
+        """draft() as its costs are priced: what auto γ's probe times and pipelined rounds draft ahead with (a
+        LookupDraft: its draft model, without the lookup)."""
+        return self.draft(ctx, gamma, out)
 
     def commit(self, accepted: np.ndarray) -> None:
         """The target kept accepted[b] of sequence b's proposals (before its correction/bonus token)."""
@@ -125,7 +132,7 @@ class DraftModel(Drafter):
     def __init__(self, decoder: Decoder, stop_below: float = 0.0):
         if not 0.0 <= stop_below < 1.0:
             raise ValueError(f"stop_below must be in [0, 1), got {stop_below!r}")
-        self.dec = decoder
+        self.dec = self.decoder = decoder
         self.stop_below = stop_below
         self.lo, self.hi = decoder.m.argmax_range
         self._ctx_len = np.zeros(decoder.batch, dtype=np.int64)
@@ -260,6 +267,9 @@ class LookupDraft(DraftModel):
         self.hits += 1
         out[:len(got)] = got
         return len(got)
+
+    def model_draft(self, ctx, gamma, out) -> int:
+        return DraftModel.draft(self, ctx, gamma, out)
 
     def propose(self, contexts, gamma, pick, active, span: int | None = None) -> Proposal:
         """span: the most proposals per sequence (default gamma; up to span(gamma): lookup rounds only)."""

@@ -4,106 +4,39 @@
     out = gen.generate("def fibonacci(n):", max_new_tokens=64)
     print(out.text, out.stats.tokens_per_second, out.stats.acceptance_rate)
     for piece in gen.stream("import os\n", max_new_tokens=64): print(piece, end="")
+
+A Generator prefills the prompts and hands the rest to the decode loop (loop.py, its round strategy chosen
+once per call); how to speculate is a SpeculationConfig; automatic γ measures its costs in costmodel.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from . import contract as C
+from .backends import default_provider, draft_provider, open_engine, spec as provider_spec
+from .backends.base import Decoder, Engine
+from .backends.remote import RemoteTarget
 from .contract import EngineError
-from .costmodel import CONTEXT_BUCKETS, DEFAULT_GAMMA_MAX, GAMMA_MAX_LIMIT, AcceptanceEstimator, CostModel, monotone
-from .decoder import Decoder
-from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, Proposal, greedy_pick
-from .engine import OrtEngine, default_provider, draft_provider, open_engine
+from .costmodel import CONTEXT_BUCKETS, MEASURE_BUDGET_S, MEASURE_REPS, AcceptanceEstimator, CostModel, measure
+from .drafts import DraftModel, Drafter, LookupDraft, NgramDraft, greedy_pick
+from .loop import Loop, SampledRounds, Sequence, choose_rounds
 from .profiling import Timer
-from .pipeline import PipelinedRounds
-from .remote import RemoteConfig, RemoteDecoder, RemoteTarget, is_url
+from .remote import RemoteConfig, is_url
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
-from .speculative import fast_round, speculative_round
+from .speculation import DEFAULT_GAMMA_MAX, NGRAM_MAX, SpeculationConfig, check_gamma
+from .stats import RoundStats
 from .text_head import TextHead, TextHeadDraft
 from .tokenizer import TextTokenizer, check_pair
 
-NGRAM_MAX = 4  # the n-gram draft's longest lookup, unless load(max_ngram=) says otherwise
 PROBE_EVERY = 8  # with auto at γ = 0, still draft one token every this many rounds to keep α current
-MEASURE_BUDGET_S = 2.0  # load-time cost measurement: repeat passes until this much time is spent ...
-MEASURE_REPS = (3, 40)  # ... but at least / at most this many passes (each timing every call once)
-
-
-@dataclass
-class Stats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rejections: int = 0  # rounds that stopped at a rejected draft (α̂ = accepted / (accepted + rejections))
-    gamma_max: int = 0  # presizes the lists below (they grow if a longer draft is ever seen)
-    accepted_by_position: list = field(default_factory=list)  # drafts kept at position i
-    tried_by_position: list = field(default_factory=list)  # drafts proposed at position i
-    histogram: list = field(default_factory=list)  # rounds that kept k drafts
-    gamma_history: list = field(default_factory=list)  # (new tokens so far, γ chosen)
-    time_s: dict = field(default_factory=dict)  # prefill, draft, verify, sampling, other, decode, total
-    target_calls: int = 0
-    draft_calls: int = 0
-    engine_s: float = 0.0  # time inside engine runs (target + draft) while decoding
-    fallbacks: int = 0  # remote target: verify calls that ran on the local target instead (remote.py)
-
-    def __post_init__(self):
-        self._grow(self.gamma_max)
-
-    def _grow(self, gamma: int) -> None:
-        for lst, n in ((self.accepted_by_position, gamma), (self.tried_by_position, gamma),
-                       (self.histogram, gamma + 1)):
-            lst.extend([0] * (n - len(lst)))
-
-    def add_round(self, kept: int, drafted: int) -> None:
-        """One sequence's round: `drafted` proposals, the first `kept` of them accepted."""
-        self._grow(drafted)
-        self.drafted += drafted
-        self.accepted += kept
-        self.histogram[kept] += 1
-        self.rejections += int(kept < drafted)
-        for j in range(drafted):
-            self.tried_by_position[j] += 1
-            self.accepted_by_position[j] += int(j < kept)
-
-    @property
-    def tokens_per_second(self) -> float:
-        """New tokens per second of decoding (after the prompt's prefill)."""
-        d = self.time_s.get("decode", 0.0)
-        return self.new_tokens / d if d else 0.0
-
-    @property
-    def host_fraction(self) -> float:
-        """Share of decode wall time spent outside engine runs (Python, numpy, binding)."""
-        return 1.0 - self.engine_s / self.time_s["decode"] if self.time_s.get("decode") else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Emitted tokens per target call (the prefill counts: it emits the first token); plain = 1."""
-        return self.new_tokens / self.target_calls if self.target_calls else 0.0
-
-    def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(acceptance_rate=self.acceptance_rate,
-                 mean_accepted_per_round=self.accepted / self.rounds if self.rounds else 0.0,
-                 tokens_per_round=self.tokens_per_round, tokens_per_second=self.tokens_per_second,
-                 host_fraction=self.host_fraction,
-                 acceptance_by_position=[a / t if t else None for a, t in
-                                         zip(self.accepted_by_position, self.tried_by_position)])
-        return d
+Stats = RoundStats  # the public API's name for a generation's statistics
 
 
 @dataclass
@@ -111,15 +44,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "capacity"
-    stats: Stats
+    stats: RoundStats
 
-
-@dataclass
-class _Seq:
-    prompt: list[int]
-    ctx: list[int]
-    finish: str | None = None
-    text_len: int | None = None  # where a stop string cut the text
 
 
 def check_text(text: str, what: str = "prompt") -> str:
@@ -148,62 +74,18 @@ def check_token_ids(prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def check_gamma(gamma, gamma_max: int):
-    if not (gamma == "auto" or (isinstance(gamma, int) and not isinstance(gamma, bool) and 0 <= gamma <= gamma_max)):
-        raise ValueError(f"gamma must be 'auto' or an integer in [0, {gamma_max}] (gamma_max {gamma_max}: raise it "
-                         f"with gamma_max= / --gamma-max, up to {GAMMA_MAX_LIMIT}), got {gamma!r}")
-    return gamma
-
-
-def check_gamma_max(gamma_max) -> int:
-    if not (isinstance(gamma_max, (int, np.integer)) and not isinstance(gamma_max, bool)
-            and 1 <= gamma_max <= GAMMA_MAX_LIMIT):
-        raise ValueError(f"gamma_max (the longest draft) must be an integer in [1, {GAMMA_MAX_LIMIT}], "
-                         f"got {gamma_max!r}")
-    return int(gamma_max)
-
-
-def check_lookup_gamma(lookup_gamma, lookup: int) -> int:
-    """lookup_gamma: the most proposals a round drafted by prompt lookup makes (0: the round's γ). It is not
-    bounded by gamma_max (the model's longest draft): lookup proposals cost no draft call."""
-    if not (isinstance(lookup_gamma, (int, np.integer)) and 0 <= lookup_gamma <= GAMMA_MAX_LIMIT):
-        raise ValueError(f"lookup_gamma must be an int in 0..{GAMMA_MAX_LIMIT}: the most proposals a round drafted "
-                         f"by lookup makes (0: γ); got {lookup_gamma!r}")
-    if lookup_gamma and not lookup:
-        raise ValueError(f"lookup_gamma={lookup_gamma} goes with lookup= (prompt lookup before the draft model)")
-    return int(lookup_gamma)
-
-
-def _filled(dec: Decoder, n: int) -> Decoder:
-    """dec with n committed rows of zeros in its cache: for timing only (a call costs the same whatever the
-    rows hold), it saves the prefill of every measured context."""
-    dec.cache.reserve(n)
-    dec.cache.wrote(n)
-    dec.cache.commit(n)
-    return dec
-
-
-class _FixedDraft(Drafter):
-    """Proposes γ copies of token 0 at no cost: load-time rounds with it time the host's part of a round."""
-
-    def propose(self, contexts, gamma, pick, active) -> Proposal:
-        return Proposal(np.zeros((len(contexts), gamma), np.int64), np.where(active, gamma, 0))
-
-    def draft(self, ctx, gamma, out) -> int:
-        out[:gamma] = 0
-        return gamma
-
-
 class Generator:
     """Decodes text with a target engine and an optional drafter. drafter_kind: None (plain decoding),
     "model" (`draft` engine), "ngram", "head" (`text_head`, over the target's hidden-state output: one greedy
-    sequence), or "custom" with `drafter_factory(batch) -> Drafter`."""
+    sequence), or "custom" with `drafter_factory(batch) -> Drafter`. spec: how to speculate (the keywords
+    gamma .. lookup_gamma build one when it is not given)."""
 
-    def __init__(self, target: OrtEngine, drafter_kind: str | None = None, draft: OrtEngine | None = None,
+    def __init__(self, target: Engine, drafter_kind: str | None = None, draft: Engine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
                  gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
                  max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None, lookup: int = 0,
-                 lookup_gamma: int = 0):
+                 lookup_gamma: int = 0, spec: SpeculationConfig | None = None):
+        spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram)
         if (drafter_kind == "head") != (text_head is not None):
             raise ValueError(f"drafter_kind 'head' goes with a text_head: got kind {drafter_kind!r}")
         if text_head is not None and not target.manifest.has_hidden:
@@ -215,21 +97,15 @@ class Generator:
                              f"factory {drafter_factory!r}")
         self.target, self.draft, self.drafter_kind, self.tok = target, draft, drafter_kind, tokenizer
         self.drafter_factory = drafter_factory
-        NgramDraft(1, max_ngram)  # checks it
-        self.max_ngram = max_ngram  # the n-gram draft's longest lookup
-        if lookup and drafter_kind != "model":
+        if spec.lookup and drafter_kind != "model":
             raise ValueError(f"lookup goes before a draft model (a draft engine folder); got draft kind "
                              f"{drafter_kind!r}")
-        if not (isinstance(lookup, (int, np.integer)) and 0 <= lookup <= max_ngram):
-            raise ValueError(f"lookup must be an int in 0..max_ngram ({max_ngram}): the shortest n-gram whose "
-                             f"earlier continuation is proposed before the draft model runs (0: off); got {lookup!r}")
-        self.lookup = int(lookup)
-        self.gamma_max = check_gamma_max(gamma_max)
-        self.lookup_gamma = check_lookup_gamma(lookup_gamma, lookup)
+        self.spec = spec
+        self.gamma, self.gamma_max, self.max_ngram = spec.gamma, spec.gamma_max, spec.max_ngram
+        self.lookup, self.lookup_gamma = spec.lookup, spec.lookup_gamma
         if self.gamma_max + 2 > target.manifest.max_context:
-            raise ValueError(f"gamma_max {gamma_max} does not fit the target's context capacity "
+            raise ValueError(f"gamma_max {self.gamma_max} does not fit the target's context capacity "
                              f"{target.manifest.max_context} (a verify call needs gamma_max + 1 rows after the prompt)")
-        self.gamma = check_gamma(gamma, self.gamma_max)
         self.eos = set(target.manifest.eos_token_ids)
         self.cost: CostModel | None = None
         self.refine_costs = True  # auto γ: blend measured round costs into the load-time cost model
@@ -238,8 +114,12 @@ class Generator:
         self.trace: list | None = None  # set to a list to record (name, start, end) events (edgespec profile)
         self.lean = True  # one greedy sequence decodes through fast_round (False: the generic round, as a reference)
 
+    def plain(self) -> "Generator":
+        """A generator of the same target without a draft (plain decoding: the lossless reference)."""
+        return Generator(self.target, None, None, self.tok, gamma=0)
+
     # -- building blocks -------------------------------------------------------------------------
-    def _decoder(self, engine: OrtEngine, batch: int) -> Decoder:
+    def _decoder(self, engine: Engine, batch: int) -> Decoder:
         """A decoder of `engine` for `batch` sequences: a free one from this generator's pool (its cache
         rewound, counters reset: its buffers, bindings and CUDA graphs are kept), else a new one. Each
         generate() holds its own until it ends (_release), so concurrent calls never share a cache."""
@@ -247,10 +127,7 @@ class Generator:
             free = self._free.get((id(engine), batch))
             dec = free.pop() if free else None
         if dec is None:
-            emb = None
-            if engine.manifest.input_mode == "embeds":
-                emb = np.load(engine.dir / engine.manifest.embedding_file)
-            dec = engine.decoder(batch, emb)
+            dec = engine.decoder(batch)
         else:
             dec.reset()
         if self.trace is not None:
@@ -284,98 +161,11 @@ class Generator:
 
     def measure_costs(self, budget_s: float = MEASURE_BUDGET_S, min_reps: int = MEASURE_REPS[0],
                       max_reps: int = MEASURE_REPS[1], contexts=CONTEXT_BUCKETS, reps: int | None = None) -> CostModel:
-        """Time what a round is made of on this device, at each context bucket (capped at the engines'
-        capacity): target calls of S = 1..γmax+1 tokens, the drafter asked for 1 and for a few tokens (per
-        proposal and per round), and whole rounds with a free draft (the host's part). After one warm-up
-        pass, passes that time every call once, in a shuffled order, repeat until `budget_s` is spent (at
-        least min_reps, at most max_reps passes); each cost is the median over passes. `reps`: min_reps."""
-        min_reps = min_reps if reps is None else reps
-        if not (budget_s >= 0 and 1 <= min_reps <= max_reps):
-            raise ValueError(f"need budget_s >= 0 and 1 <= min_reps <= max_reps, got {budget_s}, {min_reps}, {max_reps}")
-        m, gmax = self.target.manifest, self.gamma_max
-        cap = min([m.max_context] + ([self.draft.manifest.max_context] if self.draft is not None else []))
-        top = cap - gmax - 2  # room for a verify call of γmax+1 tokens (and a draft run) after the context
-        if top < 1:
-            raise ValueError(f"gamma_max {gmax} leaves no context to measure at (capacity {cap})")
-        ctxs = sorted({min(int(c), top) for c in contexts})
-        rng = np.random.default_rng(0)
-        block = rng.integers(0, m.vocab_size, 32)  # contexts repeat it, so an n-gram draft finds continuations
-        probes = {}  # key -> a call to time; ("verify", k, s) | ("draft", k, g) | ("round",)
-        counts = {}  # ("draft", k, g) -> proposals per call
-        g2 = min(4, gmax)
-        for k, n in enumerate(ctxs):
-            tgt = _filled(self.target.decoder(1), n)  # fresh, never pooled: it grows to this bucket's length
-            for s in range(1, gmax + 2):
-                probes[("verify", k, s)] = partial(tgt.ids, rng.integers(0, m.vocab_size, (1, s)))
-            drafter = self._drafter(1) if self.drafter_kind else None
-            if isinstance(drafter, DraftModel):
-                _filled(drafter.dec, n - 1)  # the probe's draft runs catch up on the last token only
-            for g in sorted({1, g2}) if drafter else ():
-                probes[("draft", k, g)] = partial(self._draft_probe, drafter, list(np.resize(block, n)), g,
-                                                  counts.setdefault(("draft", k, g), []))
-        if self.drafter_kind:
-            log: list = []
-            probes[("round",)] = self._round_probe(np.resize(block, ctxs[0]).tolist(), g2, log)
-        times = {key: [] for key in probes}
-        keys = list(probes)
-        t0, passes = time.perf_counter(), -1  # pass -1 warms every shape and is not kept
-        while passes < min_reps or (passes < max_reps and time.perf_counter() - t0 < budget_s):
-            if passes == 0:
-                t0 = time.perf_counter()
-            for i in rng.permutation(len(keys)):
-                key = keys[i]
-                t = time.perf_counter()
-                probes[key]()
-                if passes >= 0:
-                    times[key].append(time.perf_counter() - t)
-            passes += 1
-        med = {key: float(np.median(v)) for key, v in times.items()}
-        t_verify = [monotone([med[("verify", k, s)] for s in range(1, gmax + 2)]) for k in range(len(ctxs))]
-        t_draft, fixed, t_round = [0.0] * len(ctxs), [0.0], 0.0
-        if self.drafter_kind:
-            fixed = []
-            for k in range(len(ctxs)):
-                (t1, c1), (t2, c2) = [(med[("draft", k, g)], float(np.median(counts[("draft", k, g)])))
-                                      for g in (1, g2)]
-                if c2 > c1:  # time = fixed + c·per proposal, through the two points
-                    per = max(0.0, (t2 - t1) / (c2 - c1))
-                    t_draft[k], f = per, max(0.0, t1 - c1 * per)
-                elif c1 > 0:
-                    t_draft[k], f = t1 / c1, 0.0
-                else:  # never proposed anything: all of it is per round
-                    f = t1
-                fixed.append(f)
-            host = [h for _, _, _, _, h in log[len(log) // 4:]]  # the first rounds warm up
-            t_round = float(np.median(host)) if host else 0.0
-        self.cost = CostModel(t_verify, t_draft, t_round, contexts=ctxs, t_draft_round=float(np.median(fixed)))
+        """Measure auto γ's cost model on this device (costmodel.measure) and keep it. `reps`: min_reps."""
+        cap = min([self.target.manifest.max_context] + ([self.draft.manifest.max_context] if self.draft else []))
+        self.cost = measure(self.target, lambda: self._drafter(1) if self.drafter_kind else None, self.gamma_max,
+                            cap, budget_s, min_reps if reps is None else reps, max_reps, contexts)
         return self.cost
-
-    @staticmethod
-    def _draft_probe(drafter: Drafter, ctx: list[int], gamma: int, counts: list) -> None:
-        """One draft run over ctx (its last token pending), then the drafter forgets it again, so every run
-        does a round's work at the same context: a catch-up of one token and γ proposals."""
-        out = np.empty(gamma, np.int64)
-        # a LookupDraft is timed as its draft model: lookup rounds cost next to nothing, model rounds are priced
-        draft = DraftModel.draft if isinstance(drafter, LookupDraft) else type(drafter).draft
-        counts.append(draft(drafter, ctx, gamma, out))
-        if isinstance(drafter, DraftModel):  # back to ctx[:-1] in its cache
-            drafter.dec.cache.rewind_to(np.minimum(drafter.dec.cache.lengths, len(ctx) - 1))
-
-    def _round_probe(self, prompt: list[int], gamma: int, log: list):
-        """-> a call that runs one real round (the decode loop's own code, logged into `log`) with a free
-        draft, restarting the sequence when it ends."""
-        state = [None]
-
-        def one_round() -> None:
-            for _ in range(2):
-                if state[0] is None:
-                    state[0] = self._rounds(self.target.decoder(1), _FixedDraft(), [prompt],
-                                            self.target.manifest.max_context, SamplingConfig(), "greedy", gamma,
-                                            [], log=log)
-                if next(state[0], None) is not None:
-                    return
-                state[0] = None
-        return one_round
 
     # -- decoding ----------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -401,7 +191,7 @@ class Generator:
         return ids
 
     def _run(self, prompts: list[list[int]], max_new_tokens: int, cfg: SamplingConfig, mode: str,
-             gamma: int | str, stop: list[str]) -> Iterator[tuple[list[_Seq], Stats]]:
+             gamma: int | str, stop: list[str]) -> Iterator[tuple[list[Sequence], RoundStats]]:
         """Prefill, then rounds until every sequence is finished; yields after every round."""
         if self.drafter_kind == "head" and mode != "greedy":
             raise ValueError(f"the text draft head drafts for greedy decoding; got acceptance {mode!r} "
@@ -409,16 +199,16 @@ class Generator:
         target = self._decoder(self.target, len(prompts))
         drafter = self._drafter(len(prompts), target)
         try:
-            yield from self._rounds(target, drafter, prompts, max_new_tokens, cfg, mode, gamma, stop)
+            yield from self._decode(target, drafter, prompts, max_new_tokens, cfg, mode, gamma, stop)
         finally:
-            self._release(target, drafter.dec if isinstance(drafter, DraftModel) else None)
+            self._release(target, drafter.decoder if drafter is not None else None)
 
-    def _rounds(self, target: Decoder, drafter: Drafter | None, prompts: list[list[int]], max_new_tokens: int,
-                cfg: SamplingConfig, mode: str, gamma: int | str, stop: list[str],
-                log: list | None = None) -> Iterator[tuple[list[_Seq], Stats]]:
-        """The decode loop. log: a list to append (asked γ, proposed c, draft s, verify s, host s) per round."""
+    def _decode(self, target: Decoder, drafter: Drafter | None, prompts: list[list[int]], max_new_tokens: int,
+                cfg: SamplingConfig, mode: str, gamma: int | str,
+                stop: list[str]) -> Iterator[tuple[list[Sequence], RoundStats]]:
+        """The prompts' prefill (its last logits give each sequence's first token), then the decode loop."""
         b = len(prompts)
-        stats, timer = Stats(prompt_tokens=sum(map(len, prompts)), gamma_max=self.gamma_max), Timer(self.trace)
+        stats, timer = RoundStats(prompt_tokens=sum(map(len, prompts)), gamma_max=self.gamma_max), Timer(self.trace)
         rng = np.random.default_rng(cfg.seed)
         noise = GumbelNoise(cfg.seed or 0, self.target.manifest.vocab_size) if mode == "coupled" else None
         t0 = time.perf_counter()
@@ -431,8 +221,7 @@ class Generator:
             return np.array([sample(q[i], rng) for i in range(b)]), q
 
         pick = greedy_pick if mode == "greedy" else sampled_pick  # greedy: engines return argmax ids only
-        seqs = [_Seq(p, list(p)) for p in prompts]
-        # prefill the prompts; the first new token comes from the prefill's last logits
+        seqs = [Sequence(p, list(p)) for p in prompts]
         with timer("prefill"):
             lens = np.array([len(p) for p in prompts], dtype=np.int64)
             feed = np.zeros((b, int(lens.max())), dtype=np.int64)
@@ -447,158 +236,38 @@ class Generator:
                 check_finite(last, "target", 0)
                 first, _ = pick(last, lens)
             target.cache.commit(lens)
-        t_first = time.perf_counter()
-        prefill_engine_s = target.engine_s
+        clock = (t0, time.perf_counter(), target.engine_s)  # start, first token, the prefill's engine time
         for s, tok in zip(seqs, first):
             self._append(s, [int(tok)], max_new_tokens, stop)
         stats.new_tokens = b
-        est = AcceptanceEstimator(positions=self.gamma_max)
+        auto = gamma == "auto" and self.drafter_kind is not None
+        est = AcceptanceEstimator(positions=self.gamma_max) if auto else None
         cap = self.target.manifest.max_context
-        if b == 1 and mode == "greedy" and self.lean:
-            clock = (t0, t_first, prefill_engine_s)
-            if drafter is None and isinstance(target, Decoder):
-                yield from self._plain_rounds(target, seqs[0], stats, timer, est, max_new_tokens, stop, clock, log)
-            else:
-                yield from self._lean_rounds(target, drafter, seqs[0], stats, timer, est, gamma, max_new_tokens,
-                                             stop, clock, log)
-            return
-        while not all(s.finish for s in seqs):
-            t_round0 = time.perf_counter()
-            active = np.array([s.finish is None for s in seqs])
-            longest = max(len(s.ctx) for s in seqs if s.finish is None)
-            left = min(max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in seqs if s.finish is None)
-            room = min(cap - longest, left - 1, drafter.room([s.ctx for s in seqs], active) if drafter else 0)
-            g = max(0, min(self._choose_gamma(gamma, est, stats, longest, room), room))
-            span = min(drafter.span(g), room) if drafter else g  # lookup rounds may propose more than g
-            stats.gamma_history.append((stats.new_tokens, g))
-            t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
-            with timer("round"):
-                new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, g, mode, cfg, rng,
-                                              noise, pick, timer, span=span if span > g else None)
-            draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
-            stats.rounds += 1
-            for i, s in enumerate(seqs):
-                if not active[i]:
-                    continue
-                stats.add_round(int(k[i]), int(n[i]))
-                est.update(int(k[i]), int(n[i]), max(g, int(n[i])))  # lookup: n may pass g
-                stats.new_tokens += self._append(s, new[i], max_new_tokens, stop)
-                if s.finish is None and len(s.ctx) > cap:
-                    s.finish = "capacity"
-                if s.finish:
-                    target.cache.rewind_to(np.where(np.arange(b) == i, 0, target.cache.lengths))  # rows unneeded
-                    if drafter:
-                        drafter.reset(i)
-            self._close(stats, timer, target, drafter, (t0, t_first, prefill_engine_s))
-            # what the round really cost, credited to what ran: c = n proposals, a verify call of c+1 tokens
-            host_s = time.perf_counter() - t_round0 - draft_s - verify_s
-            if log is not None:
-                log.append((g, int(n.max()), draft_s, verify_s, host_s))
-            if gamma == "auto" and self.cost is not None and self.refine_costs and b == 1:  # batches: not measured
-                self.cost.observe(max(g, int(n[0])), int(n[0]), draft_s, verify_s, longest, host_s)
+        rounds = choose_rounds(target, drafter, b, mode == "greedy", self.lean,
+                               lambda s: min(max_new_tokens - (len(s.ctx) - len(s.prompt)), cap - len(s.ctx) + 1),
+                               lambda: SampledRounds(mode, cfg, rng, noise, pick))
+        loop = Loop(target, drafter, rounds, lambda n, room, st: self._choose_gamma(gamma, est, st, n, room),
+                    lambda s, toks: self._append(s, toks, max_new_tokens, stop), max_new_tokens, stats, timer,
+                    est, self._observe if auto else None)
+        for seqs in loop.run(seqs):
             yield seqs, stats
-        self._close(stats, timer, target, drafter, (t0, t_first, prefill_engine_s))  # also when no round ran
+        self._close(stats, timer, target, drafter, clock)
         yield seqs, stats
 
-    def _lean_rounds(self, target: Decoder, drafter: Drafter | None, s: _Seq, stats: Stats, timer: Timer,
-                     est: AcceptanceEstimator, gamma: int | str, max_new_tokens: int, stop: list[str], clock: tuple,
-                     log: list | None) -> Iterator[tuple[list[_Seq], Stats]]:
-        """_rounds' loop for one greedy sequence (after the prefill): the same rounds, statistics and stops, with
-        only what one sequence needs between engine calls (the host time between calls also lets the engine's
-        worker threads fall asleep, which slows the next call). Tests compare it with Generator.lean = False."""
-        cap, ctx, n_prompt = self.target.manifest.max_context, s.ctx, len(s.prompt)
-        auto = gamma == "auto" and self.drafter_kind is not None
-        fixed = gamma if self.drafter_kind is not None and not auto else 0
-        one = np.ones(1, bool)
-        pipelined = isinstance(target, RemoteDecoder) and target.engine.config.pipeline and \
-            isinstance(drafter, DraftModel)
-        round_fn = PipelinedRounds() if pipelined else fast_round
-        while s.finish is None:
-            t_round0 = time.perf_counter()
-            n = len(ctx)
-            room = min(cap - n, max_new_tokens - (n - n_prompt) - 1)
-            if drafter is not None:
-                room = min(room, drafter.room([ctx], one))
-            g = max(0, min(self._choose_gamma(gamma, est, stats, n, room) if auto else fixed, room))
-            span = min(drafter.span(g), room) if drafter is not None and not pipelined else g
-            stats.gamma_history.append((stats.new_tokens, g))
-            t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
-            t_fr = time.perf_counter()
-            wide = {"span": span} if span > g else {}  # a lookup round may propose more than g
-            new, k, c = round_fn(target, drafter if g or pipelined else None, ctx, g, timer=timer, **wide)
-            if timer.events is not None:  # the profiler's per-round lane
-                timer.events.append(("round", t_fr, time.perf_counter()))
-            stats.rounds += 1
-            stats.add_round(k, c)
-            if auto:  # only auto γ reads the estimate
-                est.update(k, c, max(g, c))  # a lookup round may propose more than g
-            stats.new_tokens += self._append(s, new, max_new_tokens, stop)
-            if s.finish is None and len(ctx) > cap:
-                s.finish = "capacity"
-            if auto or log is not None:
-                draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
-                host_s = time.perf_counter() - t_round0 - draft_s - verify_s
-                if log is not None:
-                    log.append((g, c, draft_s, verify_s, host_s))
-                if auto and self.cost is not None and self.refine_costs:
-                    priced_s = 0.0 if drafter is not None and drafter.last_draft_unpriced else draft_s
-                    self.cost.observe(max(g, c), c, priced_s, verify_s, n, host_s)  # draft 0 s: not learned from
-            if s.finish is not None:
-                break
-            yield [s], stats
-        target.cache.rewind_to(0)  # rows unneeded
-        if drafter:
-            drafter.reset(0)
-        self._close(stats, timer, target, drafter, clock)
-        yield [s], stats
+    def _observe(self, *round_costs) -> None:
+        """Auto γ: a round's measured costs refine the cost model (CostModel.observe)."""
+        if self.cost is not None and self.refine_costs:
+            self.cost.observe(*round_costs)
 
-    def _plain_rounds(self, target: Decoder, s: _Seq, stats: Stats, timer: Timer, est: AcceptanceEstimator,
-                      max_new_tokens: int, stop: list[str], clock: tuple,
-                      log: list | None) -> Iterator[tuple[list[_Seq], Stats]]:
-        """_lean_rounds without a drafter: the target's greedy_steps run the calls back to back, and between
-        two of them only the new token's bookkeeping (the same statistics, stops and per-round log)."""
-        cap, ctx, n_prompt = self.target.manifest.max_context, s.ctx, len(s.prompt)
-        n = len(ctx)
-        steps = min(max_new_tokens - (n - n_prompt), cap - n + 1)  # calls until "length" or "capacity"
-        if s.finish is None and steps < 1:  # no room at all: the generic loop says why
-            yield from self._lean_rounds(target, None, s, stats, timer, est, 0, max_new_tokens, stop, clock, log)
-            return
-        if s.finish is None:  # (the prefill's token may have ended it)
-            calls = target.greedy_steps(ctx[-1], steps)
-            t_prev = time.perf_counter()
-            try:
-                for tok in calls:
-                    t_tok = time.perf_counter()
-                    timer.add("verify", t_prev, t_tok)  # the call, as fast_round counts it
-                    if timer.events is not None:  # the profiler's per-round lane
-                        timer.events.append(("round", t_prev, t_tok))
-                    stats.gamma_history.append((stats.new_tokens, 0))
-                    stats.rounds += 1
-                    stats.add_round(0, 0)
-                    stats.new_tokens += self._append(s, [tok], max_new_tokens, stop)
-                    if s.finish is None and len(ctx) > cap:
-                        s.finish = "capacity"
-                    if log is not None:
-                        log.append((0, 0, 0.0, t_tok - t_prev, time.perf_counter() - t_tok))
-                    if s.finish is not None:
-                        break
-                    yield [s], stats
-                    t_prev = time.perf_counter()
-            finally:
-                calls.close()
-        target.cache.rewind_to(0)  # rows unneeded
-        self._close(stats, timer, target, None, clock)
-        yield [s], stats
-
-    def _close(self, stats: Stats, timer: Timer, target: Decoder, drafter: Drafter | None, clock: tuple) -> None:
+    def _close(self, stats: RoundStats, timer: Timer, target: Decoder, drafter: Drafter | None, clock: tuple) -> None:
         """Bring stats' times and call counts up to now. clock: (start, first token, prefill engine s)."""
         t0, t_first, prefill_engine_s = clock
         stats.time_s = self._times(timer, t0, t_first)
         stats.target_calls = target.calls
-        stats.fallbacks = getattr(target, "fallbacks", 0)
-        stats.draft_calls = drafter.dec.calls if isinstance(drafter, DraftModel) else 0
-        stats.engine_s = target.engine_s - prefill_engine_s + (
-            drafter.dec.engine_s if isinstance(drafter, DraftModel) else 0.0)
+        stats.fallbacks = target.fallbacks if target.caps.fallbacks else 0
+        dd = drafter.decoder if drafter is not None else None
+        stats.draft_calls = dd.calls if dd is not None else 0
+        stats.engine_s = target.engine_s - prefill_engine_s + (dd.engine_s if dd is not None else 0.0)
 
     @staticmethod
     def _times(timer: Timer, t0: float, t_first: float) -> dict:
@@ -609,7 +278,7 @@ class Generator:
                 "sampling": t.get("sampling", 0.0), "other": max(0.0, (now - t_first) - named),
                 "decode": now - t_first, "total": now - t0}
 
-    def _choose_gamma(self, gamma, est: AcceptanceEstimator, stats: Stats, context: int, limit: int) -> int:
+    def _choose_gamma(self, gamma, est: AcceptanceEstimator, stats: RoundStats, context: int, limit: int) -> int:
         """γ for the next round: the fixed one, or under `auto` the γ in 0..limit with the most expected tokens
         per second at this context length."""
         if self.drafter_kind is None:
@@ -623,7 +292,7 @@ class Generator:
             g = 1  # probe: keep the acceptance estimate alive while not speculating
         return g
 
-    def _append(self, s: _Seq, toks: list[int], max_new: int, stop: list[str]) -> int:
+    def _append(self, s: Sequence, toks: list[int], max_new: int, stop: list[str]) -> int:
         """Append emitted tokens up to the first stop condition; return how many were kept."""
         kept = 0
         for t in toks:
@@ -642,7 +311,7 @@ class Generator:
                 break
         return kept
 
-    def _result(self, s: _Seq, stats: Stats) -> GenerationResult:
+    def _result(self, s: Sequence, stats: RoundStats) -> GenerationResult:
         ids = s.ctx[len(s.prompt):]
         text = self.tok.decode(ids) if self.tok is not None else ""
         if s.text_len is not None:
@@ -715,13 +384,14 @@ def draft_threads_for(draft_provider: str, draft_threads: int | None, threads: i
     """The draft engine's threads: the caller's choice, else the target's on cpu-native, else DRAFT_THREADS."""
     if draft_threads is not None:
         return draft_threads
-    return threads if draft_provider == "cpu-native" else DRAFT_THREADS
+    return threads if provider_spec(draft_provider).shared_pool else DRAFT_THREADS
 
 
 def load(target: str | Path, draft: str | Path | None = None, provider: str | None = None,
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = None,
          gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
-         local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0) -> Generator:
+         local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0,
+         spec: SpeculationConfig | None = None) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
@@ -731,10 +401,10 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
 
     A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
     local: a target engine folder of the same model, for the calls the server misses (exact fallback);
-    remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`)."""
-    gamma_max = check_gamma_max(gamma_max)
-    check_gamma(gamma, gamma_max)
-    check_lookup_gamma(lookup_gamma, lookup)
+    remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`).
+    spec: a SpeculationConfig in place of gamma, gamma_max, max_ngram, lookup and lookup_gamma."""
+    spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram)
+    gamma, lookup = spec.gamma, spec.lookup
     provider = provider or default_provider()
     if is_url(target):
         tgt = _remote_target(target, draft, local, remote, provider, threads)
@@ -758,8 +428,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if lookup and kind != "model":
         raise ValueError(f"lookup={lookup} goes with a draft engine folder (it drafts before the draft model); "
                          f"got draft={draft!r}")
-    gen = Generator(tgt, kind, dft, tok, gamma, gamma_max, max_ngram=max_ngram, text_head=head, lookup=lookup,
-                    lookup_gamma=lookup_gamma)
+    gen = Generator(tgt, kind, dft, tok, text_head=head, spec=spec)
     if gamma == "auto" and kind is not None:
         gen.measure_costs()  # at load, so the first generate's timings are its own
     return gen

@@ -88,8 +88,3 @@ class OrtCudaMemory(HostMemory):
         new = self.zeros(shape, old.dtype)
         new.handle.update_inplace(grown)
         return new
-
-
-def memory_for(provider: str, device_id: int = 0) -> HostMemory:
-    """Where a provider's engines keep their buffers: CUDA memory for cuda / tensorrt, else the host."""
-    return OrtCudaMemory(device_id) if provider in ("cuda", "tensorrt") else HostMemory()

@@ -6,7 +6,7 @@
    float32) and accumulates in float32, so it computes the same function as the fp32 engine in a different
    summation order. int8 and int4 weights are blocks of QB = 32 values along the input dimension with one
    float16 scale per block and output column, w = q * scale (symmetric: q in -127..127 or -8..7); a block's
-   products are summed in float32, then multiplied by its scale (export/native.py quantizes, edgespec/native.py
+   products are summed in float32, then multiplied by its scale (export/native.py quantizes, edgespec/backends/native.py
    loads; tests compare every kernel with numpy and each build with the others).
 
    es_forward: B sequences, S new tokens each; sequence b's tokens at positions start[b]..start[b]+S-1

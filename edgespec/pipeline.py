@@ -9,8 +9,9 @@ a round trip saved (a hit). Otherwise the bet's reply is dropped and the draft m
 r kept. A miss costs the server one verify and the device the drafting it did while it waited; the output
 is the same either way (every emitted token is the target's own greedy choice).
 
-`PipelinedRounds` has fast_round's signature, so the generator's lean loop runs it in fast_round's place.
-Hits and bets are counted in the target's counters (prefetch_hits, prefetched).
+`PipelinedRounds` is one of the decode loop's strategies (loop.py): chosen for one greedy sequence when the
+target declares `caps.pipeline` and the drafter runs a draft model. Hits and bets are counted in the target's
+counters (prefetch_hits, prefetched).
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafts import DraftModel
+from .backends.base import Decoder
+from .backends.remote_decoder import Pending
+from .drafts import Drafter
 from .profiling import Timer
-from .remote import Pending, RemoteDecoder
 from .sampling import check_ids
-from .speculative import Rule, greedy_rule
+from .speculative import greedy_rule
 
 
 @dataclass
@@ -38,12 +40,17 @@ class PipelinedRounds:
     def __init__(self):
         self.bet: _Bet | None = None
 
-    def __call__(self, target: RemoteDecoder, drafter: DraftModel | None, ctx: list[int], gamma: int,
-                 rule: Rule = greedy_rule, prefix=None, timer: Timer | None = None) -> tuple[list[int], int, int]:
-        """One round, as fast_round: returns (emitted ids, kept drafts k, drafted c) and commits the kept rows
-        in the target and the drafter."""
-        if prefix is not None:
-            raise ValueError("pipelined rounds take token contexts (a remote target has no prefix input)")
+    def __call__(self, target: Decoder, drafter: Drafter | None, seqs: list, active, gamma: int, span: int,
+                 timer: Timer | None = None) -> tuple[list[list[int]], list[int], list[int]]:
+        """One round of seqs[0] (the loop's strategy signature): returns ([emitted ids], [kept drafts k],
+        [drafted c]) and commits the kept rows in the target and the drafter. `span` is not used: lookup
+        rounds are not pipelined."""
+        new, k, c = self.round(target, drafter, seqs[0].ctx, gamma, timer=timer)
+        return [new], [k], [c]
+
+    def round(self, target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: int, rule=greedy_rule,
+              timer: Timer | None = None) -> tuple[list[int], int, int]:
+        """One round, as fast_round: returns (emitted ids, kept drafts k, drafted c)."""
         t0 = time.perf_counter()
         eng = target.engine
         bet, self.bet = self.bet, None
@@ -63,12 +70,12 @@ class PipelinedRounds:
         t1 = time.perf_counter()
         # while it is out: bet that every draft is kept, guess the bonus, draft on, send that verify
         nxt_bet = None
-        room = min(target.max_context, drafter.dec.max_context) if drafter is not None else 0
+        room = min(target.max_context, drafter.decoder.max_context) if drafter is not None else 0
         if drafter is not None and drafts and len(drafts) == gamma and call.future is not None \
                 and len(ctx) + 2 * gamma + 2 < room:
             spec = ctx + drafts
             e = np.empty(gamma + 1, np.int64)
-            if DraftModel.draft(drafter, spec, gamma + 1, e) == gamma + 1:  # the model (lookup's cache is its)
+            if drafter.model_draft(spec, gamma + 1, e) == gamma + 1:  # the model (lookup's cache is its)
                 nxt_bet = _Bet(len(spec) + 1, int(e[0]), e[1:].tolist(),
                                target.submit(e.tolist(), ahead=[ctx[-1]] + drafts))
                 with eng.lock:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import contract as C
+from .speculation import SpeculationConfig
 
-GAMMA_MAX = 8  # the longest draft a verify profile covers (S = GAMMA_MAX + 1)
 PREFILL_MAX = 512
 
 
@@ -35,11 +35,17 @@ class ProfileSpec:
             raise ValueError(f"profile {self.name}: seq and batch must be >= 1")
 
 
-def default_profiles(max_context: int, gamma_max: int = GAMMA_MAX, prefill_max: int = PREFILL_MAX,
-                     batch: int = 1, opt_rows: int | None = None) -> list[ProfileSpec]:
+def default_profiles(max_context: int, gamma_max: int | None = None, prefill_max: int = PREFILL_MAX,
+                     batch: int = 1, opt_rows: int | None = None,
+                     spec: SpeculationConfig | None = None) -> list[ProfileSpec]:
     """The bound rows P always hold the S new tokens (P >= S): past's min is seq's min. Every size is capped
-    at max_context. opt_rows: the bound rows TensorRT tunes for (the native runtime always binds
-    max_context rows; ONNX Runtime's TensorRT EP binds the growing cache, 256 by default)."""
+    at max_context. The verify profile covers the longest round `spec` can verify (its gamma_max, or a
+    lookup round's lookup_gamma when longer), or gamma_max when given. opt_rows: the bound rows TensorRT tunes
+    for (the native runtime always binds max_context rows; ONNX Runtime's TensorRT EP binds the growing
+    cache, 256 by default)."""
+    if gamma_max is None:
+        spec = spec or SpeculationConfig()
+        gamma_max = max(spec.gamma_max, spec.lookup_gamma)
     opt_past = min(opt_rows or 256, max_context)
     b = (1, 1, batch)
     prefill_max = min(prefill_max, max_context)

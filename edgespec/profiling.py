@@ -197,8 +197,7 @@ def profile(gen, prompts: list, max_new_tokens: int = 128, lossless_check: int =
 def lossless(gen, prompts: list, max_new_tokens: int, **kw) -> dict:
     """Shadow-decode each prompt without speculation (same seed, coupled noise when sampling) and count
     prompts whose output differs: a self-check that speculation changed nothing."""
-    from .generate import Generator
-    plain = Generator(gen.target, None, None, gen.tok, gamma=0)
+    plain = gen.plain()
     kw = dict(kw)
     if kw.get("temperature", 0) > 0 and kw.get("acceptance") != "coupled":
         return {"checked": 0, "reason": "sampled output can be compared token for token only with "

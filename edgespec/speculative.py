@@ -1,6 +1,6 @@
 """The speculative round, and the acceptance rules beside it.
 
-Terms (DESIGN.md): the target verifies; the draft proposes γ tokens; a round = one draft run + one target
+Terms (docs/architecture.md): the target verifies; the draft proposes γ tokens; a round = one draft run + one target
 verify pass; accepted = draft tokens kept; correction = drawn from the residual at the first rejection;
 bonus = drawn from the target's last position when all γ are accepted. A round emits 1..γ+1 tokens.
 A round with γ = 0 is a plain decoding step. tokens per round = emitted tokens / target calls (the prefill
@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from .decoder import Decoder
+from .backends.base import Decoder
 from .drafts import Drafter, Proposal, greedy_pick
 from .profiling import Timer
 from .sampling import GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample

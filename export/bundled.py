@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from edgespec.contract import (CONTENT_HASH, CONTRACT_VERSION, HEAD_FILE, MANIFEST_FILE, POLICY_FILE,
-                               file_sha256)
+from edgespec.contract import CONTRACT_VERSION, MANIFEST_FILE, file_sha256
+from edgespec.policy_contract import CONTENT_HASH, HEAD_FILE, POLICY_FILE
 
 
 def need_export_extra() -> None:

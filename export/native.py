@@ -1,4 +1,4 @@
-"""Native CPU weights for an engine folder (edgespec/native.py): `native.npz` plus engine.json's extra["native"].
+"""Native CPU weights for an engine folder (edgespec/backends/native.py): `native.npz` plus engine.json's extra["native"].
 
     python -m edgespec.export.native ENGINE_DIR --checkpoint CHECKPOINT_DIR [--weights float16|int8|int4]
 
@@ -9,7 +9,7 @@ The weights follow the folder's precision (WEIGHTS_FOR), or --weights:
                 nothing is rounded. The gate runs it against the folder's ONNX Runtime engine on held-out
                 tokens: the same greedy ids, and logits within 1e-3 (they differ in summation order only).
   fp16 folder   float16 matrices, rounded to nearest where the checkpoint's are not float16;
-  int8, int4    blocks of 32 values with one float16 scale each (edgespec.native.quantize_blocks); int4 keeps
+  int8, int4    blocks of 32 values with one float16 scale each (edgespec.backends.native_format.quantize_blocks); int4 keeps
                 the lm_head at int8, as the ONNX int4 variant does (quantize.WEIGHT_ONLY).
                 These compute a function of their own (the ONNX variant's weights are rounded another way and
                 its int8 / int4 products quantize the activations too), so their gate is the precision gate's:
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.native import (ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, QB, WEIGHT_KINDS, pack,
-                             pack_blocks, quantize_blocks)
+from edgespec.backends.native_format import (ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, QB, WEIGHT_KINDS,
+                                              pack, pack_blocks, quantize_blocks)
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
@@ -43,7 +43,7 @@ HEAD_WEIGHTS = {"float16": "float16", "int8": "int8", "int4": "int8"}  # the lm_
 
 
 def native_features(spec: ModelSpec) -> list[str]:
-    """What this model uses beyond a plain Llama decoder (edgespec.native.FEATURES' names, in that order):
+    """What this model uses beyond a plain Llama decoder (edgespec.backends.native_format.FEATURES' names, in that order):
     engine.json's extra["native"]["features"]; the loader expects each one's arrays in native.npz."""
     ropes = spec.ropes()
     used = {"qkv_bias": spec.qkv_bias, "o_bias": spec.o_bias, "qk_norm": spec.qk_norm,
@@ -63,7 +63,7 @@ def native_record(spec: ModelSpec) -> dict:
 
 def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "float16",
                   exact: bool = True) -> dict[str, np.ndarray]:
-    """The native engine's arrays (edgespec.native.expected_shapes names them), the matrices as `kind`
+    """The native engine's arrays (edgespec.backends.native_format.expected_shapes names them), the matrices as `kind`
     (float16, int8, int4; the lm_head as HEAD_WEIGHTS[kind]); CheckpointError naming the first matrix that is
     not exactly a float16 when `exact` (float16 only: else they are rounded), or what the native step does not
     compute (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
@@ -144,8 +144,8 @@ def native_unsupported(spec: ModelSpec) -> list[str]:
 def native_gate(engine_dir: Path, rows: np.ndarray) -> dict:
     """The native engine against the folder's ONNX Runtime engine (CPU) on `rows` (tokens): one prefill of
     half, then single steps, then one verify-sized call. -> max logit difference, greedy id agreement."""
-    from edgespec.engine import OrtEngine
-    from edgespec.native import NativeEngine
+    from edgespec.backends.ort import OrtEngine
+    from edgespec.backends.native import NativeEngine
 
     ref, nat = OrtEngine(engine_dir).decoder(), NativeEngine(engine_dir).decoder()
     rows = np.asarray(rows, np.int64).reshape(1, -1)
@@ -165,7 +165,7 @@ def native_gate(engine_dir: Path, rows: np.ndarray) -> dict:
 
 def native_logits(engine_dir: Path, token_rows: list) -> list[np.ndarray]:
     """Each row (token ids (S,)) through the folder's native engine from an empty cache: its logits (S, V)."""
-    from edgespec.native import NativeEngine
+    from edgespec.backends.native import NativeEngine
 
     dec = NativeEngine(engine_dir).decoder()
     out = []

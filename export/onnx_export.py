@@ -159,7 +159,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
 
     from tqdm import tqdm
 
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtEngine
 
     from .graph import build_graph
     from .memory import check_memory

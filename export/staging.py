@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from edgespec import contract as C
+from edgespec import policy_contract as PC
 
 STAGE_MARK = ".partial-"  # staging folders are named f".{OUT name}{STAGE_MARK}{pid}"
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout this edgespec runs from
@@ -45,8 +46,8 @@ def is_edgespec_folder(path: Path) -> bool:
     engine = _read_json(path / C.MANIFEST_FILE)
     if "contract_version" in engine and "model_file" in engine:
         return True
-    fmt = _read_json(path / C.POLICY_FILE).get("format")
-    return isinstance(fmt, str) and fmt.startswith(C.POLICY_FORMAT)
+    fmt = _read_json(path / PC.POLICY_FILE).get("format")
+    return isinstance(fmt, str) and fmt.startswith(PC.POLICY_FORMAT)
 
 
 def _protected(sources: list[Path]) -> dict[Path, str]:
@@ -77,7 +78,7 @@ def check_out_dir(out_dir: Path, sources: list[Path], force: bool) -> None:
     if not out.is_dir() or not is_edgespec_folder(out):
         raise UnsafeOutputError(f"refusing to replace {out_dir} with --force: it is not an engine or policy folder "
                                 f"edgespec exported (expected {C.MANIFEST_FILE} with contract_version or "
-                                f"{C.POLICY_FILE} with format {C.POLICY_FORMAT}/...); remove it yourself or pick "
+                                f"{PC.POLICY_FILE} with format {PC.POLICY_FORMAT}/...); remove it yourself or pick "
                                 f"another --out")
 
 

@@ -1,7 +1,7 @@
 """TensorRT: a native engine build (model.plan) from a contract decoder, with the optimization profiles of
 edgespec/profiles.py (also what ONNX Runtime's TensorRT execution provider is started with).
 
-    python -m edgespec.export.tensorrt engines/demo-target [--gamma-max 8] [--prefill 512] [--batch 1]
+    python -m edgespec.export.tensorrt engines/demo-target [--gamma-max 8] [--lookup 3 --lookup-gamma 12] [--prefill 512] [--batch 1]
 
 The build writes model.plan beside model.onnx and records it in engine.json (extra.tensorrt). It needs
 an NVIDIA GPU and the `trt` extra. `edgespec.load(..., provider="tensorrt")` runs the plan natively.
@@ -15,11 +15,12 @@ from pathlib import Path
 
 from edgespec import contract as C
 from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, profile_shapes
+from edgespec.speculation import from_args, speculation_flags
 
 
 def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = True, workspace_gib: float = 4.0) -> dict:
     """Parse model.onnx, build a TensorRT plan with the given profiles, write model.plan. Needs a GPU."""
-    from edgespec.trt import import_tensorrt
+    from edgespec.backends.trt import import_tensorrt
 
     engine_dir = Path(engine_dir)
     m = C.Manifest.read(engine_dir)
@@ -67,15 +68,16 @@ def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = Tru
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine_dir", type=Path)
-    ap.add_argument("--gamma-max", type=int, default=8)
+    speculation_flags(ap)  # the verify profile covers --gamma-max (or --lookup-gamma) + 1 tokens
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--fp32", action="store_true", help="no FP16 flag")
     ap.add_argument("--print-ort-options", action="store_true", help="only print the ORT TensorRT EP options")
     args = ap.parse_args(argv)
     m = C.Manifest.read(args.engine_dir)
-    # the native runtime (edgespec/trt.py) binds a fixed max_context rows: tune the plan for that
-    profiles = default_profiles(m.max_context, args.gamma_max, args.prefill, args.batch, opt_rows=m.max_context)
+    # the native runtime (edgespec/backends/trt.py) binds a fixed max_context rows: tune the plan for that
+    profiles = default_profiles(m.max_context, None, args.prefill, args.batch, opt_rows=m.max_context,
+                                spec=from_args(args))
     if args.print_ort_options:
         print(json.dumps(ort_trt_options(m, args.engine_dir, profiles, not args.fp32), indent=2))
         return 0

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract as C
-from edgespec.contract import (CONTENT_HASH, ENCODER_FILE, HEAD_FILE, STATS_FILE, PolicyManifest,
-                               policy_content_sha256, read_policy_json)
+from edgespec import policy_contract as PC
+from edgespec.policy_contract import (CONTENT_HASH, ENCODER_FILE, HEAD_FILE, STATS_FILE, PolicyManifest,
+                                      policy_content_sha256, read_policy_json)
 
 from .onnx_export import export_engine
 from .staging import check_out_dir, prepare, publish
@@ -39,7 +40,7 @@ def load_encoder(model_dir: Path):
 
     from .train_vla import VLAConfig, build_encoder
 
-    policy = json.loads((model_dir / C.POLICY_FILE).read_text())
+    policy = json.loads((model_dir / PC.POLICY_FILE).read_text())
     cfg = VLAConfig.from_dict(policy["config"])
     enc = build_encoder(cfg)
     state = {k: v.to(torch.float32) for k, v in load_file(str(model_dir / "encoder.safetensors")).items()}
@@ -100,14 +101,14 @@ def export_encoder(model_dir: Path, path: Path) -> dict:
         warnings.simplefilter("ignore")
         torch.onnx.export(enc, (torch.from_numpy(img), torch.from_numpy(state), torch.from_numpy(instr)),
                           str(path), dynamo=False, opset_version=17,
-                          input_names=[C.ENC_IMAGE, C.ENC_STATE, C.ENC_INSTRUCTION], output_names=[C.ENC_PREFIX],
+                          input_names=[PC.ENC_IMAGE, PC.ENC_STATE, PC.ENC_INSTRUCTION], output_names=[PC.ENC_PREFIX],
                           do_constant_folding=True)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     worst = 0.0
     with torch.no_grad():
         for img, state, instr in example_inputs(policy, 8, seed=1):
             ref = enc(torch.from_numpy(img), torch.from_numpy(state), torch.from_numpy(instr)).numpy()
-            got = sess.run(None, {C.ENC_IMAGE: img, C.ENC_STATE: state, C.ENC_INSTRUCTION: instr})[0]
+            got = sess.run(None, {PC.ENC_IMAGE: img, PC.ENC_STATE: state, PC.ENC_INSTRUCTION: instr})[0]
             worst = max(worst, float(np.abs(ref - got).max()))
     report = {"gate": "encoder parity vs torch", "cases": 8, "max_abs_diff": worst, "tol": ENCODER_TOL,
               "passed": worst <= ENCODER_TOL}
@@ -119,12 +120,12 @@ def export_encoder(model_dir: Path, path: Path) -> dict:
 def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,
                   progress: bool = True, allow_lossy: bool = False) -> dict:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    needed = [C.POLICY_FILE, STATS_FILE, "encoder.safetensors", "target/config.json"]
+    needed = [PC.POLICY_FILE, STATS_FILE, "encoder.safetensors", "target/config.json"]
     missing = [n for n in needed if not (model_dir / n).is_file()]
     if missing:
         raise FileNotFoundError(f"{model_dir} is not a VLA policy folder: missing {missing}")
-    meta = read_policy_json(model_dir / C.POLICY_FILE)
-    PolicyManifest.from_dict(meta, model_dir / C.POLICY_FILE)  # refuse a malformed one before any work
+    meta = read_policy_json(model_dir / PC.POLICY_FILE)
+    PolicyManifest.from_dict(meta, model_dir / PC.POLICY_FILE)  # refuse a malformed one before any work
     check_out_dir(out_dir, [model_dir], force)
     stage = prepare(out_dir, [model_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
     try:
@@ -146,7 +147,7 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
             shutil.copy2(model_dir / HEAD_FILE, stage / HEAD_FILE)
             policy["draft_head_sha256"] = C.file_sha256(stage / HEAD_FILE)
         policy[CONTENT_HASH] = policy_content_sha256(policy)  # last: covers every field above
-        (stage / C.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
+        (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         publish(stage, out_dir)
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.contract import ACTION_KINDS  # what policy.json may declare
+from edgespec.policy_contract import ACTION_KINDS  # what policy.json may declare
 
 from .reacher import fk, ik
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgespec.policy import load_policy
 from edgespec.remote import RemoteConfig
+from edgespec.speculation import from_args, speculation_flags
 
 from .inference import InferenceProcess
 
@@ -21,13 +22,7 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", nargs="?", const=True, default=False,
                    help="decode speculatively: with the policy's draft/ decoder (no value), its numpy draft "
                         "head ('head', the fastest), or a draft engine DIR")
-    p.add_argument("--mode", choices=["greedy", "relaxed"], default="greedy")
-    p.add_argument("--radius", type=int, default=5, help="relaxed: bins a draft token may be off")
-    p.add_argument("--gamma", type=int, default=None, help="the most draft tokens per round (default: per draft "
-                   "kind, edgespec.policy.DRAFT_DEFAULTS)")
-    p.add_argument("--stop-below", type=float, default=None,
-                   help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
-                        "probability below this (0 = always --gamma; default: per draft kind)")
+    speculation_flags(p, kind="policy")  # --mode, --radius, --gamma, --stop-below
     p.add_argument("--threads", type=positive_int, default=1, help="ONNX Runtime threads per engine")
     p.add_argument("--inference", choices=["process", "thread"], default="process",
                    help="run the policy in a child process (default: its Python never holds the loop's GIL) "
@@ -101,8 +96,7 @@ def make_policy(args, instruction: str | None = None):
     """-> (callable obs -> (H, D) chunk with .last_info and .close(), the Policy). The policy is loaded here
     first, so a bad folder or flag fails before anything starts; with --inference process the callable runs
     its own copy in a child process."""
-    kw = dict(policy_dir=args.policy, draft=args.draft, mode=args.mode, radius=args.radius, gamma=args.gamma,
-              stop_below=args.stop_below, threads=args.threads)
+    kw = dict(policy_dir=args.policy, draft=args.draft, spec=from_args(args, "policy"), threads=args.threads)
     if getattr(args, "remote", None):
         kw["remote"] = RemoteConfig(args.remote, deadline_s=args.remote_deadline,
                                     on_failure="raise" if args.remote_fallback == "hold" else "local")

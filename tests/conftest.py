@@ -228,11 +228,11 @@ def assert_a_failed_call_is_scrubbed(engine_dir, rows: int | None = None, nan_lo
     import numpy as np
 
     from edgespec import contract as C
-    from edgespec.decoder import Decoder
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtDecoder
+    from edgespec.backends.ort import OrtEngine
     eng = OrtEngine(engine_dir)
     emb = np.load(Path(engine_dir) / eng.manifest.embedding_file)
-    d, clean = Decoder(eng, 1, emb), Decoder(eng, 1, emb)
+    d, clean = OrtDecoder(eng, 1, emb), OrtDecoder(eng, 1, emb)
     for dec in (d, clean):
         dec.run(np.array([[1, 2, 3]]))
         dec.cache.commit(3)

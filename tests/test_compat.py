@@ -11,8 +11,8 @@ import pytest
 
 import edgespec
 from edgespec import contract as C
-from edgespec.decoder import Decoder
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtDecoder
+from edgespec.backends.ort import OrtEngine
 
 FIXTURE = Path(__file__).parent / "fixtures" / "optimum-tiny-llama"
 
@@ -30,12 +30,12 @@ def test_manifest_is_derived_from_the_graph():
 
 
 def test_prefill_matches_transformers(ref):
-    d = Decoder(OrtEngine(FIXTURE))
+    d = OrtDecoder(OrtEngine(FIXTURE))
     np.testing.assert_allclose(d(ref["input_ids"]), ref["logits"], atol=1e-4)
 
 
 def test_step_by_step_with_stale_rows_matches_transformers(ref):
-    d = Decoder(OrtEngine(FIXTURE))
+    d = OrtDecoder(OrtEngine(FIXTURE))
     for j in range(len(d.cache.buffers)):  # garbage in every stale row: the mask must hide it
         d.cache.host(j)[...] = 7.0
     got = []

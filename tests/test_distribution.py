@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as st
 
 import edgespec
-from edgespec.decoder import Decoder
+from edgespec.backends.ort import OrtDecoder
 from edgespec.sampling import GumbelNoise, SamplingConfig, probs
 from edgespec.speculative import accept_rejection
 
@@ -103,7 +103,7 @@ def exact_joint(engine, prompt, cfg, depth=4):
         if len(prefix) == depth or (prefix and prefix[-1] in eos):
             out[tuple(prefix)] = prob
             return
-        d = Decoder(engine, 1)
+        d = OrtDecoder(engine, 1)
         p = probs(d(np.array([prompt + prefix]))[0, -1], cfg)
         for t in np.nonzero(p > 1e-12)[0]:
             walk(prefix + [int(t)], prob * p[t])

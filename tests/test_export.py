@@ -8,7 +8,7 @@ import pytest
 from conftest import FAMILIES
 from edgespec import contract as C
 from edgespec.cli import main as cli_main
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtEngine
 from edgespec.export import onnx_export, validate
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.validate import GateError
@@ -213,7 +213,7 @@ def test_cli_export_and_inspect(tiny_checkpoints, tmp_path, capsys):
 def test_agreement_scores_from_start_over_the_argmax_range(tiny_checkpoints, tmp_path):
     """Rows given as (embeddings, start) score only positions >= start, and top-1 is taken over the engine's
     argmax range (the ids the runtime picks among), as the policy precision gate uses them."""
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtEngine
     from edgespec.export.validate import agreement
 
     export_engine(tiny_checkpoints["llama"][0], tmp_path / "e", input_mode="embeds", argmax_ids=(10, 20),

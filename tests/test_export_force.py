@@ -11,6 +11,7 @@ import pytest
 
 from conftest import make_checkpoint
 from edgespec import contract as C
+from edgespec import policy_contract as PC
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.staging import REPO_ROOT, UnsafeOutputError, check_out_dir, remove_dead_stages
 from edgespec.export.vla import export_policy
@@ -87,7 +88,7 @@ def test_force_replaces_only_an_edgespec_folder(tmp_path, ckpt):
     check_out_dir(tmp_path / "engine", [ckpt], force=True)  # an engine folder: replaceable
     policy = tmp_path / "policy"
     policy.mkdir()
-    (policy / C.POLICY_FILE).write_text(json.dumps({"format": "edgespec-vla/1"}))
+    (policy / PC.POLICY_FILE).write_text(json.dumps({"format": "edgespec-vla/1"}))
     check_out_dir(policy, [ckpt], force=True)  # a policy folder: replaceable
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from edgespec.cli import main as cli_main
 from edgespec.contract import EngineError
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtEngine
 from edgespec.export import memory
 from edgespec.export.checkpoint import load_checkpoint
 from edgespec.export.onnx_export import export_engine

@@ -14,7 +14,7 @@ import transformers
 import edgespec
 from conftest import MODEL_CLASSES, char_tokenizer_json
 from edgespec import contract as C
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtEngine
 from edgespec.export.onnx_export import export_engine
 
 H16 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from edgespec import masks
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtEngine
 
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder

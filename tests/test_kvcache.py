@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import edgespec
-from edgespec.decoder import Decoder
+from edgespec.backends.ort import OrtDecoder
 from edgespec.export.validate import garbage
 from edgespec.kvcache import KVCache
 from edgespec.memory import HostMemory
@@ -15,7 +15,7 @@ def engine(tiny_engines):
     return edgespec.load(tiny_engines["target"]).target
 
 
-def poison_stale_rows(d: Decoder, rng) -> None:
+def poison_stale_rows(d: OrtDecoder, rng) -> None:
     """Garbage into every row past each sequence's committed length: keys NaN / inf / huge, values huge
     (the graph stores only finite values, so that is what a stale value row can hold)."""
     for j in range(len(d.cache.buffers)):
@@ -25,7 +25,7 @@ def poison_stale_rows(d: Decoder, rng) -> None:
         d.memory.write(d.cache.buffers[j], host)
 
 
-def small_cache(d: Decoder, chunk: int, in_place: bool = True) -> None:
+def small_cache(d: OrtDecoder, chunk: int, in_place: bool = True) -> None:
     m = d.m
     d.cache = KVCache(m.num_layers, d.batch, m.num_kv_heads, m.head_dim, m.max_context, chunk=chunk,
                       in_place=in_place)
@@ -37,7 +37,7 @@ def small_cache(d: Decoder, chunk: int, in_place: bool = True) -> None:
 def test_bound_calls_equal_reference_with_garbage_in_stale_rows(engine, batch, in_place):
     """Random call sizes, random accept counts and rollbacks; the cache grows (chunk 8) along the way."""
     rng = np.random.default_rng(batch + 10 * in_place)
-    fast, slow = Decoder(engine, batch), Decoder(engine, batch)
+    fast, slow = OrtDecoder(engine, batch), OrtDecoder(engine, batch)
     for d in (fast, slow):
         small_cache(d, 8, in_place)
     grew = set()
@@ -71,13 +71,13 @@ def test_bound_calls_equal_reference_with_garbage_in_stale_rows(engine, batch, i
 
 def test_rollback_then_rewrite_overwrites_stale_rows(engine):
     """Rows of a rejected call are stale: the next call at the same length writes over them."""
-    d = Decoder(engine, 1)
+    d = OrtDecoder(engine, 1)
     d(np.array([[1, 2, 3]]))
     d.cache.commit(3)
     first = d(np.array([[4, 5, 6, 7]])).copy()  # four drafts ...
     d.cache.commit(1)  # ... one kept
     again = d(np.array([[9]])).copy()  # overwrites row 4
-    fresh = Decoder(engine, 1)
+    fresh = OrtDecoder(engine, 1)
     want = fresh(np.array([[1, 2, 3, 4, 9]]))
     np.testing.assert_allclose(first[:, 0], want[:, 3], atol=1e-5)
     np.testing.assert_allclose(again[:, 0], want[:, 4], atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 import edgespec
 from edgespec import contract as C
 from edgespec.cli import main as cli_main
-from edgespec.engine import OrtEngine
+from edgespec.backends.ort import OrtEngine
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Provider cpu-native (edgespec/native.py, native_step.c) against the ONNX Runtime engine of the same folder."""
+"""Provider cpu-native (edgespec/backends/native.py, native_step.c) against the ONNX Runtime engine of the same folder."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,8 @@ from conftest import char_tokenizer_json
 
 import edgespec
 from edgespec.contract import EngineError, Manifest
-from edgespec.engine import OrtEngine, open_engine
+from edgespec.backends.ort import OrtEngine
+from edgespec.backends import open_engine
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
     pytest.skip("provider cpu-native compiles its step with a C compiler; none here (apt-get install gcc)",

@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 import edgespec  # noqa: E402
 from edgespec.contract import Manifest  # noqa: E402
-from edgespec.engine import OrtEngine, open_engine  # noqa: E402
+from edgespec.backends.ort import OrtEngine
+from edgespec.backends import open_engine  # noqa: E402
 
 H16 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=None)

@@ -1,4 +1,4 @@
-"""The native step's integer weights, batches and thread pool (edgespec/native_step.c, edgespec/native.py).
+"""The native step's integer weights, batches and thread pool (edgespec/native_step.c, edgespec/backends/native.py).
 
 - packing: quantize_blocks / pack_blocks / unpack_blocks / dequantize against each other and the rounding rule;
 - kernels (es_matmul): every weight kind against numpy on the dequantized matrix, and bit for bit the same
@@ -28,9 +28,10 @@ pytest.importorskip("transformers")
 
 import edgespec  # noqa: E402
 from edgespec.contract import EngineError, Manifest  # noqa: E402
-from edgespec.engine import open_engine  # noqa: E402
-from edgespec.native import (QB, WEIGHT_KINDS, dequantize, library, matmul_reference, pack, pack_blocks,  # noqa: E402
-                             quantize_activations, quantize_blocks, unpack_blocks)
+from edgespec.backends import open_engine  # noqa: E402
+from edgespec.backends.native_format import (QB, WEIGHT_KINDS, dequantize, matmul_reference, pack,  # noqa: E402
+                                              pack_blocks, quantize_activations, quantize_blocks, unpack_blocks)
+from edgespec.backends.native_lib import library  # noqa: E402
 from test_native_families import CONFIGS, _make  # noqa: E402
 
 KINDS = ["float16", "int8", "int4"]
@@ -313,7 +314,7 @@ def test_integer_weights_need_inputs_in_whole_blocks(tiny_checkpoints):
 
 def test_the_model_struct_matches_the_c_layout():
     """native_step.c's es_model and native.py's ctypes copy: the loader refuses a mismatch (checked here)."""
-    from edgespec.native import _Model
+    from edgespec.backends.native_lib import _Model
     off = ctypes.c_int64()
     assert library().es_model_layout(ctypes.byref(off)) == ctypes.sizeof(_Model)
     assert off.value == _Model.inv_freq.offset
@@ -343,7 +344,7 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path):
 def test_the_profile_counts_each_job_of_a_call(quant_folders):
     """One call of a 2-layer int4 model runs per layer 2 norms, 4 products (each after its input's quantize
     job), the cache rows and the attention, and the final norm, lm_head and argmax: the profile counts them."""
-    from edgespec import native
+    from edgespec.backends import native_lib as native
     folder = quant_folders[("llama3", "int4")][0]
     dec = open_engine(folder, "cpu-native", threads=1).decoder()
     L = Manifest.read(folder).num_layers

@@ -12,8 +12,9 @@ import transformers
 import edgespec
 from edgespec import contract as C
 from edgespec.contract import EngineError
-from edgespec.decoder import Decoder
-from edgespec.engine import OrtEngine, open_engine
+from edgespec.backends.ort import OrtDecoder
+from edgespec.backends.ort import OrtEngine
+from edgespec.backends import open_engine
 from edgespec.kvcache import KVCache
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder
@@ -108,7 +109,7 @@ def test_speculative_with_an_ort_pair_equals_plain(engines, gamma):
 @pytest.mark.parametrize("name", ["llama", "llama-d8"])
 def test_batch_of_mixed_lengths_equals_each_sequence_alone(engines, name):
     eng = OrtEngine(engines[name, "ort"])
-    batch = Decoder(eng, 2)
+    batch = OrtDecoder(eng, 2)
     rng = np.random.default_rng(0)
     ctx = [list(rng.integers(0, 95, 4)), list(rng.integers(0, 95, 9))]
     for s, counts in ((9, [4, 9]), (3, [1, 3]), (1, [1, 1]), (4, [2, 4]), (4, [4, 1])):
@@ -121,7 +122,7 @@ def test_batch_of_mixed_lengths_equals_each_sequence_alone(engines, name):
         logits = batch(feed, valid).copy()
         batch.cache.commit(counts)
         for b in range(2):
-            alone = Decoder(eng, 1)
+            alone = OrtDecoder(eng, 1)
             want = alone(np.array([ctx[b]]))[0, -counts[b]:]
             np.testing.assert_allclose(logits[b, :counts[b]], want, atol=1e-4)
             for got_rows, want_rows in zip(batch.cache.rows(b), alone.cache.rows(0, len(ctx[b]))):
@@ -132,7 +133,7 @@ def test_batch_of_mixed_lengths_equals_each_sequence_alone(engines, name):
 def test_rollback_then_continue_equals_a_fresh_prefill(engines, name):
     """Write 5 rows, keep 2 (the rest stay in the buffer, stale), continue: as if the 3 were never fed."""
     eng = OrtEngine(engines[name, "ort"])
-    d = Decoder(eng, 1)
+    d = OrtDecoder(eng, 1)
     d(np.array([[3, 1, 4, 1, 5, 9, 2, 6]]))
     d.cache.commit(8)
     d(np.array([[5, 3, 5, 8, 9]]))
@@ -141,10 +142,10 @@ def test_rollback_then_continue_equals_a_fresh_prefill(engines, name):
     d.cache.commit(3)
     d.cache.rewind_to(11)  # and rewinding below a committed row
     again = d(np.array([[2]])).copy()
-    fresh = Decoder(eng, 1)
+    fresh = OrtDecoder(eng, 1)
     want = fresh(np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 7, 7, 1]]))
     np.testing.assert_allclose(got[0], want[0, 10:13], atol=1e-4)
-    want2 = Decoder(eng, 1)(np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 7, 2]]))
+    want2 = OrtDecoder(eng, 1)(np.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 7, 2]]))
     np.testing.assert_allclose(again[0, 0], want2[0, 11], atol=1e-4)
 
 
@@ -153,7 +154,7 @@ def test_a_failed_call_is_scrubbed_on_an_ort_embeds_engine(engines, tmp_path):
                       flavor="ort", progress=False)
     assert m.flavor == "ort" and m.fusion["attention"] == "fused"
     _, clean = assert_a_failed_call_is_scrubbed(tmp_path / "emb", rows=5)
-    ids_engine = Decoder(OrtEngine(engines["llama", "ort"]), 1)  # embeds and ids engines agree (7, 8 not kept)
+    ids_engine = OrtDecoder(OrtEngine(engines["llama", "ort"]), 1)  # embeds and ids engines agree (7, 8 not kept)
     np.testing.assert_allclose(clean(np.array([[9]])), ids_engine(np.array([[1, 2, 3, 9]]))[:, -1:], atol=1e-4)
 
 
@@ -293,7 +294,7 @@ def _twins(engine_dir, prompt, chunk=16, in_place=True):
     m = eng.manifest
     twins = []
     for _ in range(2):
-        d = Decoder(eng, 1)
+        d = OrtDecoder(eng, 1)
         d.cache = KVCache(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.max_context, chunk=chunk,
                           in_place=in_place)  # before any call: no binding holds the old one
         first = int(d.ids(np.array([prompt]))[0, -1])
@@ -302,7 +303,7 @@ def _twins(engine_dir, prompt, chunk=16, in_place=True):
     return twins[0], twins[1], first
 
 
-def _same_cache(a: Decoder, b: Decoder) -> None:
+def _same_cache(a: OrtDecoder, b: OrtDecoder) -> None:
     assert a.cache.lengths.tolist() == b.cache.lengths.tolist()
     for ra, rb in zip(a.cache.rows(0), b.cache.rows(0)):
         np.testing.assert_allclose(ra, rb, atol=1e-5)
@@ -311,7 +312,7 @@ def _same_cache(a: Decoder, b: Decoder) -> None:
 @pytest.mark.parametrize("name", ["llama", "mistral-window", "llama-d8"])
 @pytest.mark.parametrize("flavor", ["ort", "portable"])
 def test_plain_steps_equal_the_reference_call_by_call(engines, name, flavor):
-    """Decoder.greedy_steps (the calls back to back, lengths committed at the end) against
+    """OrtDecoder.greedy_steps (the calls back to back, lengths committed at the end) against
     greedy_steps_reference (ids() and commit() per call): the same ids, the same committed rows, also when
     the caller stops early and goes on, and across cache regrowths (16-row chunks, 9 + 70 rows)."""
     a, b, first = _twins(engines[name, flavor], [5, 17, 3, 60, 42, 9, 11, 2, 8])
@@ -339,14 +340,14 @@ def test_plain_steps_fall_back_where_calls_cannot_repeat_one_binding(engines):
     assert list(a.greedy_steps(first, 20)) == list(b.greedy_steps_reference(first, 20))
     _same_cache(a, b)
     with pytest.raises(ValueError, match="one sequence; this decoder runs batches of 2"):
-        next(Decoder(a.engine, 2).greedy_steps(1, 3))
+        next(OrtDecoder(a.engine, 2).greedy_steps(1, 3))
 
 
 class _PoisonAt:
     """An InferenceSession stand-in whose n-th run_with_iobinding gives what the graph gives for NaN logits:
     NONFINITE_ID and a NaN row in every cache buffer at the row it wrote."""
 
-    def __init__(self, dec: Decoder, n: int):
+    def __init__(self, dec: OrtDecoder, n: int):
         self.dec, self.real, self.n, self.calls = dec, dec.engine.session, n, 0
 
     def run_with_iobinding(self, bind):

@@ -26,7 +26,7 @@ def declare_action_semantics(model_dir, dims: int) -> None:
 def rehash(folder) -> None:
     """Record the content hash of an edited policy.json / action_stats.json, as a re-export would."""
     from edgespec.contract import file_sha256
-    from edgespec.contract import CONTENT_HASH, policy_content_sha256
+    from edgespec.policy_contract import CONTENT_HASH, policy_content_sha256
     meta = json.loads((folder / "policy.json").read_text())
     meta["action_stats_sha256"] = file_sha256(folder / "action_stats.json")
     meta[CONTENT_HASH] = policy_content_sha256(meta)

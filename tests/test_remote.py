@@ -16,7 +16,9 @@ import pytest
 import edgespec
 from edgespec import serve
 from edgespec.contract import Manifest
-from edgespec.remote import RemoteConfig, RemoteError, RemoteTarget, RemoteUnavailable, TokenCache, _Failure
+from edgespec.remote import RemoteConfig, RemoteError, RemoteUnavailable, _Failure
+from edgespec.backends.remote import RemoteTarget
+from edgespec.backends.remote_decoder import TokenCache
 from edgespec.tokenizer import TextTokenizer
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -190,7 +192,7 @@ def test_wrong_model_or_vocabulary_is_refused_at_connect(server, engines, tmp_pa
     with pytest.raises(RemoteError, match="vocabulary of 4096 tokens"):
         RemoteTarget(RemoteConfig(url), dataclasses.replace(m, vocab_size=5000), target, tok)
     # same tokenizer and vocabulary, another model (the draft) as the local target: its outputs give it away
-    from edgespec.engine import open_engine
+    from edgespec.backends import open_engine
     _, draft = engines
     with pytest.raises(RemoteError, match="is not the target in .*total variation"):
         RemoteTarget(RemoteConfig(url), m, target, tok, open_engine(draft))

@@ -16,9 +16,11 @@ import pytest
 
 from edgespec import serve
 from edgespec.contract import Manifest
-from edgespec.engine import open_engine
+from edgespec.backends import open_engine
 from edgespec.policy import load_policy
-from edgespec.remote import RemoteConfig, RemoteError, RemoteTarget, RemoteUnavailable, TokenCache, _Failure
+from edgespec.remote import RemoteConfig, RemoteError, RemoteUnavailable, _Failure
+from edgespec.backends.remote import RemoteTarget
+from edgespec.backends.remote_decoder import TokenCache
 from edgespec.tensorfile import torch_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

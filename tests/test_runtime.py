@@ -5,7 +5,7 @@ import pytest
 import edgespec
 from edgespec import contract as C
 from edgespec.contract import EngineError
-from edgespec.decoder import Decoder
+from edgespec.backends.ort import OrtDecoder
 from edgespec.kvcache import KVCache
 from edgespec.drafts import DraftModel, LookupDraft, NgramDraft
 from edgespec.sampling import SamplingConfig
@@ -135,7 +135,7 @@ def test_coupled_differs_across_seeds(plain):
 def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engines, stop_below):
     """Also with a dynamic draft length, where the two sequences stop drafting at different proposals."""
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
-    target, draft = Decoder(gen.target, 2), DraftModel(Decoder(gen.draft, 2), stop_below=stop_below)
+    target, draft = OrtDecoder(gen.target, 2), DraftModel(OrtDecoder(gen.draft, 2), stop_below=stop_below)
     rng = np.random.default_rng(0)
     ctx = [list(rng.integers(0, 95, 5)), list(rng.integers(0, 95, 9))]
     feed = np.zeros((2, 8), np.int64)  # prefill all but the pending token, right-padded
@@ -153,12 +153,12 @@ def test_cache_rows_after_random_accept_reject_equal_a_fresh_prefill(tiny_engine
         counts.update((n < g).tolist())
         for i in range(2):
             ctx[i] += new[i]
-            fresh = Decoder(gen.target, 1)
+            fresh = OrtDecoder(gen.target, 1)
             fresh(np.array([ctx[i][:-1]]))
             for got, want in zip(target.cache.rows(i), fresh.cache.rows(0, len(ctx[i]) - 1)):
                 np.testing.assert_allclose(got, want, atol=1e-5)
             nd = int(draft.dec.cache.lengths[i])
-            fresh_d = Decoder(gen.draft, 1)
+            fresh_d = OrtDecoder(gen.draft, 1)
             fresh_d(np.array([ctx[i][:nd]]))
             for got, want in zip(draft.dec.cache.rows(i), fresh_d.cache.rows(0, nd)):
                 np.testing.assert_allclose(got, want, atol=1e-5)
@@ -178,8 +178,8 @@ def test_lookup_draft_keeps_its_model_cache_true_on_both_paths(tiny_engines, loo
     prompt = list(rng.integers(0, 95, 4)) * 3 + list(rng.integers(0, 95, 5))
     twins = []
     for _ in range(2):
-        target = Decoder(gen.target, 1)
-        drafter = LookupDraft(Decoder(gen.draft, 1), lookup, max_ngram=4, lookup_gamma=lookup_gamma)
+        target = OrtDecoder(gen.target, 1)
+        drafter = LookupDraft(OrtDecoder(gen.draft, 1), lookup, max_ngram=4, lookup_gamma=lookup_gamma)
         first = target.ids(np.array([prompt]))[0, -1]
         target.cache.commit(len(prompt))
         twins.append((target, drafter, prompt + [int(first)]))
@@ -201,7 +201,7 @@ def test_lookup_draft_keeps_its_model_cache_true_on_both_paths(tiny_engines, loo
             n = int(drafter.dec.cache.lengths[0])
             assert n <= len(ctx) - 1
             if n:
-                fresh = Decoder(gen.draft, 1)
+                fresh = OrtDecoder(gen.draft, 1)
                 fresh(np.array([ctx[:n]]))
                 for got, want in zip(drafter.dec.cache.rows(0), fresh.cache.rows(0, n)):
                     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -232,7 +232,7 @@ def test_lookup_propose_widens_tokens_and_draft_distributions(tiny_engines):
     """The generic round's propose() with span past γ: a lookup row gets span proposals, each with a one-hot
     draft distribution (the rejection rule's q), and a model row keeps γ proposals with the model's q."""
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"])
-    drafter = LookupDraft(Decoder(gen.draft, 2), 2, max_ngram=4, lookup_gamma=9)
+    drafter = LookupDraft(OrtDecoder(gen.draft, 2), 2, max_ngram=4, lookup_gamma=9)
     rep, other = [5, 6, 7, 8] * 3, [1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # lookup finds only rep's
 
     def pick(logits, positions):
@@ -303,9 +303,9 @@ def test_fast_round_matches_the_generic_round_step_by_step(tiny_engines, draft):
     prompt = list(rng.integers(0, 95, 4)) * 3  # repetitive: the n-gram draft finds continuations
     twins = []
     for _ in range(2):
-        target = Decoder(gen.target, 1)
+        target = OrtDecoder(gen.target, 1)
         drafter = NgramDraft(1) if draft == "ngram" else \
-            DraftModel(Decoder(gen.draft, 1), stop_below=0.3 if draft == "model-stop" else 0.0)
+            DraftModel(OrtDecoder(gen.draft, 1), stop_below=0.3 if draft == "model-stop" else 0.0)
         first = target.ids(np.array([prompt]))[0, -1]
         target.cache.commit(len(prompt))
         twins.append((target, drafter, prompt + [int(first)]))
@@ -356,7 +356,7 @@ def test_lean_text_decoding_equals_the_generic_round(tiny_engines, draft, gamma)
 
 def test_bound_call_equals_plain_session_run(tiny_engines):
     eng = edgespec.load(tiny_engines["target"]).target
-    a, b = Decoder(eng, 2), Decoder(eng, 2)
+    a, b = OrtDecoder(eng, 2), OrtDecoder(eng, 2)
     rng = np.random.default_rng(1)
     for s in (7, 1, 3, 1, 5):
         ids = rng.integers(0, 95, (2, s))
@@ -368,11 +368,11 @@ def test_bound_call_equals_plain_session_run(tiny_engines):
 
 def test_growing_cache_keeps_committed_rows(tiny_engines):
     eng = edgespec.load(tiny_engines["target"]).target
-    d = Decoder(eng, 1)
+    d = OrtDecoder(eng, 1)
     m = eng.manifest
     d.cache = KVCache(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.max_context, chunk=16)
     ids = np.arange(40)[None] % 95
-    full = Decoder(eng, 1)(ids).copy()
+    full = OrtDecoder(eng, 1)(ids).copy()
     steps = []
     for t in range(40):
         steps.append(d(ids[:, t:t + 1])[:, 0].copy())
@@ -522,7 +522,7 @@ def test_empty_and_too_long_prompts_are_refused_before_compute(plain):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])  # greedy reads next_ids, sampling the logits
 def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch, temperature):
     gen = edgespec.load(tiny_engines["target"], draft=tiny_engines["noisy"], gamma=2)
-    real = Decoder.run
+    real = OrtDecoder.run
     calls = {"n": 0}
 
     def poisoned(self, tokens, valid=None, embeds=None):  # the outputs the graph gives for NaN logits
@@ -532,7 +532,7 @@ def test_nan_logits_raise_naming_engine_and_step(tiny_engines, monkeypatch, temp
             if calls["n"] == 3:
                 self._last.logits.handle[...] = np.nan
                 self._last.ids.handle[...] = C.NONFINITE_ID
-    monkeypatch.setattr(Decoder, "run", poisoned)
+    monkeypatch.setattr(OrtDecoder, "run", poisoned)
     with pytest.raises(FloatingPointError, match="target engine produced .*NaN/inf logits at step"):
         gen.generate([1, 2, 3], max_new_tokens=20, temperature=temperature, seed=0)
 

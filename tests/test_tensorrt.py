@@ -55,14 +55,14 @@ def test_ort_tensorrt_provider_matches_cpu(engine):
     import onnxruntime as ort
     if "TensorrtExecutionProvider" not in ort.get_available_providers():
         pytest.skip("needs onnxruntime-gpu with the TensorRT execution provider and an NVIDIA GPU")
-    from edgespec.decoder import Decoder
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtDecoder
+    from edgespec.backends.ort import OrtEngine
     m = C.Manifest.read(engine)
     trt_eng = OrtEngine(engine, provider="tensorrt",
                         provider_options=ort_trt_options(m, engine, default_profiles(m.max_context)))
     cpu_eng = OrtEngine(engine)
     ids = np.arange(20)[None] % m.vocab_size
-    a, b = Decoder(trt_eng)(ids), Decoder(cpu_eng)(ids)
+    a, b = OrtDecoder(trt_eng)(ids), OrtDecoder(cpu_eng)(ids)
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.99
 
 

@@ -1,4 +1,4 @@
-"""Native TensorRT runtime (edgespec.cuda, edgespec.trt).
+"""Native TensorRT runtime (edgespec.cuda, edgespec.backends.trt).
 
 Always run (CPU): profile selection, the clear errors (no tensorrt, no plan, a plan from another TensorRT /
 GPU, a plan whose I/O differs from engine.json), gpu_available() without a GPU, CudaMemory's byte
@@ -20,7 +20,7 @@ from edgespec import contract as C
 from edgespec.contract import EngineError
 from edgespec.export.tensorrt import default_profiles, profile_shapes
 from edgespec.memory import HostMemory
-from edgespec.trt import PlanProfile, check_plan_io, select_profile, trt_dtype_name
+from edgespec.backends.trt import PlanProfile, check_plan_io, select_profile, trt_dtype_name
 from trt_fakes import FakeCudart, make_fake_tensorrt, write_fake_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def fake_folder(tmp_path):
 
 
 def test_missing_tensorrt_says_how_to_install(fake_folder, monkeypatch):
-    from edgespec.trt import TrtEngine
+    from edgespec.backends.trt import TrtEngine
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
     with pytest.raises(EngineError) as e:
         TrtEngine(fake_folder)
@@ -113,7 +113,7 @@ def test_missing_tensorrt_says_how_to_install(fake_folder, monkeypatch):
 
 
 def test_missing_plan_says_how_to_build(fake_folder):
-    from edgespec.trt import TrtEngine
+    from edgespec.backends.trt import TrtEngine
     (fake_folder / "model.plan").unlink()
     with pytest.raises(EngineError, match=r"model.plan: no TensorRT plan .*`python -m edgespec.export.tensorrt "):
         TrtEngine(fake_folder)
@@ -203,7 +203,7 @@ def test_cuda_memory_on_a_real_gpu_matches_host_memory(monkeypatch):
 
 @pytest.fixture()
 def fakes(monkeypatch):
-    """(FakeCudart, fake tensorrt) installed where edgespec.cuda / edgespec.trt import them."""
+    """(FakeCudart, fake tensorrt) installed where edgespec.cuda / edgespec.backends.trt import them."""
     cud = FakeCudart()
     monkeypatch.setattr(ecuda, "_CUDART", cud)
     trt = make_fake_tensorrt(cud)
@@ -229,7 +229,7 @@ def _with_plans(tiny_engines, root, build) -> dict:
 
 
 def _trt_engine(path):
-    from edgespec.trt import TrtEngine
+    from edgespec.backends.trt import TrtEngine
     return TrtEngine(path)
 
 
@@ -262,9 +262,9 @@ def test_plan_whose_io_differs_from_the_manifest_is_refused(fakes, planned, tmp_
 
 
 def _ort_decoder(path):
-    from edgespec.decoder import Decoder
-    from edgespec.engine import OrtEngine
-    return Decoder(OrtEngine(path))
+    from edgespec.backends.ort import OrtDecoder
+    from edgespec.backends.ort import OrtEngine
+    return OrtDecoder(OrtEngine(path))
 
 
 def _same_calls(a, b, rng, vocab, steps=12):
@@ -290,7 +290,7 @@ def _same_calls(a, b, rng, vocab, steps=12):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_trt_decoder_matches_the_onnx_runtime_decoder(fakes, planned, graphs):
-    from edgespec.trt import TrtDecoder
+    from edgespec.backends.trt import TrtDecoder
     cud, trt = fakes
     dec = TrtDecoder(_trt_engine(planned["target"]), cuda_graphs=graphs)
     ref = _ort_decoder(planned["target"])
@@ -310,7 +310,7 @@ def test_trt_decoder_matches_the_onnx_runtime_decoder(fakes, planned, graphs):
 
 
 def test_capture_failure_falls_back_and_says_why(monkeypatch, planned):
-    from edgespec.trt import TrtDecoder
+    from edgespec.backends.trt import TrtDecoder
     cud = FakeCudart()
     monkeypatch.setattr(ecuda, "_CUDART", cud)
     monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt(cud, fail_capture=True))
@@ -328,7 +328,7 @@ def _native_generator(target, draft, gamma):
 
 
 def _spec_equals_plain(target_dir, draft_dir, prompts):
-    from edgespec.trt import TrtEngine
+    from edgespec.backends.trt import TrtEngine
     tgt, dft = TrtEngine(target_dir), TrtEngine(draft_dir)
     plain, spec = _native_generator(tgt, None, 0), _native_generator(tgt, dft, 4)
     drafted = 0
@@ -378,7 +378,7 @@ def real_plans(tiny_engines, tmp_path_factory):
 
 @pytest.mark.gpu
 def test_native_plan_top1_agreement_with_cpu(real_plans):
-    from edgespec.trt import TrtDecoder
+    from edgespec.backends.trt import TrtDecoder
     ecuda._CUDART = None  # the real runtime (a fake may have been installed by monkeypatch and removed)
     dec, ref = TrtDecoder(_trt_engine(real_plans["target"])), _ort_decoder(real_plans["target"])
     rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""CPU stand-ins for cuda-python's runtime and TensorRT, just enough to drive edgespec.cuda / edgespec.trt.
+"""CPU stand-ins for cuda-python's runtime and TensorRT, just enough to drive edgespec.cuda / edgespec.backends.trt.
 
 FakeCudart: "device" memory is host memory (numpy arrays by address); copies are memmoves; a stream
 capture records the enqueued work and a graph launch replays it. FakeTensorRT: a "plan" is a JSON file
@@ -136,7 +136,7 @@ _NP_TO_TRT = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "int32": 
 
 
 def make_fake_tensorrt(cudart: FakeCudart, fail_capture: bool = False, version: str = "10.3.0"):
-    """A module-like object with the TensorRT API edgespec.trt uses."""
+    """A module-like object with the TensorRT API edgespec.backends.trt uses."""
     import onnxruntime as ort
 
     trt = types.SimpleNamespace(__version__=version)

@@ -7,7 +7,7 @@
 and picks the paths that can run; --setup puts its record, with the reason for each path left out, in the report.)
 
 Paths: cpu (ONNX Runtime CPU, fp32 target + int8 draft: the shipped CPU pair), cuda (ORT CUDA EP),
-tensorrt (ORT TensorRT EP, explicit profiles + engine cache), native (edgespec.trt: a TensorRT plan through
+tensorrt (ORT TensorRT EP, explicit profiles + engine cache), native (edgespec.backends.trt: a TensorRT plan through
 TensorRT's API, double-buffered cache, CUDA graphs). GPU paths run the fp16 exports in engines/device/.
 Per path: (a) parity vs CPU fp32, teacher-forced over held-out code prompts (top-1 agreement, max |logit
 diff|, mean KL); (b) greedy speculative output == plain; (c) tokens/s plain and speculative (γ = 4);
@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "bench" / "lib"))  # prompts.py, as the benches im
 
 import edgespec  # noqa: E402
 from edgespec import contract as C  # noqa: E402
+from edgespec import policy_contract as PC  # noqa: E402
 
 PATHS = ("cpu", "cuda", "tensorrt", "native")
 PROVIDER = {"cpu": "cpu", "cuda": "cuda", "tensorrt": "tensorrt-ep", "native": "tensorrt-native"}  # load / load_policy
@@ -145,7 +146,7 @@ def prepare(vla: bool, plans_wanted: bool = True) -> dict:
     def export_vla_fp16():
         from edgespec.export.vla import export_policy
         d = DEV / "vla-reacher-fp16"
-        if (d / C.POLICY_FILE).is_file():
+        if (d / PC.POLICY_FILE).is_file():
             return "reused"
         export_policy(MODELS / "vla-reacher", d, dtype="fp16", progress=False)
         return "exported"
@@ -173,7 +174,7 @@ def pair_dirs(path: str) -> tuple[Path, Path]:
 # -- engines and generators per path ------------------------------------------------------------------------
 
 def ort_engine(d: Path, path: str):
-    from edgespec.engine import OrtEngine
+    from edgespec.backends.ort import OrtEngine
     if path == "tensorrt":
         from edgespec.export.tensorrt import default_profiles, ort_trt_options
         m = C.Manifest.read(d)
@@ -184,9 +185,9 @@ def ort_engine(d: Path, path: str):
 
 def decoder(d: Path, path: str):
     if path == "native":
-        from edgespec.trt import TrtDecoder, TrtEngine
+        from edgespec.backends.trt import TrtDecoder, TrtEngine
         return TrtDecoder(TrtEngine(d))
-    from edgespec.decoder import Decoder
+    from edgespec.backends.ort import OrtDecoder as Decoder
     return Decoder(ort_engine(d, path))
 
 

@@ -1,7 +1,7 @@
 """Native TensorRT: a contract decoder's `model.plan` run through the TensorRT Python API and cuda-python.
 
     eng = TrtEngine("engines/demo-target")           # engine.json + model.plan (python -m edgespec.export.tensorrt)
-    dec = TrtDecoder(eng, batch=1)                   # the same interface as decoder.Decoder
+    dec = eng.decoder(batch=1)                       # a TrtDecoder: the Decoder of backends/base.py
     ids = dec.ids(tokens)                            # (B, S) argmax ids; only these come back to the host
 
 Why the KV cache is double-buffered. TensorRT does not allow an input and an output tensor to share memory
@@ -27,14 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import contract as C
-from .contract import EngineError, Manifest, checked_folder
-from .cuda import CudaMemory, check, cudart, device_info, gpu_available
-from .decoder import Decoder
-from .kvcache import KVCache
+from .. import contract as C
+from ..contract import EngineError, Manifest
+from ..cuda import CudaMemory, check, cudart, device_info, gpu_available
+from ..kvcache import KVCache
+from .providers import PLAN_FILE, PROVIDERS, checked_folder, memory_for
+from .base import Capabilities, Decoder, EmbeddingTable
 
 PROVIDER = "tensorrt-native"
-PLAN_FILE = "model.plan"
 BUILD_HINT = "build it on this device with `python -m edgespec.export.tensorrt {dir}` (or `edgespec export ... --tensorrt`)"
 INSTALL_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': tensorrt 10.x and cuda-python); "
                 "on Jetson (JetPack 6) use the system TensorRT: sudo apt install python3-libnvinfer, and create "
@@ -149,7 +149,7 @@ def _capturing_logger(trt):
     return Logger()
 
 
-class TrtEngine:
+class TrtEngine(EmbeddingTable):
     """A contract decoder's TensorRT plan, checked against its engine.json at load."""
     provider = PROVIDER
 
@@ -260,27 +260,22 @@ class _Graph:
 
 
 class TrtDecoder(Decoder):
-    """decoder.Decoder's interface (run / ids / __call__ / last_ids / last_logits, cache, calls, engine_s,
-    trace) over a TensorRT plan. The cache lives on the GPU with a fixed capacity of max_context rows."""
+    """The Decoder (base.py) over a TensorRT plan; its last call's outputs are (_IO, S). The cache lives on the GPU with a fixed capacity of max_context rows."""
 
     def __init__(self, engine: TrtEngine, batch: int = 1, embedding: np.ndarray | None = None,
                  cuda_graphs: bool = True):
-        self.engine, self.m = engine, engine.manifest
-        m = self.m
-        self.batch = batch
-        self.memory = CudaMemory(engine.device_id)
-        self.stream = self.memory.stream
+        m = engine.manifest
+        memory = memory_for(PROVIDERS[PROVIDER], engine.device_id)
         cap = m.max_context
         max_rows = max(p.rows[1] for p in engine.profiles)
         if max_rows < cap:
             raise EngineError(f"{engine.plan_path}: context of {cap} rows (engine.json max_context) is longer than "
                               f"the plan's profile (max {max_rows}); rebuild with a larger --max-context / profile")
-        self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, cap, m.cache_dtype, self.memory,
-                             in_place=False, capacity=cap)  # fixed: graphs see fixed shapes and addresses
-        self.embedding = embedding
-        self.calls, self.engine_s = 0, 0.0
-        self.trace: list | None = None
-        self.trace_name = "engine"
+        cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, cap, m.cache_dtype, memory,
+                        in_place=PROVIDERS[PROVIDER].in_place, capacity=cap)  # fixed: graphs see fixed shapes
+        super().__init__(engine, batch, memory, cache, embedding)
+        self.caps = Capabilities(embeds=m.input_mode == "embeds")
+        self.stream = self.memory.stream
         self.cuda_graphs = cuda_graphs
         self.graph_fallback_reason: str | None = None
         small = [p.seq[1] for p in engine.profiles if p.name in ("decode", "verify")]
@@ -290,8 +285,6 @@ class TrtDecoder(Decoder):
         self._contexts: dict = {}  # profile -> context for plain calls; (profile, S, parity) -> graph context
         self._graphs: dict = {}  # (profile, S, parity) -> _Graph, or None where capture failed
         self._generation = self.cache.generation
-        self._last: tuple | None = None  # (_IO, S) of the last call
-        self._ids_host: np.ndarray | None = None
 
     # -- buffers and contexts ---------------------------------------------------------------------------
     def _io_for(self, s: int) -> _IO:
@@ -420,10 +413,6 @@ class TrtDecoder(Decoder):
         self.stream.synchronize()
         self._called(s, (io, s), t0, time.perf_counter())
 
-    def greedy_steps(self, pending: int, n: int):
-        """One call at a time through run() (its CUDA graphs, its profiles)."""
-        return self.greedy_steps_reference(pending, n)
-
     def last_logits(self) -> np.ndarray:
         """(B, S, V) float32 logits of the last call: a host copy."""
         io, s = self._last
@@ -433,6 +422,3 @@ class TrtDecoder(Decoder):
         """(B, S) int64 next_ids of the last call: a host copy."""
         io, s = self._last
         return self.memory.to_host(CudaMemory.view(io.ids, (self.batch, s)))
-
-    def reference_call(self, *a, **k):
-        raise NotImplementedError("reference_call needs ONNX Runtime: compare with Decoder(OrtEngine(...)) instead")

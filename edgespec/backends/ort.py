@@ -1,4 +1,10 @@
-"""A contract decoder bound to its KV cache: `Decoder(tokens)` runs S new tokens per sequence.
+"""ONNX Runtime engines (`OrtEngine`: providers cpu, cuda, tensorrt-ep) and their decoder (`OrtDecoder`).
+
+`OrtEngine.run(feeds)` is the slow, obvious path (numpy in, numpy out). The runtime decodes through
+`OrtEngine.decoder()`: an OrtDecoder that binds the KV cache and the outputs in the engine's memory. The
+TensorRT execution provider starts with explicit optimization profiles and an engine cache (profiles.py), so
+it builds its engines once, not once per context length.
+
 
 ONNX Runtime IOBinding, one binding per S (new tokens per call). Everything large stays where the engine
 runs (host memory on the CPU provider, CUDA memory on the CUDA and TensorRT providers):
@@ -18,16 +24,121 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from . import contract as C
-from .compat import compat_call
-from .engine import OrtEngine
-from .kvcache import KVCache
-from .masks import one_step_into, step_inputs, step_inputs_into
-from .memory import Buffer, HostMemory, memory_for
-from .sampling import check_ids
+from .. import contract as C
+from ..contract import EngineError, Manifest
+from ..kvcache import KVCache
+from ..masks import one_step_into, step_inputs, step_inputs_into
+from ..memory import Buffer, HostMemory
+from ..sampling import check_ids
+from .providers import PROVIDERS, default_threads, memory_for, require_portable
+from .base import Capabilities, Decoder, EmbeddingTable
+
+ORT_PROVIDERS = tuple(n for n, p in PROVIDERS.items() if p.backend == "ort") + ("tensorrt",)
+_ORT_TYPES = {"tensor(int64)": "int64", "tensor(float)": "float32", "tensor(float16)": "float16",
+              "tensor(int32)": "int32"}
+
+
+
+def session_options(threads: int | None = None):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = default_threads(threads)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return so
+
+
+ORT_ERROR_MODULE = "onnxruntime.capi.onnxruntime_pybind11_state"  # Fail, InvalidProtobuf, ...: no common base
+
+
+def _session(model: Path, options, providers: list):
+    """An InferenceSession of `model`; ONNX Runtime's load errors (a truncated or foreign file) become one
+    EngineError naming the file, like every other way an engine folder can be wrong."""
+    import onnxruntime as ort
+    try:
+        return ort.InferenceSession(str(model), sess_options=options, providers=providers)
+    except Exception as e:
+        if type(e).__module__ != ORT_ERROR_MODULE:
+            raise
+        raise EngineError(f"{model}: ONNX Runtime cannot load it ({type(e).__name__}: {e}); "
+                          f"re-export the engine folder") from e
+
+
+def plain_session(model: Path, provider: str, threads: int | None = None):
+    """An ONNX Runtime session of a plain graph (a policy's encoder: no KV cache, no profiles): on CUDA for a
+    provider whose buffers live on the GPU (the table's memory kind) when this onnxruntime has CUDA, else on
+    the CPU."""
+    import onnxruntime as ort
+    gpu = PROVIDERS[provider].memory != "host" and "CUDAExecutionProvider" in ort.get_available_providers()
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if gpu else ["CPUExecutionProvider"]
+    return _session(model, session_options(threads), providers)
+
+
+class OrtEngine(EmbeddingTable):
+    """One contract decoder in an ONNX Runtime session; checks the folder against its manifest at load.
+    provider: cpu, cuda, or tensorrt / tensorrt-ep (ONNX Runtime's TensorRT execution provider)."""
+
+    def __init__(self, engine_dir: str | Path, provider: str = "cpu", threads: int | None = None,
+                 check_hashes: bool = True, provider_options: dict | None = None):
+        import onnxruntime as ort
+
+        from .. import compat
+
+        self.dir = Path(engine_dir)
+        if not self.dir.is_dir():
+            raise EngineError(f"{self.dir}: no such engine folder")
+        derived = compat.looks_like_optimum(self.dir)
+        if not derived:
+            self.manifest = Manifest.read(self.dir)
+            problems = self.manifest.check_files(self.dir, hashes=check_hashes)
+            if problems:
+                raise EngineError(f"{self.dir}: engine folder does not match its manifest:\n  - "
+                                  + "\n  - ".join(problems))
+        self.spec = spec = PROVIDERS["tensorrt-ep"] if provider == "tensorrt" else PROVIDERS.get(provider)
+        if spec is None or spec.backend != "ort":
+            raise EngineError(f"ONNX Runtime runs providers {ORT_PROVIDERS}, got {provider!r} (open_engine takes "
+                              f"every provider)")
+        if spec.ort_name not in ort.get_available_providers():
+            raise EngineError(f"provider {provider!r} is not available in this onnxruntime build "
+                              f"(available: {ort.get_available_providers()}): {spec.install_hint}")
+        if spec.portable_only and not derived:
+            require_portable(self.dir, provider)
+        if spec.name == "tensorrt-ep" and provider_options is None and not derived:
+            from ..profiles import default_profiles, ort_trt_options
+            provider_options = ort_trt_options(self.manifest, self.dir, default_profiles(self.manifest.max_context),
+                                               fp16=self.manifest.precision != "fp32")
+        self.provider_options = dict(provider_options or {})
+        providers = [(spec.ort_name, self.provider_options)]
+        if spec.name != "cpu":
+            providers.append(("CPUExecutionProvider", {}))
+        self.provider = provider
+        model_file = "model.onnx" if derived else self.manifest.model_file
+        self.session = _session(self.dir / model_file, session_options(threads), providers)
+        if derived:
+            self.manifest = compat.derive_manifest(self.dir, self.session)
+        got_in = [(i.name, _ORT_TYPES.get(i.type, i.type), list(i.shape)) for i in self.session.get_inputs()]
+        got_out = [(o.name, _ORT_TYPES.get(o.type, o.type), list(o.shape)) for o in self.session.get_outputs()]
+        problems = self.manifest.check_graph_io(got_in, got_out)
+        if problems:
+            raise EngineError(f"{self.dir / self.manifest.model_file}: graph does not match {self.dir}/engine.json:"
+                              "\n  - " + "\n  - ".join(problems))
+        self.input_names = [i[0] for i in got_in]
+        self.output_names = [o[0] for o in got_out]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Plain numpy call: feeds by contract name -> outputs by contract name."""
+        outs = self.session.run(self.output_names, feeds)
+        return dict(zip(self.output_names, outs))
+
+    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None) -> "OrtDecoder":
+        """An OrtDecoder (this engine bound to its own KV cache) for `batch` sequences."""
+        return OrtDecoder(self, batch, embedding)
 
 
 @dataclass
@@ -42,38 +153,18 @@ class _Binding:
     inputs: dict  # name -> np.ndarray
 
 
-class Decoder:
+class OrtDecoder(Decoder):
+    """An OrtEngine bound to its KV cache through IOBinding (the module docstring)."""
+
     def __init__(self, engine: OrtEngine, batch: int = 1, embedding: np.ndarray | None = None,
                  memory: HostMemory | None = None):
-        self.engine, self.m = engine, engine.manifest
-        m = self.m
-        self.batch = batch
-        self.memory = memory or memory_for(engine.provider)
-        self.cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, m.cache_dtype,
-                             self.memory, in_place=engine.provider != "tensorrt")  # TensorRT: I/O never alias
+        m, spec = engine.manifest, engine.spec
+        memory = memory or memory_for(spec)
+        cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, m.cache_dtype, memory,
+                        in_place=spec.in_place)
+        super().__init__(engine, batch, memory, cache, embedding)
+        self.caps = Capabilities(hidden=m.has_hidden, embeds=m.input_mode == "embeds")
         self._bindings: dict[tuple, _Binding] = {}  # (S, parity) -> its binding
-        self._last: _Binding | None = None  # the binding of the last call (its outputs are still in place)
-        self.last_start = np.zeros(batch, np.int64)  # (B,) the cache length before the last call
-        self._ids_host: np.ndarray | None = None  # the last call's next_ids on the host, once fetched
-        self.embedding = embedding  # (V, E) for inputs_embeds engines
-        self.calls = 0
-        self.engine_s = 0.0  # wall time inside the engine's run (the rest of a call is host overhead)
-        self.trace: list | None = None  # (name, start, end) events when profiling
-        self.trace_name = "engine"
-
-    @property
-    def vocab_size(self) -> int:
-        return self.m.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.m.max_context
-
-    def reset(self) -> None:
-        """Empty cache (rewound to 0, buffers and bindings kept), zero counters, no trace."""
-        self.cache.rewind_to(0)
-        self.calls, self.engine_s, self.trace, self.trace_name = 0, 0.0, None, "engine"
-        self._last, self._ids_host = None, None
 
     def _binding(self, s: int) -> _Binding:
         """The binding for S new tokens per sequence, bound to the current cache (renewed after it grows)."""
@@ -108,42 +199,9 @@ class Decoder:
             entry.generation = cache.generation
         return entry
 
-    def _inputs(self, tokens, valid, embeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A portable engine's -> (first input, position_ids (B, S), attention_bias (B, 1, S, P)) on the host,
-        cache reserved (the TensorRT decoder binds these)."""
-        first, small = self._prepare(tokens, valid, embeds)
-        return first, small[C.POSITION_IDS], small[C.ATTENTION_BIAS]
-
-    def _prepare(self, tokens, valid, embeds) -> tuple[np.ndarray, dict]:
-        """-> (first input, the flavour's small inputs by name: masks.step_inputs) on the host, cache reserved."""
-        first = self._first(tokens, embeds)
-        cache, lengths = self.cache, self.cache.lengths
-        cache.reserve(int(lengths.max()) + first.shape[1])
-        return first, step_inputs(self.m, lengths, first.shape[1], cache.capacity, valid)
-
-    def _first(self, tokens, embeds) -> np.ndarray:
-        """The call's first input on the host: ids (B, S) int64, or embeds (B, S, E) float32, checked."""
-        if embeds is not None:
-            if self.m.input_mode != "embeds" or embeds.ndim != 3 or embeds.shape[2] != self.m.hidden_size:
-                raise ValueError(f"embeds must be (B, S, {self.m.hidden_size}) for an inputs_embeds engine; "
-                                 f"got {embeds.shape} for a {self.m.input_mode!r} engine")
-            first = np.ascontiguousarray(embeds, dtype=np.float32)
-        elif self.m.input_mode == "embeds":
-            first = self.embedding[np.asarray(tokens)]
-        else:
-            first = np.ascontiguousarray(tokens, dtype=np.int64)
-        if first.shape[0] != self.batch:
-            raise ValueError(f"this decoder runs batches of {self.batch}, got {first.shape[0]} sequences")
-        return first
-
     def run(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
             embeds: np.ndarray | None = None) -> None:
-        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1: one engine call; the new rows land
-        in the cache, the outputs stay in the engine's memory (read them with ids() / last_logits()).
-
-        valid (B, S) bool marks real tokens when sequences feed different counts (right padding).
-        embeds (B, S, E) float32 replaces `tokens` on inputs_embeds engines (a VLA encoder's prefix).
-        """
+        """Decoder.run through this S's binding: the new rows land in the cache in place."""
         first = self._first(tokens, embeds)
         s, cache = first.shape[1], self.cache
         cache.reserve(int(cache.lengths.max()) + s)
@@ -155,77 +213,6 @@ class Decoder:
         t0 = time.perf_counter()
         self.engine.session.run_with_iobinding(bind)
         self._called(s, entry, t0, time.perf_counter(), start, valid)
-
-    def _called(self, s: int, last, t0: float, t1: float, start: np.ndarray | None = None,
-                valid: np.ndarray | None = None) -> None:
-        """After an engine call of S tokens per sequence (t0..t1 inside the engine): the rows it wrote are the
-        cache's, `last` holds its outputs (start: (B,) the position of its first row), a row whose outputs are
-        not finite is scrubbed, and the counters and the trace move on. Every backend's run() ends here."""
-        self.cache.wrote(s)
-        self._last, self._ids_host = last, None
-        if start is not None:
-            self.last_start = start
-        self._scrub_if_failed(s, valid)
-        self.engine_s += t1 - t0
-        self.calls += 1
-        if self.trace is not None:
-            self.trace.append((f"{self.trace_name}.run S={s}", t0, t1))
-
-    def _scrub_if_failed(self, s: int, valid: np.ndarray | None = None) -> None:
-        """A call with NaN or inf logits (next_ids = NONFINITE_ID) in a real (valid) row may have written
-        non-finite K/V rows: zero them, so no later call reads them (the caller still sees the failure in its
-        outputs). Padding rows' outputs mean nothing (the ort flavour leaves them unspecified)."""
-        ids = self.last_ids()
-        if valid is not None:
-            ids = np.where(valid, ids, 0)
-        if ids.min() < 0:
-            self.cache.zero_written(s)
-
-    def last_logits(self) -> np.ndarray:
-        """(B, S, V) logits of the last call, on the host (on the CPU: the bound array, reused by the next
-        call with the same S, so read it before then)."""
-        return self.memory.to_host(self._last.logits)
-
-    def hidden_at(self, b: int, position: int) -> np.ndarray:
-        """(E,) the final hidden state the last call computed at sequence b's `position` (an engine exported
-        with --hidden; the row that predicted the token at position + 1), on the host."""
-        if not self.m.has_hidden:
-            raise C.EngineError(f"{self.engine.dir}: this engine does not output its hidden state; re-export it "
-                                f"with `edgespec export ... --hidden`")
-        row = position - int(self.last_start[b])
-        if self._last is None or not 0 <= row < self._last.hidden.shape[1]:
-            raise ValueError(f"position {position} is not a row of the last call (it wrote rows "
-                             f"{int(self.last_start[b])}.. of sequence {b})")
-        return self.memory.to_host(self._last.hidden)[b, row]
-
-    def last_ids(self) -> np.ndarray:
-        """(B, S) int64 argmax ids of the last call over the manifest's argmax_ids, on the host (copied back
-        once per call)."""
-        if self._ids_host is None:
-            self._ids_host = self._fetch_ids()
-        return self._ids_host
-
-    def _fetch_ids(self) -> np.ndarray:
-        return self.memory.to_host(self._last.ids)
-
-    def __call__(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
-                 embeds: np.ndarray | None = None) -> np.ndarray:
-        """run(), then the logits (B, S, V) on the host."""
-        if self.m.kind == "optimum":
-            return compat_call(self, tokens, valid)
-        self.run(tokens, valid, embeds)
-        return self.last_logits()
-
-    def ids(self, tokens: np.ndarray | None, valid: np.ndarray | None = None,
-            embeds: np.ndarray | None = None, last: int | None = None) -> np.ndarray:
-        """run(), then only the argmax ids (B, S) come back to the host (greedy and relaxed decoding).
-        last: the caller reads only the last `last` positions' ids (a remote target computes only those and
-        returns -1 before them; an engine computes every position anyway)."""
-        if self.m.kind == "optimum":
-            lo, hi = self.m.argmax_range
-            return compat_call(self, tokens, valid)[..., lo:hi].argmax(-1) + lo
-        self.run(tokens, valid, embeds)
-        return self.last_ids()
 
     def greedy_steps(self, pending: int, n: int) -> Iterator[int]:
         """Plain greedy decoding of one sequence: up to n S=1 calls back to back, the first fed `pending` (the
@@ -277,15 +264,6 @@ class Decoder:
             cache.wrote(1)
             cache.zero_written(1)
             check_ids(np.array([tok]), "target", start + ran)
-
-    def greedy_steps_reference(self, pending: int, n: int) -> Iterator[int]:
-        """greedy_steps through ids() and commit(), one call at a time (slow, obvious; TensorRT, embeds engines)."""
-        tok = pending
-        for _ in range(n):
-            tok = int(self.ids(np.array([[tok]], np.int64))[0, 0])
-            check_ids(np.array([tok]), "target", int(self.cache.lengths[0]) + 1)
-            self.cache.commit(1)
-            yield tok
 
     def reference_call(self, tokens: np.ndarray, valid: np.ndarray | None = None,
                        embeds: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,230 @@
+"""The native CPU engine (provider "cpu-native"): one C call per decoder step, float32 math over float16 weights
+or blocks of int8 / int4 weights.
+
+A checkpoint stored in float16 (the bundled pair is) is exported to an fp32 ONNX graph whose weights are
+those float16 values widened: 4 bytes read per weight and token, where 2 hold the same number. Decoding on
+the CPU is bound by reading the weights, so `native_step.c` keeps them as float16, widens each on the fly
+(exactly) and accumulates in float32: the same function as the fp32 engine, in another summation order (the
+export gate and the tests compare the two), at half the weight bytes per token. int8 and int4 folders carry
+integer weights (WEIGHT_KINDS): blocks of 32 values along the input with one float16 scale per block and
+output column, w = q * scale, read at 1.06 / 0.56 bytes per weight; the arithmetic stays float32.
+
+    engine folder: engine.json, whose extra["native"] names
+                   native.npz   the weights (matrices in packed panels of float16 or of integer blocks:
+                                extra["native"]["weights"] and ["head_weights"] say which; float32 norms,
+                                biases, rope frequencies and scalings; int64 per-layer rotary index and
+                                window), written by `edgespec export` (or `python -m edgespec.export.native`);
+                                extra["native"] records its layout (format 2, features, rotary_dim, ropes,
+                                activation, weights: expected_shapes reads them)
+
+Every family export/checkpoint.py reads runs here (native_step.c's header lists the per-layer computation);
+the load checks native.npz against engine.json (shapes, the features' arrays and no others, the per-layer
+windows against layer_windows). A format 1 file (before the families: plain Llama) is read as format 2.
+
+The C source is compiled on first use (native_lib.py); the weights' layout is native_format.py's.
+`NativeEngine.decoder(batch)` gives a `Decoder` whose
+calls run that step on the same KV cache (B, Hkv, T, D), written in place at the committed lengths: one C
+call per decoder call, the batch's rows through each weight matrix together.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..contract import EngineError, Manifest, file_sha256
+from ..kvcache import KVCache
+from ..memory import HostMemory
+from .providers import checked_folder, default_threads
+from .base import Capabilities, Decoder, EmbeddingTable
+from .native_format import (ACTIVATIONS, FEATURES, FORMAT, LAYER_KEYS, OPTIONAL_KEYS, PANEL, QB, WEIGHT_KINDS,
+                            expected_shapes, manifest_windows, upgrade_format1)
+from .native_lib import _Model, library
+
+
+class NativeEngine(EmbeddingTable):
+    """An engine folder's native weights, ready for `decoder()`; checked against engine.json at load."""
+
+    provider = "cpu-native"
+
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, check_hashes: bool = True):
+        self.dir, self.manifest = checked_folder(engine_dir, check_hashes)
+        m = self.manifest
+        info = m.extra.get("native") or {}
+        if not info.get("file"):
+            why = info.get("unavailable", "it was exported before native weights existed")
+            raise EngineError(f"{self.dir}: no native weights for provider 'cpu-native' ({why}); add them with "
+                              f"`python -m edgespec.export.native {self.dir} --checkpoint CHECKPOINT_DIR`, or use "
+                              f"provider 'cpu'")
+        path = self.dir / info["file"]
+        if not path.is_file():
+            raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
+        if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
+            raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
+        if m.input_mode != "ids" or m.kind != "decoder":  # its cache is its own, float32 whatever engine.json's
+            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders; this folder has "
+                              f"input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
+        fmt = int(info.get("format", 1))
+        if fmt not in (1, 2, FORMAT) or (fmt < 3 and info.get("weights", "float16") != "float16"):
+            raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "
+                              f"edgespec reads formats 1 and 2 (float16) and {FORMAT} "
+                              f"(re-add them with `python -m edgespec.export.native {self.dir} --checkpoint ...`)")
+        with np.load(path) as z:
+            self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
+        if fmt == 1 and "scalars" in self.arrays and self.arrays["scalars"].shape == (2,):
+            upgrade_format1(self.arrays, m)
+        intermediate = int(info["intermediate_size"])
+        kinds = {k: info.get(k, "float16") for k in ("weights", "head_weights")}
+        odd = {k: v for k, v in kinds.items() if v not in WEIGHT_KINDS}
+        if odd:
+            raise EngineError(f"{path}: engine.json's extra.native says " + ", ".join(
+                f"{k} {v!r}" for k, v in odd.items()) + f": the native step reads {sorted(WEIGHT_KINDS)}")
+        want = expected_shapes(m, info)
+        a = self.arrays
+        bad = [f"{k}: expected {s}, got {a[k].shape if k in a else 'nothing'}"
+               for k, s in want.items() if k not in a or a[k].shape != s]
+        bad += [f"{k}: not expected (engine.json's extra.native.features: {info.get('features', [])})"
+                for k in sorted(set(a) - set(want))]
+        unknown = sorted(set(info.get("features", [])) - set(FEATURES))
+        if unknown:
+            bad.append(f"features {unknown} are not computed by this edgespec's native step")
+        for what, n in (("hidden_size", m.hidden_size), ("vocab_size", m.vocab_size),
+                        ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
+            if n % PANEL:
+                bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
+        if info.get("weights", "float16") != "float16":
+            for what, n in (("hidden_size", m.hidden_size), ("num_heads x head_dim", m.num_heads * m.head_dim),
+                            ("intermediate_size", intermediate)):
+                if n % QB:
+                    bad.append(f"{what} must be a multiple of {QB} for integer weights (blocks along K), got {n}")
+        if m.head_dim % 8:
+            bad.append(f"head_dim must be a multiple of 8, got {m.head_dim}")
+        if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
+            bad.append(f"head_dim <= 512 and num_heads a multiple of num_kv_heads, got {m.head_dim}, "
+                       f"{m.num_heads}/{m.num_kv_heads}")
+        rot = int(info.get("rotary_dim", m.head_dim))
+        if not (0 < rot <= m.head_dim and rot % 2 == 0):
+            bad.append(f"rotary_dim must be even and in 1..head_dim {m.head_dim}, got {rot}")
+        if info.get("activation", "silu") not in ACTIVATIONS:
+            bad.append(f"activation {info.get('activation')!r}: the native step computes {sorted(ACTIVATIONS)}")
+        if not bad:  # the per-layer tables against engine.json and the record
+            if a["layer_window"].tolist() != manifest_windows(m):
+                bad.append(f"layer_window {a['layer_window'].tolist()} differs from engine.json's windows "
+                           f"{manifest_windows(m)}")
+            ropes = want["rope_scale"][0]
+            if not all(-1 <= j < ropes for j in a["layer_rope"].tolist()):
+                bad.append(f"layer_rope {a['layer_rope'].tolist()} names rotaries outside -1..{ropes - 1}")
+        if bad:
+            raise EngineError(f"{path}: does not fit {self.dir}/engine.json:\n  - " + "\n  - ".join(bad))
+        self.info = info
+        self.intermediate = intermediate
+        self.threads = default_threads(threads)
+        self.lib = library()
+        self.model = self._model()
+
+    def _model(self) -> _Model:
+        m, a, info = self.manifest, self.arrays, self.info
+        lo, hi = m.argmax_range
+        eps, embed_scale, attn_scale = (float(x) for x in a["scalars"])
+        for k in ("layer_rope", "layer_window"):
+            a[k] = np.ascontiguousarray(a[k], np.int64)
+        for k in ("inv_freq", "rope_scale"):
+            a[k] = np.ascontiguousarray(a[k], np.float32)
+        kind = info.get("weights", "float16")
+        st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, self.intermediate, m.vocab_size,
+                    m.num_layers, lo, hi, int(info.get("rotary_dim", m.head_dim)), a["rope_scale"].shape[0],
+                    ACTIVATIONS[info.get("activation", "silu")], WEIGHT_KINDS[kind],
+                    WEIGHT_KINDS[info.get("head_weights", kind)], eps, embed_scale, attn_scale,
+                    a["inv_freq"].ctypes.data, a["rope_scale"].ctypes.data, a["layer_rope"].ctypes.data,
+                    a["layer_window"].ctypes.data, a["embed"].ctypes.data, a["lm_head"].ctypes.data,
+                    a["norm"].ctypes.data)
+        self._tables = []  # keeps the pointer tables alive with the struct
+        for key in LAYER_KEYS + OPTIONAL_KEYS:
+            if f"layers.0.{key}" not in a:
+                continue  # an absent option: NULL
+            table = (ctypes.c_void_p * m.num_layers)(*[a[f"layers.{i}.{key}"].ctypes.data for i in range(m.num_layers)])
+            self._tables.append(table)
+            setattr(st, key, ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p)))
+        return st
+
+    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None) -> "NativeDecoder":
+        """A NativeDecoder for `batch` sequences (ids-input engines only: `embedding` is never used)."""
+        return NativeDecoder(self, batch)
+
+
+class _Outputs:
+    """The last call's outputs, shaped like decoder._Binding's (logits, ids, hidden)."""
+
+    def __init__(self, memory: HostMemory, b: int, s: int, m: Manifest):
+        self.logits = memory.zeros((b, s, m.vocab_size), np.float32)
+        self.ids = memory.zeros((b, s), np.int64)
+        self.hidden = memory.zeros((b, s, m.hidden_size), np.float32) if m.has_hidden else None
+
+
+class NativeDecoder(Decoder):
+    """The Decoder (base.py) over native_step.c: a call is one es_forward over every sequence, each at its own
+    committed length (the weights are read once per call, whatever the batch)."""
+
+    def __init__(self, engine: NativeEngine, batch: int = 1):
+        m, memory = engine.manifest, HostMemory()
+        cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, "float32", memory)
+        super().__init__(engine, batch, memory, cache)
+        self.caps = Capabilities(hidden=m.has_hidden)
+        self._outs: dict[int, _Outputs] = {}
+        self._scratch, self._scratch_s = np.zeros(0, np.float32), 0  # scratch sized for calls of up to S tokens
+        self._pointers: tuple = (-1, [])  # (cache generation, per sequence (key, value) address tables)
+
+    def run(self, tokens, valid=None, embeds=None) -> None:
+        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
+        (valid False) are computed like any token; their rows are never committed."""
+        if embeds is not None:
+            raise ValueError("provider 'cpu-native' runs ids-input engines; got embeds")
+        ids = self._first(tokens, None)  # (B, S) int64, checked
+        if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
+            ids = np.ascontiguousarray(np.where(valid, ids, 0))
+        ids = np.ascontiguousarray(ids, np.int64)
+        b, s = ids.shape
+        lo, hi = 0, self.m.vocab_size
+        if ids.size and (ids.min() < lo or ids.max() >= hi):
+            raise ValueError(f"token ids must be in 0..{hi - 1}, got {int(ids.min())}..{int(ids.max())}")
+        cache = self.cache
+        e = self.engine
+        grow = int(cache.lengths.max()) + s > cache.capacity or s > self._scratch_s
+        if grow:  # buffers a helper thread of the last call may still read are about to be freed
+            e.lib.es_quiesce()
+        cache.reserve(int(cache.lengths.max()) + s)
+        start = np.ascontiguousarray(cache.lengths, np.int64)  # a copy: (B,)
+        out = self._outs.get(s)
+        if out is None:
+            out = self._outs[s] = _Outputs(self.memory, b, s, self.m)
+        if s > self._scratch_s:
+            need = e.lib.es_scratch_floats(ctypes.byref(e.model), b * s)
+            if self._scratch.size < need:
+                self._scratch = np.zeros(need, np.float32)
+            self._scratch_s = s
+        if self._pointers[0] != cache.generation:  # key / value addresses, sequence-major: [b L + layer]
+            L = self.m.num_layers
+            keys = [cache.buffers[2 * j].handle[i].ctypes.data for i in range(b) for j in range(L)]
+            values = [cache.buffers[2 * j + 1].handle[i].ctypes.data for i in range(b) for j in range(L)]
+            self._pointers = (cache.generation, ((ctypes.c_void_p * (b * L))(*keys), (ctypes.c_void_p * (b * L))(*values)))
+        ks, vs = self._pointers[1]
+        logits, nid = out.logits.handle, out.ids.handle
+        hidden = out.hidden.handle if out.hidden is not None else None
+        t0 = time.perf_counter()
+        rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data, start.ctypes.data, ks, vs,
+                              cache.capacity, logits.ctypes.data, nid.ctypes.data,
+                              hidden.ctypes.data if hidden is not None else None, self._scratch.ctypes.data,
+                              e.threads)
+        if rc == -1:
+            raise EngineError(f"native step: rows {start.tolist()} + {s} do not fit the cache's {cache.capacity} rows")
+        if rc != 0:
+            raise MemoryError("native step: could not allocate its scratch")
+        self._called(s, out, t0, time.perf_counter(), start, valid)
+
+    def __del__(self):
+        try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)
+            self.engine.lib.es_quiesce()
+        except Exception:  # interpreter shutdown
+            pass

@@ -1,0 +1,93 @@
+"""Reading a policy folder (export/vla.py writes it) and checking what a policy is asked: policy.json and its
+content hash (policy_contract.py), action_stats.json, the draft head, instructions, images and states.
+`Policy` (policy.py) loads through these."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import contract as C
+from . import policy_contract as PC
+from .actions import ActionStats, ActionTokenizer
+from .draft_head import DraftHead
+
+
+def read_folder(policy_dir: Path, check_hashes: bool) -> tuple[dict, PC.PolicyManifest, ActionTokenizer]:
+    """-> (policy.json, its PolicyManifest, the action tokenizer over action_stats.json), each checked: one
+    error naming the file and the field; with check_hashes, the content hash export wrote too."""
+    path = policy_dir / PC.POLICY_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{policy_dir} is not a policy folder: no {PC.POLICY_FILE} "
+                                f"(export one with `edgespec export-policy`)")
+    meta = PC.read_policy_json(path)
+    if check_hashes:
+        PC.require_content_hash(path, meta)  # an older export: say "re-export" before naming missing fields
+    m = PC.PolicyManifest.from_dict(meta, path)
+    if check_hashes:
+        PC.check_policy_content(policy_dir, meta)
+    stats = ActionStats.load(policy_dir / PC.STATS_FILE)
+    if stats.dims != m.dims:
+        raise ValueError(f"{policy_dir}/{PC.STATS_FILE} has {stats.dims} dimensions but the policy emits "
+                         f"{m.dims} per step")
+    return meta, m, ActionTokenizer(m.vocab_end, m.n_bins, stats)
+
+
+def checked_file(path: Path, sha256: str | None, check_hashes: bool, manifest_path: Path) -> Path:
+    """path, after checking it against the sha256 policy.json records for it (when it records one)."""
+    if check_hashes and sha256 and C.file_sha256(path) != sha256:
+        raise C.EngineError(f"{path} does not match the sha256 in {manifest_path}")
+    return path
+
+
+def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, check_hashes: bool) -> DraftHead:
+    """The folder's numpy draft head, checked against the policy's action ids and chunk shape."""
+    hpath = policy_dir / PC.HEAD_FILE
+    if not hpath.is_file():
+        raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (collect its data with "
+                                f"`python -m edgespec.robots.demos on-policy`, then train it with "
+                                f"`python -m edgespec.export.train_draft_head`)")
+    head = DraftHead.load(checked_file(hpath, m.draft_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))
+    if tok.first_id != 0 or head.n_ids != tok.vocab_end:
+        raise ValueError(f"the draft head proposes ids 0..{head.n_ids - 1}; this policy's action ids are "
+                         f"{tok.first_id}..{tok.vocab_end - 1}")
+    if (head.dims, head.w.horizon) != (m.dims, m.horizon):
+        raise ValueError(f"draft head is for {head.w.horizon}x{head.dims} chunks, the policy emits "
+                         f"{m.horizon}x{m.dims}")
+    return head
+
+
+def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarray:
+    """The instruction's word ids (L,), right-padded with 0 (<pad>); unknown words are an error."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty string, got {instruction!r}")
+    got = instruction.lower().split()
+    unknown = [w for w in got if w not in words]
+    if unknown:
+        raise ValueError(f"unknown words {unknown} in instruction {instruction!r}; the policy knows "
+                         f"{[w for w in words if w != '<pad>']}")
+    if len(got) > length:
+        raise ValueError(f"instruction has {len(got)} words; the policy takes at most {length}")
+    ids = np.zeros(length, np.int64)
+    ids[:len(got)] = [words.index(w) for w in got]
+    return ids
+
+
+def check_inputs(image, state, m: PC.PolicyManifest) -> tuple[np.ndarray, np.ndarray]:
+    """-> image (1, S, S, 3) uint8, state (1, N) float32: checked as the encoder will see them (a state finite
+    in float64 can still overflow to inf in float32)."""
+    image, state = np.asarray(image), np.asarray(state)
+    want = (m.image_size, m.image_size, 3)
+    if image.shape != want or image.dtype != np.uint8:
+        raise ValueError(f"image must be {want} uint8 RGB, got {image.shape} {image.dtype}")
+    if state.shape != (m.state_dim,) or state.dtype.kind not in "biuf":
+        raise ValueError(f"state must have shape ({m.state_dim},), numbers ({', '.join(m.state_names)}); "
+                         f"got {state.shape} {state.dtype}")
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is reported below, by name
+        st = state.astype(np.float32)
+    bad = np.nonzero(~np.isfinite(st))[0]
+    if len(bad):
+        got = ", ".join(f"{m.state_names[j]} = {float(state[j])!r}" for j in bad)
+        raise ValueError(f"state must be finite float32 values (|x| < {np.finfo(np.float32).max:.3g}); "
+                         f"got NaN, inf or out of range: {got}")
+    return image[None], st[None]
