@@ -100,7 +100,7 @@ def write(args, argv, out: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", type=Path, required=True, help="text_head.npz (python -m edgespec.export.train_text_head)")
+    ap.add_argument("--head", type=Path, required=True, help="text_head.npz (python -m edgespec.export.training.train_text_head)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/text-head.json"))
     ap.add_argument("--engines", type=Path, default=Path("engines"))
     ap.add_argument("--models", type=Path, default=Path("models"))

@@ -16,7 +16,7 @@ import numpy as np
 from .memory import Buffer, HostMemory
 
 _CUDART = None  # the cuda-python runtime module, loaded on first use (tests may put a fake here)
-INSTALL_HINT = "pip install 'cuda-python>=12.2,<13' (the `trt` extra); cuda-python 13 needs a driver >= 580"
+CUDA_PYTHON_HINT = "pip install 'cuda-python>=12.2,<13' (the `trt` extra); cuda-python 13 needs a driver >= 580"
 
 
 def cudart():
@@ -29,7 +29,7 @@ def cudart():
             try:  # cuda-python < 12.6.1
                 from cuda import cudart as rt
             except ImportError as e:
-                raise ImportError(f"cuda-python is not installed ({e}); {INSTALL_HINT}") from None
+                raise ImportError(f"cuda-python is not installed ({e}); {CUDA_PYTHON_HINT}") from None
         _CUDART = rt
     return _CUDART
 

@@ -13,7 +13,7 @@ does not exist yet (head_features):
     t >= D: logits over steps -R..R from x_{t-D} = W_rel h2 + b_rel   (2R+1,), bins outside 0..n-1 excluded
 Velocities are clipped to -R..R as features. The five embedding rows come from one stacked table in one
 gather, so a proposal is a gather, two small matrix-vector products and an argmax.
-Trained by export/train_draft_head.py on the target's own greedy chunks (distillation).
+Trained by export/training/train_draft_head.py on the target's own greedy chunks (distillation).
 `HeadDraft` wraps it as a `Drafter`.
 """
 from __future__ import annotations

@@ -51,11 +51,9 @@ class LeanRounds:
 
     def __call__(self, target: Decoder, drafter: Drafter | None, seqs: list[Sequence], active, gamma: int,
                  span: int, timer: Timer | None) -> Result:
-        ctx = seqs[0].ctx
         prefix = self.prefix if self.prefix is not None and not target.cache.lengths[0] else None
-        wide = {"span": span} if span > gamma else {}  # a lookup round may propose more than gamma
-        new, k, c = self.round(target, drafter if gamma else None, ctx, gamma, self.rule, prefix, timer=timer,
-                               **wide)
+        new, k, c = self.round(target, drafter if gamma else None, seqs[0].ctx, gamma, self.rule, prefix, timer,
+                               span)  # span > gamma: a lookup round may propose more than gamma
         return [new], [k], [c]
 
     def close(self) -> None:
@@ -95,9 +93,8 @@ class SampledRounds:
         self.args = (mode, cfg, rng, noise, pick)
 
     def __call__(self, target, drafter, seqs, active, gamma, span, timer) -> Result:
-        wide = {"span": span} if span > gamma else {}
-        new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], active, gamma, *self.args,
-                                      timer or Timer(), **wide)
+        new, k, n = speculative_round(target, drafter, [s.ctx for s in seqs], np.array(active), gamma, *self.args,
+                                      timer or Timer(), span=span)
         return new, k, n
 
     def close(self) -> None:
@@ -122,8 +119,8 @@ class Loop:
     """Rounds until every sequence is finished. gamma(context length, room, stats) -> the round's γ;
     append(sequence, ids) -> how many ids it kept (it sets `finish`). est: an AcceptanceEstimator that auto γ
     reads (updated when given); observe(asked, proposed, draft s, verify s, context, host s): auto γ's cost
-    refinement (one sequence); log: a list to append (γ, proposed, draft s, verify s, host s) per round.
-    A policy's chunk keeps its rows (release False): the next chunk starts from an empty cache anyway."""
+    refinement (one sequence). A policy's chunk keeps its rows (release False): the next chunk starts from an
+    empty cache anyway."""
     target: Decoder
     drafter: Drafter | None
     rounds: object  # LeanRounds | PlainSteps | SampledRounds | PipelinedRounds
@@ -134,19 +131,23 @@ class Loop:
     timer: Timer | None = None
     est: object = None
     observe: Callable | None = None
-    log: list | None = None
     release: bool = True  # when done, rewind the target's cache and reset the drafter (text: rows unneeded)
     capacity: int = field(init=False)
 
     def __post_init__(self):
         self.capacity = self.target.max_context
 
-    def room(self, seqs: list[Sequence], active: np.ndarray) -> tuple[int, int]:
+    def room(self, seqs: list[Sequence], active: list[bool]) -> tuple[int, int]:
         """-> (the longest active context, the most drafts a round may propose): within the target's capacity,
-        the tokens left (the round's own id is one of them) and the drafter's capacity."""
-        live = [s for s, a in zip(seqs, active) if a]
-        longest = max(len(s.ctx) for s in live)
-        left = min(self.max_new_tokens - (len(s.ctx) - len(s.prompt)) for s in live)
+        the tokens left (the round's own id is one of them) and the drafter's capacity. (Plain loops, no
+        generators: this runs once per round, and a policy's round is a quarter of a millisecond.)"""
+        longest, left = 0, self.max_new_tokens
+        for s, a in zip(seqs, active):
+            if a:
+                n = len(s.ctx)
+                longest = n if n > longest else longest
+                k = self.max_new_tokens - (n - len(s.prompt))
+                left = k if k < left else left
         room = min(self.capacity - longest, left - 1)
         if self.drafter is not None:
             room = min(room, self.drafter.room([s.ctx for s in seqs], active))
@@ -156,31 +157,34 @@ class Loop:
         """Rounds until every sequence is finished; yields after each round but the last. Then (release) the
         target's cache is rewound and the drafter reset (the caller's stats and result come after)."""
         target, drafter, stats, timer, b = self.target, self.drafter, self.stats, self.timer, len(seqs)
-        clock = timer is not None and (self.observe is not None or self.log is not None)
-        active = np.array([s.finish is None for s in seqs])
+        rounds, pace, append, est, cap = self.rounds, self.gamma, self.append, self.est, self.capacity  # per round
+        clock = timer is not None and self.observe is not None
+        lane = timer is not None and timer.events is not None  # the profiler's per-round lane
+        active = [s.finish is None for s in seqs]  # a list: numpy's per-call cost shows at batch 1
         try:
-            while active.any():
-                t0 = time.perf_counter()
+            while True in active:
+                t0 = time.perf_counter() if clock or lane else 0.0
                 longest, room = self.room(seqs, active)
-                g = max(0, min(self.gamma(longest, room, stats), room))
-                span = min(drafter.span(g), room) if drafter is not None else g
+                g = max(0, min(pace(longest, room, stats), room))
+                span = max(g, min(drafter.span(g), room)) if drafter is not None else g
                 stats.gamma_history.append((stats.new_tokens, g))
                 if clock:
                     t_draft0, t_verify0 = timer.t["draft"], timer.t["verify"]
-                new, k, n = self.rounds(target, drafter, seqs, active, g, span, timer)
-                if timer is not None and timer.events is not None:  # the profiler's per-round lane
+                new, k, n = rounds(target, drafter, seqs, active, g, span, timer)
+                if lane:
                     timer.events.append(("round", t0, time.perf_counter()))
                 stats.rounds += 1
-                stats.plain_rounds += int(g == 0)
+                if not g:
+                    stats.plain_rounds += 1
                 for i, s in enumerate(seqs):
                     if not active[i]:
                         continue
                     ki, ni = int(k[i]), int(n[i])
                     stats.add_round(ki, ni)
-                    if self.est is not None:
-                        self.est.update(ki, ni, max(g, ni))  # a lookup round may propose more than g
-                    stats.new_tokens += self.append(s, new[i])
-                    if s.finish is None and len(s.ctx) > self.capacity:
+                    if est is not None:
+                        est.update(ki, ni, max(g, ni))  # a lookup round may propose more than g
+                    stats.new_tokens += append(s, new[i])
+                    if s.finish is None and len(s.ctx) > cap:
                         s.finish = "capacity"
                     if s.finish is not None:
                         active[i] = False
@@ -192,12 +196,10 @@ class Loop:
                     draft_s, verify_s = timer.t["draft"] - t_draft0, timer.t["verify"] - t_verify0
                     host_s = time.perf_counter() - t0 - draft_s - verify_s
                     c = int(max(n))
-                    if self.log is not None:
-                        self.log.append((g, c, draft_s, verify_s, host_s))
-                    if self.observe is not None and b == 1:  # batches: not measured
+                    if b == 1:  # batches: not measured
                         unpriced = drafter is not None and drafter.last_draft_unpriced
                         self.observe(max(g, c), c, 0.0 if unpriced else draft_s, verify_s, longest, host_s)
-                if active.any():
+                if True in active:
                     yield seqs
         finally:
             self.rounds.close()

@@ -46,7 +46,7 @@ def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, chec
     if not hpath.is_file():
         raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (collect its data with "
                                 f"`python -m edgespec.robots.demos on-policy`, then train it with "
-                                f"`python -m edgespec.export.train_draft_head`)")
+                                f"`python -m edgespec.export.training.train_draft_head`)")
     head = DraftHead.load(checked_file(hpath, m.draft_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))
     if tok.first_id != 0 or head.n_ids != tok.vocab_end:
         raise ValueError(f"the draft head proposes ids 0..{head.n_ids - 1}; this policy's action ids are "

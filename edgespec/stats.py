@@ -35,7 +35,8 @@ class RoundStats:
 
     def add_round(self, kept: int, drafted: int) -> None:
         """One sequence's round: `drafted` proposals, the first `kept` of them accepted."""
-        self._grow(drafted)
+        if drafted >= len(self.histogram):
+            self._grow(drafted)
         self.drafted += drafted
         self.accepted += kept
         self.histogram[kept] += 1

@@ -11,7 +11,7 @@ that emitted token x_{t+1}:
     d_j = F[argmax logits_j];  u_{j+1} = silu(ĥ_j W_h + P[d_j]) = silu(u_j A + a + P[d_j])
 The folded matrices (M = W_out L_F^T, A = W_out W_h) are computed once at load; a proposal is one gather
 and two small matrix-vector products, on the calling thread (`mv`). `reference_logits` computes the unfolded formula (slow, obvious).
-Trained by export/train_text_head.py on the target's own hidden states and greedy choices.
+Trained by export/training/train_text_head.py on the target's own hidden states and greedy choices.
 """
 from __future__ import annotations
 

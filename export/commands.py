@@ -91,7 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
-    p.add_argument("model", type=Path, help="policy folder from edgespec.export.train_vla")
+    p.add_argument("model", type=Path, help="policy folder from edgespec.export.training.train_vla")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
     p.add_argument("--allow-lossy", action="store_true",

@@ -15,7 +15,7 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
   1) model.onnx (fp32; model.fp32.onnx while a variant is made), its weights streamed layer by layer into
      model.onnx.data beside it when they exceed EXTERNAL_DATA_BYTES (ONNX's protobuf stops at 2 GB)
   2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present), and with --hidden its
-     text draft head (text_head.npz, export/train_text_head.py), if present
+     text draft head (text_head.npz, export/training/train_text_head.py), if present
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference, verify vs single steps (validate.py: 1e-4 of the
      logits' scale, top-1 beside it); the reference's logits are taken first and the checkpoint is then let

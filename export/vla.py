@@ -38,7 +38,7 @@ def load_encoder(model_dir: Path):
     import torch
     from safetensors.torch import load_file
 
-    from .train_vla import VLAConfig, build_encoder
+    from .vla_model import VLAConfig, build_encoder
 
     policy = json.loads((model_dir / PC.POLICY_FILE).read_text())
     cfg = VLAConfig.from_dict(policy["config"])

@@ -218,11 +218,11 @@ def main(argv=None) -> int:
             path = write_expert(expert_file(args.work, split, n), np.arange(seed0, seed0 + n), args.horizon,
                                 args.noise_std, workers=args.workers)
             print(f"wrote {path}", flush=True)
-        print(f"next: python -m edgespec.export.train_vla --train {expert_file(args.work, 'train', args.episodes)} "
+        print(f"next: python -m edgespec.export.training.train_vla --train {expert_file(args.work, 'train', args.episodes)} "
               f"--val {expert_file(args.work, 'val', args.val_episodes)} --out models/vla-reacher")
     elif args.cmd == "on-policy":
         paths = write_on_policy(args.policy, args.work, args.episodes, args.workers)
-        print(f"next: python -m edgespec.export.train_draft_head --policy {args.policy} --out models/vla-reacher "
+        print(f"next: python -m edgespec.export.training.train_draft_head --policy {args.policy} --out models/vla-reacher "
               f"--data {' '.join(str(p) for p in paths)}")
     else:
         from edgespec.policy import load_policy

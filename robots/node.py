@@ -34,7 +34,7 @@ rejected and counted. A policy that raises, returns NaN or a wrongly shaped chun
 is "degraded: policy failing (N in a row): <error>" (ERROR) until an inference succeeds; failing
 `max_policy_failures` times in a row, or for longer than `hold_s`, latches a stop; so does an inference
 that runs past `watchdog_s` (a hung policy). A stale observation (no
-joint state or image newer than `stale_s`: the publisher is gone) stops chunk publishing: "holding" for
+joint state or image newer than `stale_obs_s`: the publisher is gone) stops chunk publishing: "holding" for
 `hold_s`, then a latched stop. A latched stop ("stopped: <reason>", ERROR) publishes a stop trajectory and
 holds until `reset()` (or a message on the reset topic). `safe_stop()` (SIGINT / SIGTERM under `edgespec
 robot node`) stops inference, publishes a stop trajectory and marks safety stopped.
@@ -103,7 +103,7 @@ class NodeConfig:
     domain_id: int | None = None  # None: $ROS_DOMAIN_ID, default 0
     image_topic: str = "image"
     dt: float | None = None  # period of the chunk's steps (time_from_start = (k + 1) * dt); None: 1 / hz
-    stale_s: float = 0.5  # joint state / image older than this: the observation is stale
+    stale_obs_s: float = 0.5  # joint state / image older than this: the observation is stale
     hold_s: float = 0.5  # stale (or the policy failing) for this long: latch the stop
     max_policy_failures: int = 5  # this many failed inferences in a row latch the stop
     watchdog_s: float = 2.0  # an inference running longer than this is a hung policy: latch the stop
@@ -122,8 +122,8 @@ class NodeConfig:
         rm.ros_topic(self.reset_topic)
         if self.dt is not None and not (self.dt > 0 and math.isfinite(self.dt)):
             raise ValueError(f"dt must be > 0 seconds (or None for 1 / hz), got {self.dt}")
-        if not self.stale_s > 0 or not self.hold_s >= 0:
-            raise ValueError(f"stale_s must be > 0 and hold_s >= 0, got {self.stale_s} and {self.hold_s}")
+        if not self.stale_obs_s > 0 or not self.hold_s >= 0:
+            raise ValueError(f"stale_obs_s must be > 0 and hold_s >= 0, got {self.stale_obs_s} and {self.hold_s}")
         if isinstance(self.max_policy_failures, bool) or not isinstance(self.max_policy_failures, int) \
                 or self.max_policy_failures < 1:
             raise ValueError(f"max_policy_failures must be an integer >= 1, got {self.max_policy_failures!r}")
@@ -418,9 +418,9 @@ class PolicyNode:
                 state = f"waiting: no {', '.join(missing)} yet"
             else:
                 stale = [n for n, t in (("joint_states", self._state_t), (self.cfg.image_topic, self._image_t))
-                         if now - t > self.cfg.stale_s]
+                         if now - t > self.cfg.stale_obs_s]
                 if stale:
-                    why = (f"stale observation (no {' or '.join(stale)} newer than {self.cfg.stale_s} s; "
+                    why = (f"stale observation (no {' or '.join(stale)} newer than {self.cfg.stale_obs_s} s; "
                            "publisher gone?)")
                     mode, _ = self.safety.on_empty(now, why)
                     state = f"holding: {why}" if mode == "hold" else f"stopped: {self.safety.reason}"

@@ -160,7 +160,7 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     import torch
 
     from edgespec.actions import ActionStats
-    from edgespec.export.train_vla import Pair, VLAConfig, save
+    from edgespec.export.vla_model import Pair, VLAConfig, save
 
     cfg = VLAConfig(hidden=64, heads=2, target_layers=2, target_inter=128, draft_layers=1, draft_inter=64,
                     keypoints=8, horizon=4, dims=dims)

@@ -55,7 +55,8 @@ def test_an_existing_file_is_kept(expert_files):
 
 
 def test_train_vla_reads_the_file_as_word_ids(expert_files, tmp_path):
-    from edgespec.export.train_vla import WORDS, load_demos
+    from edgespec.export.training.train_vla import load_demos
+    from edgespec.export.vla_model import WORDS
     d = load_demos(expert_files[0], 6)
     want = np.stack([instruction_ids(str(s), WORDS, 6) for s in d["instruction"]])
     assert d["instr"].dtype == want.dtype and np.array_equal(d["instr"], want)
@@ -68,7 +69,7 @@ def test_train_vla_reads_the_file_as_word_ids(expert_files, tmp_path):
 
 @pytest.mark.slow
 def test_train_vla_trains_from_the_files_and_records_where_they_came_from(expert_files, tmp_path):
-    from edgespec.export.train_vla import VLAConfig, main
+    from edgespec.export.training.train_vla import VLAConfig, main
     out = tmp_path / "model"
     assert main(["--train", str(expert_files[0]), "--val", str(expert_files[1]), "--out", str(out),
                  "--work", str(tmp_path / "work"), "--threads", "1"]) == 0
@@ -84,7 +85,7 @@ def test_bundled_policy_config_still_loads():
     """The bundled model's policy.json holds a retired key (eval_episodes): it must still load."""
     from pathlib import Path
 
-    from edgespec.export.train_vla import VLAConfig
+    from edgespec.export.training.train_vla import VLAConfig
     meta = json.loads((Path(__file__).resolve().parents[1] / "models" / "vla-reacher" / "policy.json").read_text())
     assert "eval_episodes" in meta["config"]
     assert VLAConfig.from_dict(meta["config"]).episodes == meta["config"]["episodes"]
@@ -105,7 +106,7 @@ def test_on_policy_rows_are_the_policys_plain_greedy_ids(tiny_reacher_policy):
 
 @pytest.mark.slow
 def test_on_policy_blocks_feed_the_draft_head_training(tiny_reacher_policy, tmp_path, capsys):
-    from edgespec.export.train_draft_head import load_data, main
+    from edgespec.export.training.train_draft_head import load_data, main
     paths = demos.write_on_policy(tiny_reacher_policy, tmp_path, episodes=4, workers=1, block=2)
     key = demos.policy_key(tiny_reacher_policy)
     assert [p.name for p in paths] == [f"draft-head-data-{key}-700000-2.npz", f"draft-head-data-{key}-700002-2.npz"]

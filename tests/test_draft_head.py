@@ -59,7 +59,7 @@ def test_next_matches_the_reference_formula(head):
 
 def test_numpy_head_matches_the_torch_head_it_was_trained_as():
     torch = pytest.importorskip("torch", reason="the torch parity check needs the export extra (torch)")
-    from edgespec.export.train_draft_head import build_head
+    from edgespec.export.training.train_draft_head import build_head
     torch.manual_seed(0)
     th = build_head(P, E, N, H, D, hidden=16, radius=6)
     w = DraftHeadWeights.from_torch(th, dims=D, horizon=H, radius=6)
@@ -74,7 +74,7 @@ def test_numpy_head_matches_the_torch_head_it_was_trained_as():
         np.testing.assert_allclose(rr, lr[b].numpy(), rtol=1e-4, atol=1e-5)
     # the training report's agreement is the numpy head's own teacher-forced argmax agreement (steps that
     # would leave the bins do not count as the head's pick)
-    from edgespec.export.train_draft_head import agreement
+    from edgespec.export.training.train_draft_head import agreement
     acc, head = agreement(th, prefix, ids, D, 6, N), DraftHead(w)
     for t in range(H * D):
         hits = []

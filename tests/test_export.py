@@ -53,7 +53,7 @@ def test_agreement_rows_are_held_out_from_demo_training(tmp_path, monkeypatch):
     from pathlib import Path
 
     from conftest import char_tokenizer_json
-    from edgespec.export.train_demo import TrainConfig, split_corpus
+    from edgespec.export.training.train_demo import TrainConfig, split_corpus
 
     char_tokenizer_json(tmp_path / "tokenizer.json")
     read, real_read = [], Path.read_text

@@ -93,6 +93,15 @@ def test_no_package_imports_against_the_table():
     assert not bad, "imports against docs/architecture.md's import table:\n" + "\n".join(bad)
 
 
+def test_the_shipped_exporter_never_imports_the_training_scripts():
+    """export/training/ trains the bundled models (torch training loops, data); the exporter a user ships
+    (export/*.py) must not need it: model definitions it shares with training live in export/ itself."""
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {n}"
+           for p in sorted((ROOT / "export").glob("*.py"))
+           for names, line, _ in imports(p) for n in names if n.startswith("edgespec.export.training")]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("folder,source,banned", [
     ("edgespec", "from edgespec.export import vla\n", True),
     ("edgespec", "import edgespec.robots.reacher\n", True),
@@ -100,7 +109,7 @@ def test_no_package_imports_against_the_table():
     ("edgespec", "def f():\n    from .robots import loop\n", True),     # inside a function counts too
     ("export", "from ..robots.reacher import ThreeTargetReacher\n", True),
     ("export", "def f():\n    from edgespec.robots.reacher import ThreeTargetReacher\n", True),
-    ("robots", "from edgespec.export.train_vla import WORDS\n", True),
+    ("robots", "from edgespec.export.training.train_vla import WORDS\n", True),
     ("robots", "from .. import export\n", True),
     ("robots", "from ..export import vla\n", True),
     ("export", "from ..policy import load_policy\nfrom .vla import export_policy\n", False),
@@ -183,3 +192,13 @@ def test_the_cycle_check_finds_a_cycle_through_a_function_level_import(tmp_path)
     (tmp_path / "robots" / "b.py").write_text("def x():\n    from . import a\n")
     (tmp_path / "robots" / "c.py").write_text("from .a import y\n")
     assert import_cycles("robots", tmp_path) == [["edgespec.robots.a", "edgespec.robots.b", "edgespec.robots.a"]]
+
+
+def test_every_package_folder_is_packaged():
+    """pyproject.toml lists its packages by name: a new subpackage (edgespec/backends/, export/training/) left
+    out of the list would be missing from a wheel while an editable install still finds it."""
+    import re
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1)))
+    found = {module_name(p)[0] for folder in PACKAGES for p in (ROOT / folder).rglob("__init__.py")}
+    assert listed == found

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from edgespec.export.train_vla import REACHER_SEMANTICS
+from edgespec.export.vla_model import REACHER_SEMANTICS
 from edgespec.policy_contract import CONTENT_HASH, PolicyFileError
 from edgespec.policy import Policy, load_policy
 

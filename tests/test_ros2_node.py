@@ -190,7 +190,7 @@ def test_helpers_naming_domain_and_conversions():
 
 def test_node_config_is_validated():
     for bad, err in [({"hz": 0}, "hz must be"), ({"domain_id": 233}, "domain id"), ({"dt": -1}, "dt must"),
-                     ({"stale_s": 0}, "stale_s"), ({"diag_hz": 0}, "diag_hz"), ({"image_topic": ""}, "topic"),
+                     ({"stale_obs_s": 0}, "stale_obs_s"), ({"diag_hz": 0}, "diag_hz"), ({"image_topic": ""}, "topic"),
                      ({"joint_names": ("a", "a")}, "distinct")]:
         with pytest.raises(ValueError, match=err):
             NodeConfig(**bad)
@@ -362,7 +362,7 @@ print(json.dumps([[names, pos.tolist(), t.tolist()] for names, pos, t in map(rm.
 
 
 def test_node_talks_to_a_peer_in_another_process_and_stops_when_it_exits(make_node, domain):
-    node = make_node(FakePolicy(), stale_s=0.3, hold_s=0.2)
+    node = make_node(FakePolicy(), stale_obs_s=0.3, hold_s=0.2)
     out = subprocess.run([sys.executable, "-c", PEER_SCRIPT, str(domain), "2", "20"], capture_output=True,
                          text=True, timeout=40, env=dict(os.environ))  # carries CYCLONEDDS_URI (loopback)
     assert out.returncode == 0, out.stderr
@@ -410,7 +410,7 @@ def test_malformed_messages_are_rejected_counted_and_reported(make_node, domain)
 
 
 def test_publisher_gone_holds_then_latches_stop_until_reset(make_node, domain):
-    node = make_node(FakePolicy(), stale_s=0.2, hold_s=0.3)
+    node = make_node(FakePolicy(), stale_obs_s=0.2, hold_s=0.3)
     peer = Peer(domain)
     assert peer.wait_for(lambda: len(peer.chunks) >= 2), node.status()
     # the peer stops publishing
@@ -462,7 +462,7 @@ def test_policy_raising_or_returning_nan_publishes_nothing_and_keeps_running(mak
 def test_policy_failures_are_never_reported_ok_and_latch_a_stop_until_reset(make_node, domain, max_failures,
                                                                              hold_s, reason):
     policy = FakePolicy()
-    node = make_node(policy, max_policy_failures=max_failures, hold_s=hold_s, stale_s=5.0)
+    node = make_node(policy, max_policy_failures=max_failures, hold_s=hold_s, stale_obs_s=5.0)
     peer = Peer(domain)
     assert peer.wait_for(lambda: len(peer.chunks) >= 1), node.status()
     policy.mode = "raise"
@@ -546,7 +546,7 @@ class HangingPolicy(FakePolicy):
 
 def test_a_hung_policy_latches_a_stop_and_publishes_nothing_more(make_node, domain):
     policy = HangingPolicy()
-    node = make_node(policy, watchdog_s=0.3, stale_s=5.0)
+    node = make_node(policy, watchdog_s=0.3, stale_obs_s=5.0)
     peer = Peer(domain)
     try:
         assert peer.wait_for(lambda: len(peer.chunks) >= 1), node.status()

@@ -86,7 +86,7 @@ def test_distillation_learns_a_simple_target_and_validation_counts_by_position()
     """Synthetic 'target': the next hidden state is the embedding of the next token, and its greedy choice
     after a position is argmax(h . lm): the head must learn to propose it; validation counts positions."""
     pytest.importorskip("torch", reason="the distillation needs the export extra (torch)")
-    from edgespec.export.train_text_head import HeadConfig, train
+    from edgespec.export.training.train_text_head import HeadConfig, train
 
     rng = np.random.default_rng(0)
     embed = rng.normal(0, 1, (V, E)).astype(np.float32)

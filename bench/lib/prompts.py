@@ -1,7 +1,7 @@
 """Benchmark prompts: held-out Python standard-library code (files the demo pair never trained on).
 
 A prompt is the ~`context` tokens of a held-out file that end just after a `def ...:` line, so the
-model continues a function body. Same held-out rule as export/train_demo.py: crc32(path) % 50 == 0.
+model continues a function body. Same held-out rule as export/training/train_demo.py: crc32(path) % 50 == 0.
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class Decoder(ABC):
         self.batch = batch
         self.memory = memory
         self.cache = cache
-        self.embedding = embedding if embedding is not None else getattr(engine, "embedding", None)  # (V, E)
+        self.embedding = embedding if embedding is not None else engine.embedding  # (V, E) or None
         self._last = None  # the last call's outputs (backend-specific: .logits, .ids, .hidden buffers)
         self.last_start = np.zeros(batch, np.int64)  # (B,) the cache length before the last call
         self._ids_host: np.ndarray | None = None  # the last call's next_ids on the host, once fetched

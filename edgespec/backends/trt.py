@@ -36,7 +36,7 @@ from .base import Capabilities, Decoder, EmbeddingTable
 
 PROVIDER = "tensorrt-native"
 BUILD_HINT = "build it on this device with `python -m edgespec.export.tensorrt {dir}` (or `edgespec export ... --tensorrt`)"
-INSTALL_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': tensorrt 10.x and cuda-python); "
+TENSORRT_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': tensorrt 10.x and cuda-python); "
                 "on Jetson (JetPack 6) use the system TensorRT: sudo apt install python3-libnvinfer, and create "
                 "the venv with --system-site-packages (never pip install tensorrt on a Jetson)")
 
@@ -51,7 +51,7 @@ def import_tensorrt():
         import tensorrt as trt
     except ImportError as e:
         raise EngineError(f"native TensorRT needs the `tensorrt` Python package, which is not importable "
-                          f"here ({e}); {INSTALL_HINT}") from None
+                          f"here ({e}); {TENSORRT_HINT}") from None
     return trt
 
 

@@ -3,7 +3,7 @@ prefix and the ids already emitted, trained on the exported target's own greedy 
 robots/demos.py collects (this module never runs the simulator).
 
     python -m edgespec.robots.demos on-policy --policy engines/vla-reacher --work .cache/vla --episodes 4000
-    python -m edgespec.export.train_draft_head --policy engines/vla-reacher --out models/vla-reacher \
+    python -m edgespec.export.training.train_draft_head --policy engines/vla-reacher --out models/vla-reacher \
         --data .cache/vla/draft-head-data-KEY-*.npz      # the files the first command printed
 
 Why a head and not only the 1-layer draft decoder: on a CPU a decoder call costs about the same whatever its
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
               "params": int(sum(x.numel() for x in head.parameters())), "history": history,
               "held_out_agreement_per_position": [round(float(a), 4) for a in acc],
               "wall_s": round(time.time() - t_start, 1),
-              "command": "python -m edgespec.export.train_draft_head " + " ".join(argv if argv is not None
+              "command": "python -m edgespec.export.training.train_draft_head " + " ".join(argv if argv is not None
                                                                                   else sys.argv[1:])}
     (out / "draft_head.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}/draft_head.npz", flush=True)

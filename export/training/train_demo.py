@@ -1,7 +1,7 @@
 """Train the bundled demo pair: a byte-level BPE tokenizer, a ~26M Llama target and a ~2.6M draft
 distilled from it, on the Python standard library's own sources (every machine with Python has them).
 
-    python -m edgespec.export.train_demo --out models            # resumable
+    python -m edgespec.export.training.train_demo --out models            # resumable
 
 Writes standard Hugging Face folders (config.json, fp16 model.safetensors, tokenizer.json,
 tokenizer_config.json) to OUT/demo-target and OUT/demo-draft, plus OUT/demo-train.json with the
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     train_model("draft", draft, train_ids, cfg, cfg.draft_steps, cfg.draft_lr, args.work, teacher=target)
     save_hf(draft, tok, args.out / "demo-draft")
 
-    report = {"command": "python -m edgespec.export.train_demo --out " + str(args.out),
+    report = {"command": "python -m edgespec.export.training.train_demo --out " + str(args.out),
               "config": asdict(cfg), "params": {"target": n_t, "draft": n_d},
               "corpus": {"train_files": len(train_txt), "train_tokens": int(len(train_ids)),
                          "val_files": len(val_txt), "val_tokens": int(len(val_ids)),

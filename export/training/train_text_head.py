@@ -1,6 +1,6 @@
 """Distil the feature-level text draft head (edgespec/text_head.py) from a target checkpoint.
 
-    python -m edgespec.export.train_text_head --target models/demo-target --out models/demo-target/text_head.npz
+    python -m edgespec.export.training.train_text_head --target models/demo-target --out models/demo-target/text_head.npz
 
 1. Hidden states: the target (the torch reference, which every exported engine matches within its parity
    gate) reads sequences of the demo training corpus (the Python standard library, the split of
@@ -186,7 +186,7 @@ def validate(w, val: dict, cfg: HeadConfig, steps: int = 6) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edgespec.export.train_text_head", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m edgespec.export.training.train_text_head", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, default=Path("models/demo-target"), help="target checkpoint folder")
     ap.add_argument("--out", type=Path, default=Path("models/demo-target/text_head.npz"))
@@ -198,8 +198,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from .checkpoint import CheckpointError, load_checkpoint
-    from .reference import ReferenceDecoder
+    from ..checkpoint import CheckpointError, load_checkpoint
+    from ..reference import ReferenceDecoder
     try:
         cfg = HeadConfig(**{f: getattr(args, f) for f in asdict(HeadConfig())})
         spec, weights = load_checkpoint(args.target)
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     w, report = train(data, val, embed, lm, cfg, progress)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     w.save(args.out)
-    meta = {"command": "python -m edgespec.export.train_text_head " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python -m edgespec.export.training.train_text_head " + " ".join(argv if argv is not None else sys.argv[1:]),
             "target": str(args.target), "config": asdict(cfg), "validation": report,
             "train_positions": int(data["ids"].size), "minutes": round((time.time() - t0) / 60, 1)}
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
