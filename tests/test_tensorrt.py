@@ -15,6 +15,19 @@ def engine(tiny_checkpoints, tmp_path_factory):
     return out
 
 
+def test_the_verify_profile_covers_the_longest_round_a_speculation_config_makes():
+    """A lookup round may verify lookup_gamma + 1 tokens, past gamma_max + 1: the plan built from the config
+    must take it (a call outside every profile fails on the device, mid-decode)."""
+    from edgespec.speculation import SpeculationConfig
+
+    def verify_max(**kw):
+        return next(p for p in default_profiles(2048, **kw) if p.name == "verify").seq[2]
+    assert verify_max() == 9  # the default config: γ max 8
+    assert verify_max(spec=SpeculationConfig(gamma_max=4)) == 5
+    assert verify_max(spec=SpeculationConfig(gamma_max=4, lookup=2, lookup_gamma=12)) == 13
+    assert verify_max(gamma_max=6) == 7  # an explicit γ max wins
+
+
 def test_profiles_cover_decode_verify_prefill(engine):
     m = C.Manifest.read(engine)
     profs = default_profiles(m.max_context, gamma_max=8, prefill_max=64, batch=2)
