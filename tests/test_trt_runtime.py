@@ -309,6 +309,19 @@ def test_trt_decoder_matches_the_onnx_runtime_decoder(fakes, planned, graphs):
         assert cud.launches == 0 and not dec._graphs
 
 
+def test_a_refused_optimization_profile_is_an_error_naming_it(monkeypatch, planned):
+    """set_optimization_profile_async returns False when TensorRT did not switch profiles: the call must not run
+    under another profile's shapes."""
+    from edgespec.backends.trt import TrtDecoder
+    from edgespec.contract import EngineError
+    cud = FakeCudart()
+    monkeypatch.setattr(ecuda, "_CUDART", cud)
+    monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt(cud, refuse_profile=True))
+    dec = TrtDecoder(_trt_engine(planned["target"]))
+    with pytest.raises(EngineError, match=r"refused optimization profile \d+ \('\w+'\)"):
+        dec.ids(np.array([[1, 2, 3]]))
+
+
 def test_capture_failure_falls_back_and_says_why(monkeypatch, planned):
     from edgespec.backends.trt import TrtDecoder
     cud = FakeCudart()

@@ -135,8 +135,10 @@ class _DT:
 _NP_TO_TRT = {"float32": "FLOAT", "float16": "HALF", "int64": "INT64", "int32": "INT32"}
 
 
-def make_fake_tensorrt(cudart: FakeCudart, fail_capture: bool = False, version: str = "10.3.0"):
-    """A module-like object with the TensorRT API edgespec.backends.trt uses."""
+def make_fake_tensorrt(cudart: FakeCudart, fail_capture: bool = False, version: str = "10.3.0",
+                       refuse_profile: bool = False):
+    """A module-like object with the TensorRT API edgespec.backends.trt uses. refuse_profile: a context's
+    set_optimization_profile_async returns False (TensorRT's way of saying it did not switch)."""
     import onnxruntime as ort
 
     trt = types.SimpleNamespace(__version__=version)
@@ -206,7 +208,10 @@ def make_fake_tensorrt(cudart: FakeCudart, fail_capture: bool = False, version: 
         def set_optimization_profile_async(self, k, stream):
             if not 0 <= k < len(self.e.profiles):
                 raise RuntimeError("Error in set optimization profile async.")
+            if refuse_profile:
+                return False
             self.active_optimization_profile = k
+            return True
 
         def set_input_shape(self, name, shape):
             lo, _, hi = self.e.profiles[self.active_optimization_profile][name]

@@ -312,7 +312,13 @@ class TrtDecoder(Decoder):
         if ctx is None:
             raise RuntimeError(f"{self.engine.plan_path}: TensorRT could not create an execution context "
                                f"(out of GPU memory?)")
-        ctx.set_optimization_profile_async(profile, self.stream.handle)  # raises on failure
+        # TensorRT says False (an out-of-range index raises) when it did not switch: the context would run the
+        # call under another profile's shapes
+        if not ctx.set_optimization_profile_async(profile, self.stream.handle):
+            name = self.engine.profiles[profile].name
+            raise EngineError(f"{self.engine.plan_path}: TensorRT refused optimization profile {profile} ({name!r}) "
+                              f"for a new execution context; rebuild the plan on this device: python -m "
+                              f"edgespec.export.tensorrt {self.engine.dir}")
         return ctx
 
     def _bind(self, ctx, io: _IO, s: int) -> None:
