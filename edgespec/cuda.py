@@ -16,7 +16,8 @@ import numpy as np
 from .memory import Buffer, HostMemory
 
 _CUDART = None  # the cuda-python runtime module, loaded on first use (tests may put a fake here)
-CUDA_PYTHON_HINT = "pip install 'cuda-python>=12.2,<13' (the `trt` extra); cuda-python 13 needs a driver >= 580"
+CUDA_PYTHON_HINT = ("install cuda-python of your driver's CUDA major: the `trt` extra (cuda-python 13, a driver >= 580) "
+                    "or `trt-cu12` (cuda-python 12: JetPack 6, older drivers)")
 
 
 def cudart():

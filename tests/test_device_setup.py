@@ -33,7 +33,7 @@ def test_pypi_only_installs_onnxruntime_gpu_but_not_tensorrt_which_needs_nvidias
     s = state(missing=("onnxruntime-gpu", "cuda-python", "tensorrt"), nvidia=False)
     p = ds.plan(s)
     assert [g for g, _ in p.installs] == ["onnxruntime-gpu", "cuda-python"]
-    assert "onnxruntime-gpu[cuda,cudnn]" in p.installs[0][1] and "--no-index" not in p.installs[0][1]
+    assert p.installs[0][1][-1].startswith("onnxruntime-gpu[cuda,cudnn]") and "--no-index" not in p.installs[0][1]
     assert list(p.cannot) == ["tensorrt"] and "pypi.nvidia.com" in p.cannot["tensorrt"]
     s.present.update({"onnxruntime-gpu": True, "cuda-python": True})  # as if the installs worked
     why = ds.runnable(s, p.cannot, {})
@@ -173,3 +173,16 @@ def test_onnxruntime_gpu_shadowed_by_a_cpu_build_is_reinstalled(tmp_path, monkey
     rec = json.loads((tmp_path / "v" / "setup.json").read_text())
     assert rec["onnxruntime_repair"] == "reinstalled"
     assert rec["paths"]["cuda"] == "runs" and rec["paths"]["native"].startswith("tensorrt: pip failed")
+
+
+def test_the_gpu_packages_follow_the_cuda_major_the_driver_runs():
+    """A driver >= 580 runs CUDA 13: cuda-python 13, tensorrt-cu13, onnxruntime-gpu >= 1.27; an older one gets the
+    CUDA 12 builds (cuda-python 13 on a CUDA 12 driver fails at its first call)."""
+    assert ds.cuda_major("NVIDIA H200, 580.95.05, 143771 MiB") == 13
+    assert ds.cuda_major("NVIDIA A100-SXM4-80GB, 550.127.08, 81920 MiB") == 12
+    new = ds.plan(state(missing=("onnxruntime-gpu", "cuda-python", "tensorrt")))
+    old = ds.plan(state(missing=("onnxruntime-gpu", "cuda-python", "tensorrt"), gpu="NVIDIA L4, 535.183.01, 23034 MiB"))
+    assert [a[-1] for _, a in new.installs] == ["onnxruntime-gpu[cuda,cudnn]>=1.27", "cuda-python>=13,<14",
+                                                "tensorrt-cu13>=10.13,<11"]
+    assert [a[-1] for _, a in old.installs] == ["onnxruntime-gpu[cuda,cudnn]>=1.19,<1.27", "cuda-python>=12.2,<13",
+                                                "tensorrt-cu12>=10.3,<11"]

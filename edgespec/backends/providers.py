@@ -26,8 +26,9 @@ class Provider:
 PROVIDERS = {p.name: p for p in (
     Provider("cpu", "ort", "host", True, "CPUExecutionProvider"),
     Provider("cuda", "ort", "ort-cuda", True, "CUDAExecutionProvider",
-             install_hint="install onnxruntime-gpu in place of onnxruntime (`pip install edgespec[gpu]` on x86; on "
-                          "a Jetson, NVIDIA's onnxruntime-gpu wheel for your JetPack)"),
+             install_hint="install onnxruntime-gpu in place of onnxruntime (`pip install edgespec[gpu]` on x86 with a "
+                          "CUDA 13 driver, `edgespec[gpu-cu12]` with a CUDA 12 one; on a Jetson, NVIDIA's "
+                          "onnxruntime-gpu wheel for your JetPack)"),
     Provider("tensorrt-ep", "ort", "ort-cuda", False, "TensorrtExecutionProvider", portable_only=True,
              install_hint="install onnxruntime-gpu with TensorRT (see docs/gpu.md), or build a native plan "
                           "(`python -m edgespec.export.tensorrt DIR`, `trt` extra) and load it with "

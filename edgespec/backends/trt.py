@@ -36,7 +36,8 @@ from .base import Capabilities, Decoder, EmbeddingTable
 
 PROVIDER = "tensorrt-native"
 BUILD_HINT = "build it on this device with `python -m edgespec.export.tensorrt {dir}` (or `edgespec export ... --tensorrt`)"
-TENSORRT_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': tensorrt 10.x and cuda-python); "
+TENSORRT_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': TensorRT and cuda-python for CUDA 13, "
+                 "a driver >= 580; `trt-cu12` for CUDA 12); "
                 "on Jetson (JetPack 6) use the system TensorRT: sudo apt install python3-libnvinfer, and create "
                 "the venv with --system-site-packages (never pip install tensorrt on a Jetson)")
 

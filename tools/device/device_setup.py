@@ -40,23 +40,29 @@ PYPI = "https://pypi.org/simple/"
 NVIDIA_INDEX = "https://pypi.nvidia.com/"
 
 # group -> (pip requirements, the code that must run in the venv for the group to count as present).
-# The pins are pyproject's gpu / trt extras (it says why); they are installed by name, because `pip install
-# -e '.[gpu]'` would also pull the CPU onnxruntime back in, and it shares the onnxruntime module.
+# The GPU groups' pins depend on the CUDA major the driver runs (CUDA_PINS); they are pyproject's gpu / trt
+# extras (CUDA 13) and gpu-cu12 / trt-cu12, installed by name, because `pip install -e '.[gpu]'` would also pull
+# the CPU onnxruntime back in, and it shares the onnxruntime module.
 GROUPS: dict[str, tuple[list[str], str]] = {
     "runtime": (["numpy>=1.24", "tokenizers>=0.15"],
                 "import numpy, tokenizers"),
     # edgespec itself, editable and without its dependencies (those are the groups here): edgespec.export and
     # edgespec.robots live in export/ and robots/, so the source tree on sys.path is not enough.
     "edgespec": (["--no-deps", "-e", str(ROOT)], "import edgespec.export"),
-    "onnxruntime-gpu": (["onnxruntime-gpu[cuda,cudnn]"],
+    "onnxruntime-gpu": (["onnxruntime-gpu[cuda,cudnn]>=1.27"],
                         "import onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()"),
-    "cuda-python": (["cuda-python>=12.2,<13"],
+    "cuda-python": (["cuda-python>=13,<14"],
                     "import sys; sys.path.insert(0, {root!r}); from edgespec.cuda import gpu_available as g; "
                     "ok, why = g(); assert ok, why"),
-    "tensorrt": (["tensorrt-cu12>=10.3,<11"], "import tensorrt"),
+    "tensorrt": (["tensorrt-cu13>=10.13,<11"], "import tensorrt"),
     "export": (["torch", "onnx>=1.16", "onnxscript>=0.1", "transformers>=4.45", "safetensors>=0.4", "tqdm>=4.60"],
                "import torch, transformers, onnx, onnxscript, safetensors, tqdm"),
 }
+# The GPU groups for a CUDA 12 driver (< 580; JetPack 6): PyPI's onnxruntime-gpu is built for CUDA 12 from 1.19
+# to 1.26 and for CUDA 13 from 1.27; cuda-python's major is the CUDA major; TensorRT's wheels name theirs.
+CUDA12_PINS = {"onnxruntime-gpu": ["onnxruntime-gpu[cuda,cudnn]>=1.19,<1.27"], "cuda-python": ["cuda-python>=12.2,<13"],
+               "tensorrt": ["tensorrt-cu12>=10.3,<11"]}
+CUDA13_DRIVER = 580  # the first driver branch that runs CUDA 13
 # What each path needs, beyond a GPU for all but cpu. "onnxruntime" (any build) is checked on its own.
 NEEDS = {"cpu": ["runtime", "edgespec", "onnxruntime"], "cuda": ["runtime", "edgespec", "onnxruntime-gpu"],
          "tensorrt": ["runtime", "edgespec", "onnxruntime-gpu", "tensorrt"],
@@ -89,10 +95,28 @@ class Plan:
     cannot: dict[str, str] = field(default_factory=dict)               # group -> why it cannot be installed
 
 
-def pip_args(group: str, wheels: str | None) -> list[str]:
+def cuda_major(gpu: str | None) -> int:
+    """The CUDA major this machine's driver runs: from find_gpu's nvidia-smi line (name, driver version, memory),
+    13 for a driver >= 580, else 12; without one (a Jetson), its toolkit's (/usr/local/cuda/version.json), else
+    12 (JetPack 6)."""
+    fields = [f.strip() for f in (gpu or "").split(",")]
+    if len(fields) >= 2 and fields[1].split(".")[0].isdigit():
+        return 13 if int(fields[1].split(".")[0]) >= CUDA13_DRIVER else 12
+    try:
+        version = json.loads(Path("/usr/local/cuda/version.json").read_text())["cuda"]["version"]
+        return 13 if int(version.split(".")[0]) >= 13 else 12
+    except (OSError, ValueError, KeyError, TypeError):
+        return 12
+
+
+def requirements(group: str, cuda: int = 13) -> list[str]:
+    return CUDA12_PINS.get(group, GROUPS[group][0]) if cuda == 12 else GROUPS[group][0]
+
+
+def pip_args(group: str, wheels: str | None, cuda: int = 13) -> list[str]:
     src = ["--no-index", "--find-links", wheels] if wheels else \
         (["--extra-index-url", NVIDIA_INDEX] if group == "tensorrt" else [])
-    return ["-q", "--disable-pip-version-check", "--timeout", "20", "--retries", "1", *src, *GROUPS[group][0]]
+    return ["-q", "--disable-pip-version-check", "--timeout", "20", "--retries", "1", *src, *requirements(group, cuda)]
 
 
 def plan(s: State) -> Plan:
@@ -106,7 +130,7 @@ def plan(s: State) -> Plan:
         if g == "edgespec" and s.present.get("setuptools"):  # builds from the checkout alone
             p.installs.append((g, ["-q", "--disable-pip-version-check", "--no-build-isolation", *GROUPS[g][0]]))
         elif s.wheels:
-            p.installs.append((g, pip_args(g, s.wheels)))
+            p.installs.append((g, pip_args(g, s.wheels, cuda_major(s.gpu))))
         elif not s.reachable.get("pypi"):
             p.cannot[g] = (f"not installed, and no package index answers ({PYPI}; give a folder of wheels with "
                            "--wheels or $EDGESPEC_WHEELS)")
@@ -114,7 +138,7 @@ def plan(s: State) -> Plan:
             p.cannot[g] = (f"not installed, and {NVIDIA_INDEX} does not answer: PyPI's tensorrt packages are "
                            "stubs that download the libraries from there (give a folder of wheels with --wheels)")
         else:
-            p.installs.append((g, pip_args(g, None)))
+            p.installs.append((g, pip_args(g, None, cuda_major(s.gpu))))
     return p
 
 
@@ -197,12 +221,12 @@ def install(py: Path, group: str, args: list[str]) -> str | None:
     return f"pip failed (exit {r.returncode}): " + " | ".join(tail[-3:])
 
 
-def repair_onnxruntime(py: Path, wheels: str | None) -> str | None:
+def repair_onnxruntime(py: Path, wheels: str | None, cuda: int = 13) -> str | None:
     """onnxruntime-gpu installed but its CUDA EP missing: a CPU onnxruntime in the venv replaced the shared
     module. Remove both from the venv and install the GPU build again; None when that worked."""
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "onnxruntime", "onnxruntime-gpu"],
                    capture_output=True)
-    return install(py, "onnxruntime-gpu", ["--force-reinstall", "--no-deps", *pip_args("onnxruntime-gpu", wheels)])
+    return install(py, "onnxruntime-gpu", ["--force-reinstall", "--no-deps", *pip_args("onnxruntime-gpu", wheels, cuda)])
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -226,6 +250,7 @@ def main(argv=None) -> int:
         ap.error(f"--wheels {args.wheels}: expected a folder of .whl files, got no such folder")
     t0 = time.time()
     record: dict = {"started": t0, "gpu": find_gpu(), "wheels": bool(args.wheels)}
+    record["cuda_major"] = cuda_major(record["gpu"])  # which builds of the GPU packages it installs
     state = State(gpu=record["gpu"], present={}, reachable={}, wheels=args.wheels,
                   need_export=not all((ROOT / f).is_file() for f in ENGINE_FILES))
     if not state.gpu:
@@ -261,7 +286,7 @@ def main(argv=None) -> int:
         state.present, state.errors = present(py)
         if "onnxruntime-gpu" in record.get("installed", {}) and "onnxruntime-gpu" not in failed \
                 and not state.present["onnxruntime-gpu"]:
-            record["onnxruntime_repair"] = repair_onnxruntime(py, args.wheels) or "reinstalled"
+            record["onnxruntime_repair"] = repair_onnxruntime(py, args.wheels, cuda_major(state.gpu)) or "reinstalled"
             state.present, state.errors = present(py)
     why = runnable(state, pl.cannot, failed)
     record.update(reachable=state.reachable, present=state.present, check_errors=state.errors, cannot=pl.cannot,
