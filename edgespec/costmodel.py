@@ -335,7 +335,7 @@ def _draft_probe(drafter: Drafter, ctx: list[int], gamma: int, counts: list) -> 
 def _round_probe(target, prompt: list[int], gamma: int, host: list) -> Callable[[], None]:
     """-> a call that runs one fast_round with a free draft on a decoder of `target` (restarting the sequence
     before it outgrows the engine) and appends the round's host time (outside draft and verify) to `host`."""
-    dec, timer, cap = target.decoder(1), Timer(), target.manifest.max_context
+    dec, timer, cap, free = target.decoder(1), Timer(), target.manifest.max_context, _FixedDraft()
     state = {"ctx": None}
 
     def one_round() -> None:
@@ -345,7 +345,7 @@ def _round_probe(target, prompt: list[int], gamma: int, host: list) -> Callable[
             dec.cache.rewind_to(0)
             _filled(dec, len(ctx) - 1)
         t0, d0, v0 = time.perf_counter(), timer.t["draft"], timer.t["verify"]
-        new, _, _ = fast_round(dec, _FixedDraft(), ctx, gamma, timer=timer)
+        new, _, _ = fast_round(dec, free, ctx, gamma, timer=timer)
         ctx += new
         host.append(time.perf_counter() - t0 - (timer.t["draft"] - d0) - (timer.t["verify"] - v0))
     return one_round
