@@ -40,6 +40,15 @@ class HostMemory:
         """Copy a host array of buf's shape into buf."""
         np.copyto(buf.handle, host)
 
+    def sub(self, buf: Buffer, offset: int, shape, dtype) -> Buffer:
+        """An array of `shape` and `dtype` inside buf, `offset` bytes from its start (no copy; must fit)."""
+        dtype, shape = np.dtype(dtype), tuple(int(x) for x in shape)
+        n = int(np.prod(shape)) * dtype.itemsize
+        if offset < 0 or offset + n > buf.nbytes:
+            raise ValueError(f"{shape} {dtype} at byte {offset} does not fit in a buffer of {buf.nbytes} bytes")
+        view = np.ascontiguousarray(buf.handle).reshape(-1).view(np.uint8)[offset:offset + n].view(dtype).reshape(shape)
+        return Buffer(shape, dtype, buf.ptr + offset, view)
+
     def zero_rows(self, buf: Buffer, b: int, start: int, stop: int) -> None:
         """Zero rows start..stop-1 of sequence b in a (B, Hkv, T, D) buffer. Rare (after a failed call), so
         on a device it is a round trip through the host."""

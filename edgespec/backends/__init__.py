@@ -9,6 +9,7 @@
     tensorrt-native   trt.py         cuda       no
     tensorrt          trt.py when the folder has a plan, else as tensorrt-ep
     cpu-native        native.py      host       yes
+    cuda-native       cuda_native.py cuda-step  yes (cuda_step.cu's device memory; one CUDA graph per S)
 
 A remote target (remote.py, a vLLM server) is opened by `edgespec.load` from a URL, not by a provider name.
 The table itself is providers.py; every other module asks it (`PROVIDERS`, `spec`) what a provider means.
@@ -38,6 +39,9 @@ def open_engine(engine_dir: str | Path, provider: str | None = None, threads: in
     if p.backend == "native":
         from .native import NativeEngine
         return NativeEngine(engine_dir, threads, check_hashes)
+    if p.backend == "cuda_native":
+        from .cuda_native import CudaNativeEngine
+        return CudaNativeEngine(engine_dir, check_hashes)
     if p.backend == "trt":
         from .trt import TrtEngine
         return TrtEngine(engine_dir, check_hashes=check_hashes)

@@ -34,14 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import EngineError, Manifest, file_sha256
+from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
 from ..memory import HostMemory
-from .providers import checked_folder, default_threads
 from .base import Capabilities, Decoder, EmbeddingTable
-from .native_format import (ACTIVATIONS, FEATURES, FORMAT, LAYER_KEYS, OPTIONAL_KEYS, PANEL, QB, WEIGHT_KINDS,
-                            expected_shapes, manifest_windows, upgrade_format1)
-from .native_lib import _Model, library
+from .native_folder import model_struct, read_native
+from .native_lib import library
+from .providers import default_threads
 
 
 class NativeEngine(EmbeddingTable):
@@ -50,104 +49,14 @@ class NativeEngine(EmbeddingTable):
     provider = "cpu-native"
 
     def __init__(self, engine_dir: str | Path, threads: int | None = None, check_hashes: bool = True):
-        self.dir, self.manifest = checked_folder(engine_dir, check_hashes)
-        m = self.manifest
-        info = m.extra.get("native") or {}
-        if not info.get("file"):
-            why = info.get("unavailable", "it was exported before native weights existed")
-            raise EngineError(f"{self.dir}: no native weights for provider 'cpu-native' ({why}); add them with "
-                              f"`python -m edgespec.export.native {self.dir} --checkpoint CHECKPOINT_DIR`, or use "
-                              f"provider 'cpu'")
-        path = self.dir / info["file"]
-        if not path.is_file():
-            raise EngineError(f"{self.dir}: native weights {info['file']} named in engine.json are missing")
-        if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
-            raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
-        if m.input_mode != "ids" or m.kind != "decoder":  # its cache is its own, float32 whatever engine.json's
-            raise EngineError(f"{self.dir}: provider 'cpu-native' runs ids-input decoders; this folder has "
-                              f"input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
-        fmt = int(info.get("format", 1))
-        if fmt not in (1, 2, FORMAT) or (fmt < 3 and info.get("weights", "float16") != "float16"):
-            raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "
-                              f"edgespec reads formats 1 and 2 (float16) and {FORMAT} "
-                              f"(re-add them with `python -m edgespec.export.native {self.dir} --checkpoint ...`)")
-        with np.load(path) as z:
-            self.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
-        if fmt == 1 and "scalars" in self.arrays and self.arrays["scalars"].shape == (2,):
-            upgrade_format1(self.arrays, m)
-        intermediate = int(info["intermediate_size"])
-        kinds = {k: info.get(k, "float16") for k in ("weights", "head_weights")}
-        odd = {k: v for k, v in kinds.items() if v not in WEIGHT_KINDS}
-        if odd:
-            raise EngineError(f"{path}: engine.json's extra.native says " + ", ".join(
-                f"{k} {v!r}" for k, v in odd.items()) + f": the native step reads {sorted(WEIGHT_KINDS)}")
-        want = expected_shapes(m, info)
-        a = self.arrays
-        bad = [f"{k}: expected {s}, got {a[k].shape if k in a else 'nothing'}"
-               for k, s in want.items() if k not in a or a[k].shape != s]
-        bad += [f"{k}: not expected (engine.json's extra.native.features: {info.get('features', [])})"
-                for k in sorted(set(a) - set(want))]
-        unknown = sorted(set(info.get("features", [])) - set(FEATURES))
-        if unknown:
-            bad.append(f"features {unknown} are not computed by this edgespec's native step")
-        for what, n in (("hidden_size", m.hidden_size), ("vocab_size", m.vocab_size),
-                        ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
-            if n % PANEL:
-                bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
-        if info.get("weights", "float16") != "float16":
-            for what, n in (("hidden_size", m.hidden_size), ("num_heads x head_dim", m.num_heads * m.head_dim),
-                            ("intermediate_size", intermediate)):
-                if n % QB:
-                    bad.append(f"{what} must be a multiple of {QB} for integer weights (blocks along K), got {n}")
-        if m.head_dim % 8:
-            bad.append(f"head_dim must be a multiple of 8, got {m.head_dim}")
-        if m.head_dim > 512 or m.num_heads % m.num_kv_heads:
-            bad.append(f"head_dim <= 512 and num_heads a multiple of num_kv_heads, got {m.head_dim}, "
-                       f"{m.num_heads}/{m.num_kv_heads}")
-        rot = int(info.get("rotary_dim", m.head_dim))
-        if not (0 < rot <= m.head_dim and rot % 2 == 0):
-            bad.append(f"rotary_dim must be even and in 1..head_dim {m.head_dim}, got {rot}")
-        if info.get("activation", "silu") not in ACTIVATIONS:
-            bad.append(f"activation {info.get('activation')!r}: the native step computes {sorted(ACTIVATIONS)}")
-        if not bad:  # the per-layer tables against engine.json and the record
-            if a["layer_window"].tolist() != manifest_windows(m):
-                bad.append(f"layer_window {a['layer_window'].tolist()} differs from engine.json's windows "
-                           f"{manifest_windows(m)}")
-            ropes = want["rope_scale"][0]
-            if not all(-1 <= j < ropes for j in a["layer_rope"].tolist()):
-                bad.append(f"layer_rope {a['layer_rope'].tolist()} names rotaries outside -1..{ropes - 1}")
-        if bad:
-            raise EngineError(f"{path}: does not fit {self.dir}/engine.json:\n  - " + "\n  - ".join(bad))
-        self.info = info
-        self.intermediate = intermediate
+        f = read_native(engine_dir, check_hashes, self.provider)
+        self.dir, self.manifest, self.info, self.arrays, self.intermediate = (f.dir, f.manifest, f.info, f.arrays,
+                                                                              f.intermediate)
+        for k in ("inv_freq", "rope_scale"):
+            self.arrays[k] = np.ascontiguousarray(self.arrays[k], np.float32)
         self.threads = default_threads(threads)
         self.lib = library()
-        self.model = self._model()
-
-    def _model(self) -> _Model:
-        m, a, info = self.manifest, self.arrays, self.info
-        lo, hi = m.argmax_range
-        eps, embed_scale, attn_scale = (float(x) for x in a["scalars"])
-        for k in ("layer_rope", "layer_window"):
-            a[k] = np.ascontiguousarray(a[k], np.int64)
-        for k in ("inv_freq", "rope_scale"):
-            a[k] = np.ascontiguousarray(a[k], np.float32)
-        kind = info.get("weights", "float16")
-        st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, self.intermediate, m.vocab_size,
-                    m.num_layers, lo, hi, int(info.get("rotary_dim", m.head_dim)), a["rope_scale"].shape[0],
-                    ACTIVATIONS[info.get("activation", "silu")], WEIGHT_KINDS[kind],
-                    WEIGHT_KINDS[info.get("head_weights", kind)], eps, embed_scale, attn_scale,
-                    a["inv_freq"].ctypes.data, a["rope_scale"].ctypes.data, a["layer_rope"].ctypes.data,
-                    a["layer_window"].ctypes.data, a["embed"].ctypes.data, a["lm_head"].ctypes.data,
-                    a["norm"].ctypes.data)
-        self._tables = []  # keeps the pointer tables alive with the struct
-        for key in LAYER_KEYS + OPTIONAL_KEYS:
-            if f"layers.0.{key}" not in a:
-                continue  # an absent option: NULL
-            table = (ctypes.c_void_p * m.num_layers)(*[a[f"layers.{i}.{key}"].ctypes.data for i in range(m.num_layers)])
-            self._tables.append(table)
-            setattr(st, key, ctypes.cast(table, ctypes.POINTER(ctypes.c_void_p)))
-        return st
+        self.model, self._tables = model_struct(f, lambda k: self.arrays[k].ctypes.data)
 
     def decoder(self, batch: int = 1, embedding: np.ndarray | None = None) -> "NativeDecoder":
         """A NativeDecoder for `batch` sequences (ids-input engines only: `embedding` is never used)."""

@@ -14,8 +14,8 @@ from ..contract import EngineError, Manifest
 @dataclass(frozen=True)
 class Provider:
     name: str
-    backend: str  # "ort" | "native" | "trt": the module under backends/ that runs it
-    memory: str  # "host" | "ort-cuda" (OrtValues) | "cuda" (cuda-python): where its buffers live
+    backend: str  # "ort" | "native" | "trt" | "cuda_native": the module under backends/ that runs it
+    memory: str  # "host" | "ort-cuda" (OrtValues) | "cuda" (cuda-python) | "cuda-step" (cuda_step.cu's own)
     in_place: bool  # the decoder binds one cache buffer as past and present
     ort_name: str | None = None  # ONNX Runtime's execution provider, for the ort backend
     portable_only: bool = False  # parses standard ONNX ops only (an ort-flavour folder is refused)
@@ -36,6 +36,9 @@ PROVIDERS = {p.name: p for p in (
     Provider("tensorrt-native", "trt", "cuda", False, portable_only=True),
     Provider("tensorrt", "trt", "cuda", False, portable_only=True),  # tensorrt-ep when the folder has no plan
     Provider("cpu-native", "native", "host", True, shared_pool=True),
+    Provider("cuda-native", "cuda_native", "cuda-step", True,
+             install_hint="needs an NVIDIA GPU, its driver and the CUDA compiler nvcc (cuda_step.cu is compiled on "
+                          "first use; no TensorRT, onnxruntime-gpu or cuda-python)"),
 )}
 ENGINE_PROVIDERS = tuple(PROVIDERS)  # the --provider choices
 PLAN_FILE = "model.plan"  # a folder's TensorRT plan, unless engine.json's extra.tensorrt.plan says otherwise
@@ -62,6 +65,9 @@ def default_provider() -> str:
 def memory_for(provider: "str | Provider", device_id: int = 0):
     """Where a provider's decoders keep their buffers (the table's memory kind)."""
     kind = (provider if isinstance(provider, Provider) else spec(provider)).memory
+    if kind == "cuda-step":
+        from .cuda_native import runtime
+        return runtime(device_id).memory
     if kind == "cuda":
         from ..cuda import CudaMemory
         return CudaMemory(device_id)
@@ -90,7 +96,7 @@ def resolve(provider: str, engine_dir) -> Provider:
 
 
 def has_native(engine_dir) -> bool:
-    """Whether the folder carries native weights (provider 'cpu-native', native.py)."""
+    """Whether the folder carries native weights (providers 'cpu-native' and 'cuda-native')."""
     try:
         return bool((Manifest.read(Path(engine_dir)).extra.get("native") or {}).get("file"))
     except EngineError:
@@ -98,9 +104,10 @@ def has_native(engine_dir) -> bool:
 
 
 def draft_provider(provider: str, draft_dir) -> str:
-    """The draft's provider beside a target on `provider`: 'cpu-native' falls back to 'cpu' for a draft folder
-    without native weights (an int8 draft: MatMulNBits), every other provider is the target's."""
-    return "cpu" if provider == "cpu-native" and not has_native(draft_dir) else provider
+    """The draft's provider beside a target on `provider`: a native provider ('cpu-native', 'cuda-native') falls
+    back to 'cpu' for a draft folder without native weights (an int8 draft: MatMulNBits), every other provider
+    is the target's."""
+    return "cpu" if spec(provider).backend in ("native", "cuda_native") and not has_native(draft_dir) else provider
 
 
 def require_portable(engine_dir: Path, provider: str) -> None:
