@@ -40,6 +40,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#ifndef LAUNCH /* a kernel launch on stream st (tests/cuda_emu/emu.h defines its own: the kernels on the CPU) */
+#define LAUNCH(kernel, grid, block, st, ...) kernel<<<(grid), (block), 0, (st)>>>(__VA_ARGS__)
+#endif
 #define PANEL 16
 #define WARPS 8 /* warps per matrix-product block */
 enum { ES_SILU = 0, ES_GELU_TANH = 1 };
@@ -407,7 +410,8 @@ template <int ROWS, bool GLU>
 static void launch_mm(const float *x, const void *w, int K, int N, int T, const float *bias, float *y, int residual,
                       int act, cudaStream_t st) {
     const dim3 grid((GLU ? N / 2 : N) / PANEL, (T + ROWS - 1) / ROWS);
-    k_matmul<ROWS, GLU><<<grid, WARPS * 32, 0, st>>>(x, (const __half *)w, K, N, T, bias, y, residual, act);
+    void (*kern)(const float *, const __half *, int, int, int, const float *, float *, int, int) = k_matmul<ROWS, GLU>;
+    LAUNCH(kern, grid, WARPS * 32, st, x, (const __half *)w, K, N, T, bias, y, residual, act);
 }
 
 /* y (T, N) [+]= x (T, K) @ w (+ bias); glu: y (T, N / 2) = act(gate) * up. Row tiles of up to 16 (8 with glu). */
@@ -530,40 +534,40 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     const int64_t *start = io->params, *ids = io->params + B;
     CK(cudaMemcpyAsync(io->params, io->params_host, (size_t)(B + T) * sizeof(int64_t), cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord((cudaEvent_t)io->ev0, st));
-    k_embed<<<(unsigned)T, 256, 0, st>>>(ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
-    k_norm<<<(unsigned)T, 256, 0, st>>>(io->x, NULL, NULL, m->ln1[0], io->h, (int)E, m->eps);
+    LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
+    LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln1[0], io->h, (int)E, m->eps);
     const int act = (int)m->act;
     for (int64_t l = 0; l < m->L; l++) {
         matmul(io->h, m->wqkv[l], E, NQKV, T, opt(m->bqkv, l), io->qkv, 0, 0, act, st);
         const int64_t rj = m->layer_rope ? m->layer_rope[l] : (m->n_ropes ? 0 : -1);
         const float *inv = rj >= 0 ? m->inv_freq + rj * (m->R / 2) : NULL;
-        k_rope_kv<<<dim3((unsigned)T, (unsigned)(H + Hkv)), 128, 0, st>>>(
-            io->qkv, opt(m->qn, l), opt(m->kn, l), inv, m->rope_scale + (rj >= 0 ? rj : 0), (int)m->R, start,
-            (int)S, (int)H, (int)Hkv, (int)D, m->eps, m->attn_scale, io->q, io->kc[l], io->vc[l], io->cap);
+        LAUNCH(k_rope_kv, dim3((unsigned)T, (unsigned)(H + Hkv)), 128, st,
+               io->qkv, opt(m->qn, l), opt(m->kn, l), inv, m->rope_scale + (rj >= 0 ? rj : 0), (int)m->R, start,
+               (int)S, (int)H, (int)Hkv, (int)D, m->eps, m->attn_scale, io->q, io->kc[l], io->vc[l], io->cap);
         const int64_t window = m->layer_window ? m->layer_window[l] : 0;
-        k_attn<<<dim3((unsigned)(T * H), (unsigned)io->nsplit), ATT_WARPS * 32, 0, st>>>(
-            io->q, io->kc[l], io->vc[l], start, (int)S, (int)H, (int)Hkv, (int)D, io->cap, window, io->part);
-        k_attn_merge<<<(unsigned)(T * H), 128, 0, st>>>(io->part, (int)io->nsplit, (int)D, io->att);
+        LAUNCH(k_attn, dim3((unsigned)(T * H), (unsigned)io->nsplit), ATT_WARPS * 32, st,
+               io->q, io->kc[l], io->vc[l], start, (int)S, (int)H, (int)Hkv, (int)D, io->cap, window, io->part);
+        LAUNCH(k_attn_merge, (unsigned)(T * H), 128, st, io->part, (int)io->nsplit, (int)D, io->att);
         const float *post_attn = opt(m->post_attn, l), *post_mlp = opt(m->post_mlp, l);
         if (post_attn) {
             matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->tmp, 0, 0, act, st);
-            k_norm<<<(unsigned)T, 256, 0, st>>>(io->x, io->tmp, post_attn, m->ln2[l], io->h, (int)E, m->eps);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_attn, m->ln2[l], io->h, (int)E, m->eps);
         } else {
             matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->x, 1, 0, act, st);
-            k_norm<<<(unsigned)T, 256, 0, st>>>(io->x, NULL, NULL, m->ln2[l], io->h, (int)E, m->eps);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln2[l], io->h, (int)E, m->eps);
         }
         matmul(io->h, m->wgu[l], E, 2 * I, T, NULL, io->mlp, 0, 1, act, st);
         const float *next_w = l + 1 < m->L ? m->ln1[l + 1] : m->norm;
         if (post_mlp) {
             matmul(io->mlp, m->wd[l], I, E, T, NULL, io->tmp, 0, 0, act, st);
-            k_norm<<<(unsigned)T, 256, 0, st>>>(io->x, io->tmp, post_mlp, next_w, io->h, (int)E, m->eps);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_mlp, next_w, io->h, (int)E, m->eps);
         } else {
             matmul(io->mlp, m->wd[l], I, E, T, NULL, io->x, 1, 0, act, st);
-            k_norm<<<(unsigned)T, 256, 0, st>>>(io->x, NULL, NULL, next_w, io->h, (int)E, m->eps);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, next_w, io->h, (int)E, m->eps);
         }
     }
     matmul(io->h, m->lm_head, E, V, T, NULL, io->logits, 0, 0, act, st);
-    k_argmax<<<(unsigned)T, 1024, 0, st>>>(io->logits, V, m->argmax_lo, m->argmax_hi, io->next);
+    LAUNCH(k_argmax, (unsigned)T, 1024, st, io->logits, V, m->argmax_lo, m->argmax_hi, io->next);
     CK(cudaGetLastError());
     CK(cudaEventRecord((cudaEvent_t)io->ev1, st));
     CK(cudaMemcpyAsync(io->next_host, io->next, (size_t)T * sizeof(int64_t), cudaMemcpyDeviceToHost, st));

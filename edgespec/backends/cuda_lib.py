@@ -113,7 +113,8 @@ class _Io(ctypes.Structure):
                                        "q", "att", "mlp", "part", "stream", "ev0", "ev1")]
 
 
-def _library(path: Path):
+def load(path: Path):
+    """A built library, loaded and checked against this module's structs."""
     lib = ctypes.CDLL(str(path))
     P, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     sigs = {"ecs_error": ([], ctypes.c_char_p), "ecs_model_layout": ([ctypes.POINTER(i64)], i64),
@@ -147,7 +148,7 @@ def library(arch: str | None = None):
     """The compiled step for this GPU, loaded once per process."""
     path = build_library(arch)
     if path not in _LIBS:
-        _LIBS[path] = _library(path)
+        _LIBS[path] = load(path)
     return _LIBS[path]
 
 
@@ -215,8 +216,8 @@ class CudaRuntime:
     """What cuda_native.py asks of the device, over the compiled library. The stand-in runtime of the tests
     (tests/cuda_standin.py) answers the same calls on the CPU."""
 
-    def __init__(self, device_id: int = 0, arch: str | None = None):
-        self.lib = library(arch)
+    def __init__(self, device_id: int = 0, arch: str | None = None, lib=None):
+        self.lib = lib if lib is not None else library(arch)  # lib: a loaded build (the tests' emulated one)
         name, info = ctypes.create_string_buffer(256), np.zeros(6, np.int64)
         if self.lib.ecs_device(device_id, name, 256, info.ctypes.data) != 0:
             raise EngineError(f"provider 'cuda-native' needs an NVIDIA GPU and its driver: "

@@ -1,0 +1,95 @@
+"""cuda_step.cu's kernels, run on the CPU: the source compiled with g++ against tests/cuda_emu/emu.h (a CUDA thread is
+a host thread, __syncthreads and the warp shuffles are barriers, a graph is the list of its captured launches),
+loaded as provider cuda-native's library, and compared with provider cpu-native on the same folders.
+
+This checks the kernels' indexing, reductions, masks and family options, and the graphs' capture and replay,
+where there is no GPU; the summation order differs from native_step.c's, so logits agree to rounding
+(relative 1e-5), and ids exactly on these folders. What only a GPU shows (speed, the hardware's memory model)
+is the gpu-marked tests' and the device check's.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_cuda_native import folders  # noqa: F401 - the module-scoped fixture (a llama, gemma3, qwen2 and a draft)
+
+from edgespec.backends import cuda_lib, cuda_native, open_engine
+
+EMU = Path(__file__).parent / "cuda_emu"
+
+if shutil.which("g++") is None:
+    pytest.skip("the emulated kernels are compiled with g++ (C++20); none here (apt-get install g++)",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emu") / "cuda_step_emulated.so"
+    cmd = ["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-x", "c++", "-include", str(EMU / "emu.h"),
+           "-I", str(EMU), str(cuda_lib.SOURCE), "-o", str(out), "-lpthread"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return cuda_lib.CudaRuntime(lib=cuda_lib.load(out))
+
+
+@pytest.fixture
+def on_emulated(emulated, monkeypatch):
+    monkeypatch.setattr(cuda_native, "runtime", lambda device_id=0: emulated)
+    return emulated
+
+
+def _close(a, b):
+    scale = max(1.0, float(np.abs(a).max()))
+    assert np.abs(a - b).max() <= 1e-5 * scale, np.abs(a - b).max()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen2"])
+def test_the_kernels_compute_what_cpu_native_computes(folders, on_emulated, name):  # noqa: F811
+    """A prompt, steps and a verify-sized call with a rewind between: every family option of the folder
+    (biases, q/k norms, sandwich norms, GeGLU, scaled embeddings, two rotaries, windows of 8 over 13+ rows)."""
+    cpu, gpu = open_engine(folders[name], "cpu-native").decoder(), open_engine(folders[name], "cuda-native").decoder()
+    rng = np.random.default_rng(3)
+    for s, keep in ((8, 8), (1, 1), (3, 3), (1, 1)):  # positions up to 12: past the windows of 8
+        t = rng.integers(0, 96, (1, s))
+        _close(cpu(t), gpu(t))
+        assert np.array_equal(cpu.last_ids(), gpu.last_ids())
+        for d in (cpu, gpu):
+            d.cache.commit(keep)
+    n = int(gpu.cache.lengths[0])
+    for j in (0, 1, 2 * gpu.m.num_layers - 1):  # keys and values written where native_step.c writes them
+        np.testing.assert_allclose(gpu.cache.host(j)[:, :, :n], cpu.cache.host(j)[:, :, :n], rtol=1e-5, atol=1e-5)
+    assert gpu.captures == 3 and gpu.launches == 4  # S = 8, 1, 3: the second S = 1 call replays its graph
+    assert gpu.kernel_s > 0  # the events around the kernels are recorded inside the graphs
+
+
+def test_a_batch_with_padding_and_the_hidden_state(folders, on_emulated):  # noqa: F811
+    cpu, gpu = open_engine(folders["llama"], "cpu-native").decoder(2), open_engine(folders["llama"], "cuda-native").decoder(2)
+    rng = np.random.default_rng(4)
+    valid = np.array([[True] * 4, [True] * 2 + [False] * 2])
+    t = rng.integers(0, 96, (2, 4))
+    a, b = cpu(t, valid), gpu(t, valid)
+    _close(a[0], b[0])
+    _close(a[1, :2], b[1, :2])
+    for d in (cpu, gpu):
+        d.cache.commit(np.array([4, 2]))
+    t = rng.integers(0, 96, (2, 2))
+    _close(cpu(t), gpu(t))
+    assert np.array_equal(cpu.last_ids(), gpu.last_ids())
+    np.testing.assert_allclose(gpu.hidden_at(1, 3), cpu.hidden_at(1, 3), rtol=1e-5, atol=1e-5)
+
+
+def test_a_nonfinite_row_gives_no_id_and_its_rows_are_zeroed(folders, on_emulated, tmp_path):  # noqa: F811
+    """The argmax kernel's -1 (the contract's NONFINITE_ID) and the decoder's scrub of the rows it wrote."""
+    gpu = open_engine(folders["llama"], "cuda-native").decoder()
+    gpu.ids(np.array([[3, 4]]))
+    gpu.cache.commit(2)
+    w = gpu.engine.weights["norm"]  # the final norm's weights: every logit NaN
+    gpu.memory.write(w, np.full(w.shape, np.nan, np.float32))
+    assert gpu.ids(np.array([[5]])).tolist() == [[-1]]
+    assert not gpu.cache.host(0)[0, :, 2].any()  # the row the failed call wrote, zeroed
+    assert gpu.cache.host(0)[0, :, :2].any()
