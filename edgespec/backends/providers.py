@@ -65,9 +65,9 @@ def default_provider() -> str:
 def memory_for(provider: "str | Provider", device_id: int = 0):
     """Where a provider's decoders keep their buffers (the table's memory kind)."""
     kind = (provider if isinstance(provider, Provider) else spec(provider)).memory
-    if kind == "cuda-step":
-        from .cuda_native import runtime
-        return runtime(device_id).memory
+    if kind == "cuda-step":  # no shared memory object: each cuda-native engine allocates through its runtime
+        raise EngineError("provider 'cuda-native' keeps its buffers in its own runtime's memory "
+                          "(backends/cuda_native.py: runtime(device_id).memory)")
     if kind == "cuda":
         from ..cuda import CudaMemory
         return CudaMemory(device_id)
