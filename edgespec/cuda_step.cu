@@ -7,7 +7,8 @@
    check compare the two).
 
    ecs_enqueue(model, io, S) enqueues one call on io->stream, B = io->B sequences of S new tokens each:
-     1. params (device) <- params_host (pinned): start (B) the committed lengths, then the ids (B, S)
+     1. params (device) <- params_host (pinned): start (B) the committed lengths, then the ids (B, S); for an
+        inputs_embeds engine (a VLA policy's decoder) x (device) <- embeds_host (pinned), the call's rows
      2. the layers (below), every kernel reading start from params, so the same launches serve any lengths
      3. next_host (pinned) <- next (B S): argmax ids over [argmax_lo, argmax_hi), -1 where a row's logits are not
         all finite; logits (B S, V) and the final normed hidden state h (B S, E) stay on the device
@@ -82,6 +83,7 @@ typedef struct {
     float *x, *h, *tmp, *qkv, *q, *att, *mlp, *part;
     void *stream;                 /* cudaStream_t */
     void *ev0, *ev1;              /* cudaEvent_t around the kernels (ecs_kernel_ms) */
+    float *embeds_host;           /* pinned (rows, E): the call's input rows, for an inputs_embeds engine, else NULL */
 } ecs_io;
 
 static char last_error[512];
@@ -534,7 +536,10 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     const int64_t *start = io->params, *ids = io->params + B;
     CK(cudaMemcpyAsync(io->params, io->params_host, (size_t)(B + T) * sizeof(int64_t), cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord((cudaEvent_t)io->ev0, st));
-    LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
+    if (io->embeds_host) /* an inputs_embeds engine: x is the call's rows as given (a VLA encoder's prefix) */
+        CK(cudaMemcpyAsync(io->x, io->embeds_host, (size_t)(T * E) * sizeof(float), cudaMemcpyHostToDevice, st));
+    else
+        LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
     LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln1[0], io->h, (int)E, m->eps);
     const int act = (int)m->act;
     for (int64_t l = 0; l < m->L; l++) {

@@ -130,6 +130,22 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "
     return out
 
 
+def in_memory_engine_folder(spec: ModelSpec, weights: dict[str, np.ndarray], max_context: int,
+                            kind: str = "float16"):
+    """A checkpoint's native weights as an engine folder that exists only in memory (no ONNX graph, nothing
+    written): what the device check decodes on cuda-native and cpu-native when it makes its models where it runs
+    (NativeEngine(None, folder=...), CudaNativeEngine(None, folder=...)). float16 weights must be exactly
+    float16 values (CheckpointError names the first that is not)."""
+    from edgespec.backends.native_folder import in_memory
+
+    from .onnx_export import build_manifest
+    manifest = build_manifest(spec, max_context, "fp32", "ids")
+    arrays = native_arrays(spec, weights, kind, exact=kind == "float16")
+    info = {**native_record(spec), "weights": kind, "head_weights": HEAD_WEIGHTS[kind], "arithmetic": "float32"}
+    manifest.extra["native"] = info
+    return in_memory(manifest, info, arrays)
+
+
 def native_unsupported(spec: ModelSpec) -> list[str]:
     """What this checkpoint has that native_step.c does not compute (empty: the step runs it). Every family
     option of checkpoint.ModelSpec is computed now; what remains is a size limit of the step."""

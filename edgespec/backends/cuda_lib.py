@@ -110,7 +110,7 @@ class _Io(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("B", "rows", "cap", "nsplit")] + [
         ("kc", ctypes.POINTER(ctypes.c_void_p)), ("vc", ctypes.POINTER(ctypes.c_void_p))] + [
         (n, ctypes.c_void_p) for n in ("params_host", "params", "next_host", "next", "logits", "x", "h", "tmp", "qkv",
-                                       "q", "att", "mlp", "part", "stream", "ev0", "ev1")]
+                                       "q", "att", "mlp", "part", "stream", "ev0", "ev1", "embeds_host")]
 
 
 def load(path: Path):

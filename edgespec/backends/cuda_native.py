@@ -34,7 +34,7 @@ from ..kvcache import KVCache
 from ..memory import Buffer
 from .base import Capabilities, Decoder, EmbeddingTable
 from .cuda_lib import CudaRuntime, _Io
-from .native_folder import device_arrays, model_struct, read_native
+from .native_folder import NativeFolder, device_arrays, model_struct, read_native
 
 GRAPH_MAX_S = 64  # calls of up to this many tokens per sequence replay a CUDA graph; longer ones are enqueued
 MIN_ROWS_S = 17  # the scratch holds at least this many tokens per sequence (a verify of γ max 16 + 1)
@@ -58,8 +58,10 @@ class CudaNativeEngine(EmbeddingTable):
 
     provider = "cuda-native"
 
-    def __init__(self, engine_dir: str | Path, check_hashes: bool = True, device_id: int = 0, rt=None):
-        f = read_native(engine_dir, check_hashes, self.provider)
+    def __init__(self, engine_dir: str | Path | None, check_hashes: bool = True, device_id: int = 0, rt=None, *,
+                 folder: NativeFolder | None = None):
+        """engine_dir's native weights, or `folder`'s (native_folder.in_memory: made where they run)."""
+        f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
         kinds = {k: f.info.get(k, "float16") for k in ("weights", "head_weights")}
         if set(kinds.values()) != {"float16"}:
             raise EngineError(f"{f.dir}: provider 'cuda-native' reads float16 native weights; this folder's are "
@@ -76,13 +78,16 @@ class CudaNativeEngine(EmbeddingTable):
             self.weights[k] = mem.zeros(f.arrays[k].shape, f.arrays[k].dtype)
             mem.write(self.weights[k], f.arrays[k])
         self.weight_bytes = sum(b.nbytes for b in self.weights.values())
+        self.use_graphs = True  # the decoders' default: CUDA graphs per S (False: every call enqueued)
+        self.kernel_s = 0.0  # GPU time in the kernels of every call of this engine's decoders
         self.model, self._tables = model_struct(f, lambda k: self.weights[k].ptr)
         # the host copies go; the per-layer tables es_model points to stay
         self._host = {k: f.arrays[k] for k in ("layer_rope", "layer_window")}
 
-    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None, graphs: bool = True) -> "CudaNativeDecoder":
-        """A CudaNativeDecoder for `batch` sequences (ids-input engines only: `embedding` is never used);
-        graphs=False enqueues every call (the comparison the device check makes)."""
+    def decoder(self, batch: int = 1, embedding: np.ndarray | None = None, graphs: bool | None = None) -> "CudaNativeDecoder":
+        """A CudaNativeDecoder for `batch` sequences (`embedding` is never used: an inputs_embeds engine's ids
+        are looked up in the folder's table); graphs=False enqueues every call (the device check compares),
+        None follows the engine's `use_graphs` at every call."""
         return CudaNativeDecoder(self, batch, graphs)
 
 
@@ -128,13 +133,13 @@ class CudaNativeDecoder(Decoder):
     """The Decoder (base.py) over cuda_step.cu: a call is one graph launch (or one enqueue) over every sequence,
     each at its own committed length."""
 
-    def __init__(self, engine: CudaNativeEngine, batch: int = 1, graphs: bool = True):
+    def __init__(self, engine: CudaNativeEngine, batch: int = 1, graphs: bool | None = None):
         m, rt = engine.manifest, engine.rt
         cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, "float32", rt.memory,
                         capacity=m.max_context)  # full size now: the graphs keep its addresses
         super().__init__(engine, batch, rt.memory, cache)
-        self.caps = Capabilities(hidden=m.has_hidden)
-        self.rt, self.use_graphs = rt, graphs
+        self.caps = Capabilities(hidden=m.has_hidden, embeds=m.input_mode == "embeds")
+        self.rt, self.use_graphs = rt, graphs  # None: the engine's `use_graphs`, read at every call
         self.graphs: dict[int, object] = {}  # S -> the captured graph of a call of S tokens per sequence
         self.captures = self.launches = self.enqueues = 0
         self.kernel_s = 0.0  # GPU time between the call's first and last kernel, summed over calls
@@ -172,6 +177,9 @@ class CudaNativeDecoder(Decoder):
         self._params, self._params_owner = self.rt.pinned(self.batch + rows, np.int64)
         self._next, self._next_owner = self.rt.pinned(rows, np.int64)
         self._io.params_host, self._io.next_host = self._params.ctypes.data, self._next.ctypes.data
+        if self.m.input_mode == "embeds":  # the call's input rows, copied to x by the call's first nodes
+            self._embeds, self._embeds_owner = self.rt.pinned(rows * m.hidden_size, np.float32)
+            self._io.embeds_host = self._embeds.ctypes.data
         self._io.rows = rows
 
     def _drop_graphs(self) -> None:
@@ -182,16 +190,23 @@ class CudaNativeDecoder(Decoder):
     def run(self, tokens, valid=None, embeds=None) -> None:
         """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
         (valid False) are computed like any token; their rows are never committed."""
-        if embeds is not None:
-            raise ValueError("provider 'cuda-native' runs ids-input engines; got embeds")
-        ids = self._first(tokens, None)  # (B, S) int64, checked
-        if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
-            ids = np.where(valid, ids, 0)
+        rows = None  # an inputs_embeds engine: (B, S, E) float32, the ids' rows of its table or the caller's
+        if self.m.input_mode == "embeds":
+            if tokens is not None and embeds is None:
+                tokens = np.asarray(tokens)
+                self._check_ids(tokens)
+            rows = self._first(tokens, embeds)
+            ids = np.zeros(rows.shape[:2], np.int64)
+        elif embeds is not None:
+            raise ValueError("provider 'cuda-native' takes embeds on inputs_embeds engines only; this one reads ids")
+        else:
+            ids = self._first(tokens, None)  # (B, S) int64, checked
+            if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
+                ids = np.where(valid, ids, 0)
+            self._check_ids(ids)
         b, s = ids.shape
         if s < 1:
             raise ValueError(f"a call needs at least one token per sequence, got shape {ids.shape}")
-        if ids.min() < 0 or ids.max() >= self.m.vocab_size:
-            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
         cache = self.cache
         cache.reserve(int(cache.lengths.max()) + s)  # past max_context: ValueError (the capacity is max_context)
         if cache.generation != self._generation:
@@ -201,8 +216,11 @@ class CudaNativeDecoder(Decoder):
         start = np.array(cache.lengths, np.int64)  # (B,)
         self._params[:b] = start
         self._params[b:b + b * s] = ids.reshape(-1)
+        if rows is not None:
+            self._embeds[:rows.size] = rows.reshape(-1)
         t0 = time.perf_counter()
-        if self.use_graphs and s <= GRAPH_MAX_S:
+        graphs = self.engine.use_graphs if self.use_graphs is None else self.use_graphs
+        if graphs and s <= GRAPH_MAX_S:
             graph = self.graphs.get(s)
             if graph is None:
                 graph = self.graphs[s] = self.rt.capture(self.engine.model, self._io, s)
@@ -214,13 +232,18 @@ class CudaNativeDecoder(Decoder):
             self.enqueues += 1
         self.rt.sync(self._io)
         t1 = time.perf_counter()
-        ms = self.rt.kernel_ms(self._io)
-        self.kernel_s += max(ms, 0.0) / 1e3
+        ms = max(self.rt.kernel_ms(self._io), 0.0) / 1e3
+        self.kernel_s += ms
+        self.engine.kernel_s += ms
         m, mem, off = self.m, self.memory, self.layout.offsets
         out = _Outputs(self._next[:b * s].reshape(b, s).copy(),
                        mem.sub(self._scratch, off["logits"][0], (b, s, m.vocab_size), np.float32),
                        mem.sub(self._scratch, off["h"][0], (b, s, m.hidden_size), np.float32))
         self._called(s, out, t0, t1, start, valid)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.m.vocab_size):
+            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
 
     def _fetch_ids(self) -> np.ndarray:
         return self._last.ids

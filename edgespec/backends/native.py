@@ -38,7 +38,7 @@ from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
 from ..memory import HostMemory
 from .base import Capabilities, Decoder, EmbeddingTable
-from .native_folder import model_struct, read_native
+from .native_folder import NativeFolder, model_struct, read_native
 from .native_lib import library
 from .providers import default_threads
 
@@ -48,8 +48,10 @@ class NativeEngine(EmbeddingTable):
 
     provider = "cpu-native"
 
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, check_hashes: bool = True):
-        f = read_native(engine_dir, check_hashes, self.provider)
+    def __init__(self, engine_dir: str | Path | None, threads: int | None = None, check_hashes: bool = True, *,
+                 folder: NativeFolder | None = None):
+        """engine_dir's native weights, or `folder`'s (native_folder.in_memory: made where they run)."""
+        f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
         self.dir, self.manifest, self.info, self.arrays, self.intermediate = (f.dir, f.manifest, f.info, f.arrays,
                                                                               f.intermediate)
         for k in ("inv_freq", "rope_scale"):

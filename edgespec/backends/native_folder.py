@@ -29,6 +29,13 @@ class NativeFolder:
     intermediate: int = 0
 
 
+def in_memory(manifest: Manifest, info: dict, arrays: dict[str, np.ndarray]) -> NativeFolder:
+    """A native folder that exists only in memory (the device check's models, made where they run): checked as
+    read_native checks a file."""
+    intermediate = check_native(manifest, info, arrays, "native arrays in memory")
+    return NativeFolder(Path("<memory>"), manifest, info, arrays, intermediate)
+
+
 def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str = "cpu-native") -> NativeFolder:
     """Read and check a folder's native weights for `provider` (named in the errors): one EngineError that says
     what is wrong and what to do."""
@@ -57,14 +64,21 @@ def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str
         f.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
     if fmt == 1 and "scalars" in f.arrays and f.arrays["scalars"].shape == (2,):
         upgrade_format1(f.arrays, m)
+    f.info, f.intermediate = info, check_native(m, info, f.arrays, str(path), f"{f.dir}/engine.json")
+    return f
+
+
+def check_native(m: Manifest, info: dict, arrays: dict, where: str, against: str = "its manifest") -> int:
+    """native.npz's arrays against the manifest and its extra["native"] record: one EngineError listing what does
+    not fit (`where` names the file); -> the MLP width."""
     intermediate = int(info["intermediate_size"])
     kinds = {k: info.get(k, "float16") for k in ("weights", "head_weights")}
     odd = {k: v for k, v in kinds.items() if v not in WEIGHT_KINDS}
     if odd:
-        raise EngineError(f"{path}: engine.json's extra.native says " + ", ".join(
+        raise EngineError(f"{where}: engine.json's extra.native says " + ", ".join(
             f"{k} {v!r}" for k, v in odd.items()) + f": the native step reads {sorted(WEIGHT_KINDS)}")
     want = expected_shapes(m, info)
-    a = f.arrays
+    a = arrays
     bad = [f"{k}: expected {s}, got {a[k].shape if k in a else 'nothing'}"
            for k, s in want.items() if k not in a or a[k].shape != s]
     bad += [f"{k}: not expected (engine.json's extra.native.features: {info.get('features', [])})"
@@ -99,10 +113,8 @@ def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str
         if not all(-1 <= j < ropes for j in a["layer_rope"].tolist()):
             bad.append(f"layer_rope {a['layer_rope'].tolist()} names rotaries outside -1..{ropes - 1}")
     if bad:
-        raise EngineError(f"{path}: does not fit {f.dir}/engine.json:\n  - " + "\n  - ".join(bad))
-    f.info = info
-    f.intermediate = intermediate
-    return f
+        raise EngineError(f"{where}: does not fit {against}:\n  - " + "\n  - ".join(bad))
+    return intermediate
 
 
 def model_struct(f: NativeFolder, address: Callable[[str], int]) -> tuple[_Model, list]:

@@ -357,6 +357,10 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"onnxruntime preload_dlls: {e}", file=sys.stderr)
     rep = Report(args.out)
+    try:  # cuda_check.py's record (device_check.sh runs it first, into the same file): kept
+        rep.data["cuda_native"] = json.loads(args.out.read_text())["cuda_native"]
+    except (OSError, ValueError, KeyError):
+        pass
     if args.setup:
         setup = json.loads(args.setup.read_text())
         rep.data["setup"] = setup

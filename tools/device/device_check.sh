@@ -2,6 +2,7 @@
 # One GPU check for a fresh NVIDIA machine.
 #
 #   bash tools/device/device_check.sh     # results: ${OUT:-bench/results}/device.json (+ a summary on stdout)
+#   CUDA_CHECK_ARGS="--models bundled" bash tools/device/device_check.sh     # fewer cuda-native models
 #   DEVICE_CHECK_ARGS="--only native" bash tools/device/device_check.sh
 #   EDGESPEC_WHEELS=wheels/ bash tools/device/device_check.sh   # no network: install from a wheel folder
 #
@@ -23,8 +24,23 @@ log() { echo "[device_check +$(( $(date +%s) - T0 ))s] $*"; }
 log "setting up $VENV"
 rc=0
 ONLY=$(python3 tools/device/device_setup.py --venv "$VENV" --out "$OUT_DIR/device.json") || rc=$?
+
+# provider cuda-native needs nothing but nvcc, a driver and the machine's own python3 with PyTorch (for its
+# baselines): it runs wherever there is a GPU, also where no other path can (the H200 image), into the same
+# device.json (key cuda_native)
+CUDA_RC=0
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  log "provider cuda-native: tools/device/cuda_check.py"
+  # shellcheck disable=SC2086
+  python3 tools/device/cuda_check.py --out "$OUT_DIR/device.json" --key cuda_native ${CUDA_CHECK_ARGS:-} || CUDA_RC=$?
+else
+  log "provider cuda-native: no nvcc here, skipped"
+  CUDA_RC=3
+fi
+
 if [ "$rc" != 0 ]; then
-  log "stopped: no GPU path can run here (exit $rc); $OUT_DIR/device.json says why"
+  log "no other GPU path can run here (exit $rc); $OUT_DIR/device.json says why"
+  [ "$CUDA_RC" = 0 ] && exit 0
   exit "$rc"
 fi
 ONLY=$(printf '%s\n' "$ONLY" | tail -n 1)
