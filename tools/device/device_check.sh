@@ -21,13 +21,9 @@ VENV="${EDGESPEC_DEVICE_VENV:-.venv-device}"
 T0=$(date +%s)
 log() { echo "[device_check +$(( $(date +%s) - T0 ))s] $*"; }
 
-log "setting up $VENV"
-rc=0
-ONLY=$(python3 tools/device/device_setup.py --venv "$VENV" --out "$OUT_DIR/device.json") || rc=$?
-
-# provider cuda-native needs nothing but nvcc, a driver and the machine's own python3 with PyTorch (for its
-# baselines): it runs wherever there is a GPU, also where no other path can (the H200 image), into the same
-# device.json (key cuda_native)
+# first, provider cuda-native: it needs nothing but nvcc, a driver and the machine's own python3 with PyTorch
+# (its baselines), so it runs wherever there is a GPU, also where no other path can (the H200 image); its record
+# is device.json's key cuda_native, which the steps below keep
 CUDA_RC=0
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   log "provider cuda-native: tools/device/cuda_check.py"
@@ -38,8 +34,11 @@ else
   CUDA_RC=3
 fi
 
+log "setting up $VENV for the ONNX Runtime and TensorRT paths"
+rc=0
+ONLY=$(python3 tools/device/device_setup.py --venv "$VENV" --out "$OUT_DIR/device.json") || rc=$?
 if [ "$rc" != 0 ]; then
-  log "no other GPU path can run here (exit $rc); $OUT_DIR/device.json says why"
+  log "no ONNX Runtime or TensorRT path can run here (exit $rc); $OUT_DIR/device.json says why"
   [ "$CUDA_RC" = 0 ] && exit 0
   exit "$rc"
 fi

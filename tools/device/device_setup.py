@@ -233,8 +233,12 @@ def repair_onnxruntime(py: Path, wheels: str | None, cuda: int = 13) -> str | No
 
 def blocked_report(out: Path, record: dict, why: dict[str, str | None]) -> None:
     data = {"command": " ".join(["python3"] + sys.argv), "started": record["started"], "blocked": True,
-            "reason": "no GPU path can run on this machine", "setup": record,
+            "reason": "no ONNX Runtime or TensorRT GPU path can run on this machine", "setup": record,
             "paths": {p: {"unavailable": why[p]} for p in PATHS if p != "cpu"}}
+    try:  # provider cuda-native's record (cuda_check.py, run before this by device_check.sh): kept
+        data["cuda_native"] = json.loads(out.read_text())["cuda_native"]
+    except (OSError, ValueError, KeyError):
+        pass
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
 
