@@ -10,7 +10,8 @@
    loads; tests compare every kernel with numpy and each build with the others).
 
    es_forward: B sequences, S new tokens each; sequence b's tokens at positions start[b]..start[b]+S-1
-     ids (B, S)                   token ids
+     ids (B, S)                   token ids (read when x_in is NULL)
+     x_in (B, S, E) or NULL       the input rows themselves (an inputs_embeds engine: a VLA policy's decoder)
      kc[b L + l], vc[b L + l]     sequence b's layer l key / value cache (Hkv, cap, D); rows 0..start[b]-1 are
                                   read, rows start[b]..start[b]+S-1 written in place; no other row is touched,
                                   so stale rows (NaN included) never reach the output
@@ -1165,7 +1166,7 @@ int64_t es_scratch_floats(const es_model *m, int64_t T) {
 }
 
 /* returns 0, or -1 when a position does not fit the cache, -2 when scratch memory could not be allocated */
-int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, const int64_t *start,
+int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, const float *x_in, const int64_t *start,
                float *const *kc, float *const *vc, int64_t cap, float *logits, int64_t *next_ids, float *hidden,
                float *scratch, int threads) {
     for (int64_t b = 0; b < B; b++)
@@ -1183,8 +1184,11 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     c->xq = (int8_t *)(c->xs + T * (Kw / QB + 1));
     c->logits = logits, c->next_ids = next_ids;
     float *x = c->x, *h = c->h;
-    for (int64_t r = 0; r < T; r++)
-        for (int64_t e = 0; e < E; e++) x[r * E + e] = half_to_float(m->embed[ids[r] * E + e]) * m->embed_scale;
+    if (x_in) /* an inputs_embeds engine: the call's rows as given */
+        memcpy(x, x_in, (size_t)(T * E) * sizeof(float));
+    else
+        for (int64_t r = 0; r < T; r++)
+            for (int64_t e = 0; e < E; e++) x[r * E + e] = half_to_float(m->embed[ids[r] * E + e]) * m->embed_scale;
     /* rc (n_ropes, T, R): per rotary, cos then sin (R/2 each) of each row's position times inv_freq, scaled */
     for (int64_t jr = 0; jr < m->n_ropes; jr++)
         for (int64_t r = 0; r < T; r++) {

@@ -16,7 +16,7 @@ The weights follow the folder's precision (WEIGHTS_FOR), or --weights:
                 top-1 agreement with the fp32 logits on the held-out tokens >= 0.99 for a target, or the
                 override (allow_lossy) recorded; a draft's agreement is recorded, never refused.
 
-`edgespec export` calls `add_native` for ids-input exports of every family and precision; engine.json's
+`edgespec export` calls `add_native` for every export (ids or inputs_embeds input), family and precision; engine.json's
 extra["native"] records which family options the folder uses (`features`), the npz layout (`format`), the
 weights, and the gate.
 """
@@ -223,9 +223,9 @@ def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.nd
     kind = kind or WEIGHTS_FOR.get(m.precision)
     exact = kind == "float16" and m.precision == "fp32"
     try:
-        if m.input_mode != "ids" or kind is None:
-            raise CheckpointError(f"native weights go with ids-input engines of precision {sorted(WEIGHTS_FOR)}; "
-                                  f"this one is {m.precision}, {m.input_mode}")
+        if kind is None:
+            raise CheckpointError(f"native weights go with engines of precision {sorted(WEIGHTS_FOR)}; "
+                                  f"this one is {m.precision}")
         if not exact and base is None:
             raise CheckpointError(f"native {kind} weights need the fp32 logits of held-out rows for their gate "
                                   f"(`base`); none were given")

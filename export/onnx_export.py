@@ -288,11 +288,10 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             validation["precision_gate"] = precision_gate(agree, dtype, role, allow_lossy)  # raises for a lossy target
             del variant
             gc.collect()
-            if input_mode == "ids":  # native weights of this precision, gated against the same fp32 logits
-                from .native import add_native
-                bar.set_description(f"export: native {dtype} weights")
-                native_info = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None), None,
-                                         base=(rows, base_logits), role=role, allow_lossy=allow_lossy)
+            from .native import add_native  # native weights of this precision, gated against the same fp32 logits
+            bar.set_description(f"export: native {dtype} weights")
+            native_info = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None), None,
+                                     base=(rows, base_logits), role=role, allow_lossy=allow_lossy)
             del base_logits
             gc.collect()
         else:
@@ -309,7 +308,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
         if native_info is not None:
             manifest.extra["native"] = native_info
         manifest.write(stage)
-        if dtype == "fp32" and input_mode == "ids":  # float16 weights for provider cpu-native, where exact
+        if dtype == "fp32":  # float16 weights for providers cpu-native and cuda-native, where exact
             from .native import add_native
             rows, _ = calibration_rows(ckpt_dir, spec.vocab_size, 64, seq=64)
             manifest.extra["native"] = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None),

@@ -182,6 +182,20 @@ def make_tiny_policy(model_dir, seed: int = 0, binary_dims=(), dims: int = 3):
     return cfg
 
 
+def make_f16_policy(root):
+    """An exported tiny random policy whose decoder weights are exactly float16 values (as the bundled
+    reacher's), so its target and draft folders carry native weights: -> the policy folder."""
+    from safetensors.numpy import load_file, save_file
+
+    from edgespec.export.vla import export_policy
+    make_tiny_policy(root / "model", seed=5)
+    for part in ("target", "draft"):
+        f = root / "model" / part / "model.safetensors"
+        save_file({k: v.astype(np.float16).astype(v.dtype) for k, v in load_file(str(f)).items()}, str(f))
+    export_policy(root / "model", root / "engine", progress=False)
+    return root / "engine"
+
+
 @pytest.fixture(scope="session")
 def tiny_policies(tmp_path_factory):
     """Exported policy folders: 'plain' (random target + random draft) and 'self' (the target as its own

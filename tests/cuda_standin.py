@@ -110,7 +110,7 @@ class StandIn:
 
     def _forward(self, model, io, tables, s):
         B, T, cap = io.B, io.B * s, io.cap
-        E, H, Hkv, D, V = model.E, model.H, model.Hkv, model.D, model.V
+        E, Hkv, D, V = model.E, model.Hkv, model.D, model.V
         mem = self.memory
         need = {"params": (B + T) * 8, "next": T * 8, "logits": T * V * 4, "h": T * E * 4}
         for name, n in need.items():
@@ -135,7 +135,13 @@ class StandIn:
         kt = (ctypes.c_void_p * (B * L))(*[kc[j] + b * per_seq for b in range(B) for j in range(L)])
         vt = (ctypes.c_void_p * (B * L))(*[vc[j] + b * per_seq for b in range(B) for j in range(L)])
         scratch = np.zeros(self.cpu.es_scratch_floats(ctypes.byref(model), T), np.float32)
-        rc = self.cpu.es_forward(ctypes.byref(model), B, s, io.params + B * 8, io.params, kt, vt, cap, io.logits,
+        x_in = None
+        if io.embeds_host:  # an inputs_embeds engine: the rows copied to x by the call (ecs_enqueue)
+            if not mem.owns(io.x, T * E * 4) or io.embeds_host not in self._pinned:
+                raise AssertionError("io.x or io.embeds_host: freed or foreign memory (a stale graph?)")
+            ctypes.memmove(io.x, io.embeds_host, T * E * 4)
+            x_in = io.x
+        rc = self.cpu.es_forward(ctypes.byref(model), B, s, io.params + B * 8, x_in, io.params, kt, vt, cap, io.logits,
                                  io.next, io.h, scratch.ctypes.data, 1)
         if rc != 0:
             raise AssertionError(f"es_forward returned {rc}")

@@ -18,6 +18,7 @@ import pytest
 
 from test_cuda_native import folders  # noqa: F401 - the module-scoped fixture (a llama, gemma3, qwen2 and a draft)
 
+import edgespec
 from edgespec.backends import cuda_lib, cuda_native, open_engine
 
 EMU = Path(__file__).parent / "cuda_emu"
@@ -93,3 +94,14 @@ def test_a_nonfinite_row_gives_no_id_and_its_rows_are_zeroed(folders, on_emulate
     assert gpu.ids(np.array([[5]])).tolist() == [[-1]]
     assert not gpu.cache.host(0)[0, :, 2].any()  # the row the failed call wrote, zeroed
     assert gpu.cache.host(0)[0, :, :2].any()
+
+
+def test_a_policy_decoder_takes_its_prefix_rows(tmp_path_factory, on_emulated):
+    """An inputs_embeds engine (a VLA policy's decoder): the call's rows copied to x instead of the embedding
+    kernel, then plain greedy steps through the graphs."""
+    from conftest import make_f16_policy, policy_obs
+    folder = make_f16_policy(tmp_path_factory.mktemp("f16policy"))
+    cpu = edgespec.load_policy(folder, provider="cpu-native")
+    gpu = edgespec.load_policy(folder, provider="cuda-native")
+    pre = cpu.encode(*policy_obs(1))
+    assert gpu.decode_ids(pre)[0] == cpu.decode_ids(pre)[0]

@@ -61,7 +61,8 @@ class NativeEngine(EmbeddingTable):
         self.model, self._tables = model_struct(f, lambda k: self.arrays[k].ctypes.data)
 
     def decoder(self, batch: int = 1, embedding: np.ndarray | None = None) -> "NativeDecoder":
-        """A NativeDecoder for `batch` sequences (ids-input engines only: `embedding` is never used)."""
+        """A NativeDecoder for `batch` sequences (`embedding` is never used: an inputs_embeds engine's ids are
+        looked up in the folder's table)."""
         return NativeDecoder(self, batch)
 
 
@@ -82,7 +83,7 @@ class NativeDecoder(Decoder):
         m, memory = engine.manifest, HostMemory()
         cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, m.max_context, "float32", memory)
         super().__init__(engine, batch, memory, cache)
-        self.caps = Capabilities(hidden=m.has_hidden)
+        self.caps = Capabilities(hidden=m.has_hidden, embeds=m.input_mode == "embeds")
         self._outs: dict[int, _Outputs] = {}
         self._scratch, self._scratch_s = np.zeros(0, np.float32), 0  # scratch sized for calls of up to S tokens
         self._pointers: tuple = (-1, [])  # (cache generation, per sequence (key, value) address tables)
@@ -90,16 +91,21 @@ class NativeDecoder(Decoder):
     def run(self, tokens, valid=None, embeds=None) -> None:
         """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
         (valid False) are computed like any token; their rows are never committed."""
-        if embeds is not None:
-            raise ValueError("provider 'cpu-native' runs ids-input engines; got embeds")
-        ids = self._first(tokens, None)  # (B, S) int64, checked
-        if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
-            ids = np.ascontiguousarray(np.where(valid, ids, 0))
-        ids = np.ascontiguousarray(ids, np.int64)
+        x_in = None  # an inputs_embeds engine: (B, S, E) float32, the ids' rows of its table or the caller's
+        if self.m.input_mode == "embeds":
+            if tokens is not None and embeds is None:
+                self._check_ids(np.asarray(tokens))
+            x_in = np.ascontiguousarray(self._first(tokens, embeds), np.float32)
+            ids = np.zeros(x_in.shape[:2], np.int64)
+        elif embeds is not None:
+            raise ValueError("provider 'cpu-native' takes embeds on inputs_embeds engines only; this one reads ids")
+        else:
+            ids = self._first(tokens, None)  # (B, S) int64, checked
+            if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
+                ids = np.where(valid, ids, 0)
+            ids = np.ascontiguousarray(ids, np.int64)
+            self._check_ids(ids)
         b, s = ids.shape
-        lo, hi = 0, self.m.vocab_size
-        if ids.size and (ids.min() < lo or ids.max() >= hi):
-            raise ValueError(f"token ids must be in 0..{hi - 1}, got {int(ids.min())}..{int(ids.max())}")
         cache = self.cache
         e = self.engine
         grow = int(cache.lengths.max()) + s > cache.capacity or s > self._scratch_s
@@ -124,7 +130,8 @@ class NativeDecoder(Decoder):
         logits, nid = out.logits.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
         t0 = time.perf_counter()
-        rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data, start.ctypes.data, ks, vs,
+        rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data,
+                              x_in.ctypes.data if x_in is not None else None, start.ctypes.data, ks, vs,
                               cache.capacity, logits.ctypes.data, nid.ctypes.data,
                               hidden.ctypes.data if hidden is not None else None, self._scratch.ctypes.data,
                               e.threads)
@@ -133,6 +140,10 @@ class NativeDecoder(Decoder):
         if rc != 0:
             raise MemoryError("native step: could not allocate its scratch")
         self._called(s, out, t0, time.perf_counter(), start, valid)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.m.vocab_size):
+            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
 
     def __del__(self):
         try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)

@@ -52,9 +52,9 @@ def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str
         raise EngineError(f"{f.dir}: native weights {info['file']} named in engine.json are missing")
     if check_hashes and info.get("sha256") and file_sha256(path) != info["sha256"]:
         raise EngineError(f"{path}: sha256 differs from engine.json's extra.native.sha256 (changed after export)")
-    if m.input_mode != "ids" or m.kind != "decoder":  # its cache is its own, float32 whatever engine.json's
-        raise EngineError(f"{f.dir}: provider {provider!r} runs ids-input decoders; this folder has "
-                          f"input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
+    if m.input_mode not in ("ids", "embeds") or m.kind != "decoder":  # its cache is its own, float32
+        raise EngineError(f"{f.dir}: provider {provider!r} runs decoders (ids or inputs_embeds input); this folder "
+                          f"has input_mode {m.input_mode!r}, kind {m.kind!r}: use provider 'cpu'")
     fmt = int(info.get("format", 1))
     if fmt not in (1, 2, FORMAT) or (fmt < 3 and info.get("weights", "float16") != "float16"):
         raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "

@@ -75,7 +75,7 @@ def _library(path: Path):
     lib = ctypes.CDLL(str(path))
     P = ctypes.c_void_p
     i64 = ctypes.c_int64
-    lib.es_forward.argtypes = [ctypes.POINTER(_Model), i64, i64, P, P, P, P, i64, P, P, P, P, ctypes.c_int]
+    lib.es_forward.argtypes = [ctypes.POINTER(_Model), i64, i64, P, P, P, P, P, i64, P, P, P, P, ctypes.c_int]
     lib.es_forward.restype = ctypes.c_int
     lib.es_scratch_floats.argtypes = [ctypes.POINTER(_Model), i64]
     lib.es_scratch_floats.restype = i64
