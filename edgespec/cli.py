@@ -26,9 +26,13 @@ DEMO_LOOKUP = 3  # edgespec demo: prompt lookup before the draft model (the fast
 DEMO_LOOKUP_GAMMA = 12  # edgespec demo: lookup rounds propose up to 12 (bench_peers' draft+lookup sweep)
 
 
-def provider_flag(p) -> None:
+def provider_flag(p, draft: bool = False) -> None:
     p.add_argument("--provider", choices=ENGINE_PROVIDERS, default=None,
                    help="default: cuda where onnxruntime has it, else cpu (tensorrt: a folder's plan, else the EP)")
+    if draft:
+        p.add_argument("--draft-provider", choices=ENGINE_PROVIDERS, default=None,
+                       help="where the draft engine runs (default: the target's provider; cpu for a draft without "
+                            "native weights beside a native target), e.g. cpu-native beside cuda-native")
 
 
 def cmd_inspect(args) -> int:
@@ -162,7 +166,7 @@ def cmd_generate(args) -> int:
                          f"--target {args.target}")
     remote = RemoteConfig(args.target, deadline_s=args.deadline) if args.deadline is not None else None
     gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, spec=from_args(args),
-                        local=args.local, remote=remote)
+                        local=args.local, remote=remote, draft_provider=args.draft_provider)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
     if args.batch_file is not None:
@@ -215,7 +219,8 @@ def cmd_profile(args) -> int:
     from edgespec.profiling import profile
 
     _check_text_args(args)
-    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, spec=from_args(args))
+    gen = edgespec.load(args.target, draft=args.draft, provider=args.provider, spec=from_args(args),
+                        draft_provider=args.draft_provider)
     prompts = _read_batch_file(args.prompts_file) if args.prompts_file else [args.prompt or DEMO_PROMPTS[0]]
     gen.generate(prompts[0], max_new_tokens=8)  # warm-up
     kw = dict(temperature=args.temperature, seed=args.seed, acceptance=args.acceptance)
@@ -265,7 +270,8 @@ def cmd_demo(args) -> int:
     target, draft = ensure_demo_engines(args.models, args.engines)
     prompts = [args.prompt] if args.prompt else DEMO_PROMPTS
     plain = edgespec.load(target, provider=args.provider)
-    spec = edgespec.load(target, draft=draft, provider=args.provider, spec=from_args(args))
+    spec = edgespec.load(target, draft=draft, provider=args.provider, spec=from_args(args),
+                         draft_provider=args.draft_provider)
     kw = dict(max_new_tokens=args.max_new_tokens)
     spec.generate(prompts[0], max_new_tokens=8)  # warm-up (and auto-gamma's cost measurement)
     plain.generate(prompts[0], max_new_tokens=8)
@@ -310,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
     speculation_flags(p)
-    provider_flag(p)
+    provider_flag(p, draft=True)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")
     sampling_flags(p)
     p.set_defaults(func=cmd_generate)
@@ -321,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     speculation_flags(p, lookup=DEMO_LOOKUP, lookup_gamma=DEMO_LOOKUP_GAMMA)
-    provider_flag(p)
+    provider_flag(p, draft=True)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("profile", help="latency profile: per-round timeline, percentiles, Perfetto trace")
@@ -334,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; sampling needs >= 1e-4")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--acceptance", choices=["greedy", "rejection", "coupled"], default=None)
-    provider_flag(p)
+    provider_flag(p, draft=True)
     p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON (Perfetto)")
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON")
     p.add_argument("--lossless-check", type=int, default=0, metavar="N",

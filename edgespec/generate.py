@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from . import contract as C
-from .backends import default_provider, draft_provider, open_engine, spec as provider_spec
+from .backends import default_provider, draft_provider as auto_draft_provider, open_engine, spec as provider_spec
 from .backends.base import Decoder, Engine
 from .backends.remote import RemoteTarget
 from .contract import EngineError
@@ -391,7 +391,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = None,
          gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
          local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0,
-         spec: SpeculationConfig | None = None) -> Generator:
+         spec: SpeculationConfig | None = None, draft_provider: str | None = None) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
@@ -402,7 +402,9 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
     local: a target engine folder of the same model, for the calls the server misses (exact fallback);
     remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`).
-    spec: a SpeculationConfig in place of gamma, gamma_max, max_ngram, lookup and lookup_gamma."""
+    spec: a SpeculationConfig in place of gamma, gamma_max, max_ngram, lookup and lookup_gamma.
+    draft_provider: where a draft engine folder runs (default: the target's provider, or 'cpu' where that is a
+    native provider and the draft folder has no native weights): e.g. a cuda-native target with a cpu-native draft."""
     spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram)
     gamma, lookup = spec.gamma, spec.lookup
     provider = provider or default_provider()
@@ -419,7 +421,7 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
         kind, head = "head", TextHead.load(tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else draft)
     elif draft is not None:
-        dprov = draft_provider(provider, draft)
+        dprov = draft_provider or auto_draft_provider(provider, draft)
         dft = open_engine(draft, dprov, draft_threads_for(dprov, draft_threads, threads))
         check_pair(tgt.manifest, dft.manifest, target, draft)
         kind = "model"

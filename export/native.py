@@ -138,7 +138,7 @@ def in_memory_engine_folder(spec: ModelSpec, weights: dict[str, np.ndarray], max
     float16 values (CheckpointError names the first that is not)."""
     from edgespec.backends.native_folder import in_memory
 
-    from .onnx_export import build_manifest
+    from .manifest import build_manifest
     manifest = build_manifest(spec, max_context, "fp32", "ids")
     arrays = native_arrays(spec, weights, kind, exact=kind == "float16")
     info = {**native_record(spec), "weights": kind, "head_weights": HEAD_WEIGHTS[kind], "arithmetic": "float32"}

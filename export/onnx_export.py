@@ -35,16 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
-import edgespec
 from edgespec import contract as C
 
 from .checkpoint import CheckpointError, ModelSpec, hash_files, load_weights, read_config, weight_files
+from .manifest import build_manifest
 from .validate import (ROLES, agreement, calibration_rows, parity_gate, parity_reference, precision_gate, require,
                        teacher_forced, verify_gate)
 
 DEFAULT_MAX_CONTEXT = 2048
-CACHE_DTYPE = {"fp32": "float32", "fp16": "float16", "int4": "float32", "int8": "float32",  # KV cache I/O dtype
-               "int8-dynamic": "float32"}  # per precision (integer precisions: quantize.py)
 FLAVOR_CHOICES = ("auto",) + C.FLAVORS  # auto: ort where GroupQueryAttention runs the shape, else portable
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -62,20 +60,6 @@ def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:
     return max_context
 
 
-def build_manifest(spec: ModelSpec, max_context: int, precision: str, input_mode: str,
-                   argmax_ids: tuple[int, int] | None = None, flavor: str = "portable",
-                   hidden: bool = False) -> C.Manifest:
-    inputs, outputs = C.decoder_io(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size,
-                                   spec.hidden_size, input_mode, CACHE_DTYPE[precision], flavor, hidden)
-    eos = spec.eos_token_id
-    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return C.Manifest(model_file="model.onnx", architecture=spec.model_type, num_layers=spec.num_layers,
-                      num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                      hidden_size=spec.hidden_size, vocab_size=spec.vocab_size, max_context=max_context,
-                      precision=precision, input_mode=input_mode, inputs=inputs, outputs=outputs,
-                      layer_windows=spec.windows if spec.has_window else None, bos_token_id=spec.bos_token_id, eos_token_ids=eos,
-                      argmax_ids=list(argmax_ids) if argmax_ids else None, flavor=flavor,
-                      edgespec_version=edgespec.__version__)
 
 
 def choose_flavor(spec: ModelSpec, flavor: str, input_mode: str = "ids") -> tuple[str, dict]:

@@ -356,3 +356,20 @@ def test_on_a_gpu_speculative_equals_plain(folders, monkeypatch):
     plain = edgespec.load(folders["llama"], provider="cuda-native")
     for p in ("the cat sat on", "abcabcabc"):
         assert spec.generate(p, max_new_tokens=24).token_ids == plain.generate(p, max_new_tokens=24).token_ids
+
+
+def test_the_draft_may_run_on_the_cpu_beside_a_gpu_target(folders, standin):
+    from edgespec.backends.native import NativeEngine
+    gen = edgespec.load(folders["llama"], folders["draft"], provider="cuda-native", gamma=3,
+                        draft_provider="cpu-native")
+    assert isinstance(gen.draft, NativeEngine) and isinstance(gen.target, CudaNativeEngine)
+    plain = edgespec.load(folders["llama"], provider="cpu-native")
+    assert gen.generate("the cat sat on", max_new_tokens=16).token_ids == \
+        plain.generate("the cat sat on", max_new_tokens=16).token_ids
+
+
+def test_the_cli_takes_the_drafts_provider(folders, standin, capsys):
+    from edgespec.cli import main
+    rc = main(["generate", "--target", str(folders["llama"]), "--draft", str(folders["draft"]), "--prompt", "ab",
+               "--max-new-tokens", "4", "--provider", "cuda-native", "--draft-provider", "cpu-native", "--json"])
+    assert rc == 0 and '"token_ids"' in capsys.readouterr().out

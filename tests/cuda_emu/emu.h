@@ -100,8 +100,10 @@ struct __half { uint16_t x; };
 struct __half2 { __half a, b; };
 struct float2 { float x, y; };
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline uint4 __ldg(const uint4 *p) { return *p; }
+inline uint2 __ldg(const uint2 *p) { return *p; }
 inline float __half2float(__half h) {
     uint32_t sign = (uint32_t)(h.x & 0x8000) << 16, exp = (h.x >> 10) & 0x1f, man = h.x & 0x3ff, bits;
     if (exp == 0) {
@@ -125,6 +127,7 @@ enum { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
 inline const char *cudaGetErrorName(cudaError_t e) { return e ? "cudaErrorMemoryAllocation" : "cudaSuccess"; }
 inline const char *cudaGetErrorString(cudaError_t e) { return e ? "out of memory (emulated)" : "no error"; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 struct cudaDeviceProp {
     char name[256];
     int major, minor;
