@@ -246,6 +246,103 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul(const float *__restrict__
     }
 }
 
+/* The same product over integer weights (es_model.wkind / head_kind ES_Q8 or ES_Q4: native_format.py's pack_blocks;
+   native_step.c's header has the bytes): panel p is K / QB blocks of BLOCK bytes, each 16 float16 scales (one per
+   column) then the values, w = q * scale. A warp takes one block at a time: its lanes read the block's values
+   16 (int8) or 8 (int4) bytes each, all 32 together the whole block, so that lane l holds NC columns
+   (c0 = NC (l % LG) ..) of NK consecutive inputs (NK (l / LG) ..) of the block. The weights are widened to float32
+   (q - offset) and the sums are float32, each block's sum times its scale: the exact dequantized weights against
+   the float32 rows (native_step.c quantizes the rows to int8 instead, so the two differ by that rounding). */
+#define QB 32
+template <int ROWS, bool GLU, int KIND>
+__global__ void __launch_bounds__(WARPS * 32) k_matmul_q(const float *__restrict__ x, const uint8_t *__restrict__ w,
+                                                        int K, int N, int T, const float *__restrict__ bias,
+                                                        float *__restrict__ y, int residual, int act) {
+    constexpr int NM = GLU ? 2 : 1;
+    constexpr int BB = KIND == ES_Q8 ? 32 + QB * 16 : 32 + QB * 8; /* bytes of one (block, panel) */
+    constexpr int NC = KIND == ES_Q8 ? 4 : 2;                       /* columns per lane */
+    constexpr int NK = KIND == ES_Q8 ? 4 : 8;                       /* inputs per lane and block */
+    constexpr int LG = PANEL / NC;                                  /* lanes l and l + LG hold the same columns */
+    const int p = blockIdx.x, row0 = blockIdx.y * ROWS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nb = K / QB, c0 = (lane % LG) * NC, k0 = (lane / LG) * NK;
+    const uint8_t *wp[NM];
+    wp[0] = w + (size_t)p * nb * BB;
+    if (GLU) wp[NM - 1] = w + (size_t)(p + N / 2 / PANEL) * nb * BB;
+    float acc[NM][ROWS][NC];
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < NC; j++) acc[m][r][j] = 0.f;
+    for (int kb = warp; kb < nb; kb += WARPS) {
+        float xv[ROWS][NK];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+#pragma unroll
+            for (int i = 0; i < NK; i++) xv[r][i] = row0 + r < T ? x[(size_t)(row0 + r) * K + kb * QB + k0 + i] : 0.f;
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            const uint8_t *blk = wp[m] + (size_t)kb * BB;
+            const __half *scales = reinterpret_cast<const __half *>(blk);
+            uint8_t b[16];
+            if (KIND == ES_Q8) {
+                const uint4 v = __ldg(reinterpret_cast<const uint4 *>(blk + 32 + 16 * lane));
+                memcpy(b, &v, 16);
+            } else {
+                const uint2 v = __ldg(reinterpret_cast<const uint2 *>(blk + 32 + 8 * lane));
+                memcpy(b, &v, 8);
+            }
+#pragma unroll
+            for (int j = 0; j < NC; j++) {
+                float q[NK]; /* input k0 + i, column c0 + j; byte 4 j + t holds input t (int8), or t and t + 4 (int4) */
+#pragma unroll
+                for (int i = 0; i < NK; i++) {
+                    if (KIND == ES_Q8) q[i] = (float)((int)b[4 * j + i] - 128);
+                    else q[i] = (float)((i < 4 ? (b[4 * j + i] & 15) : (b[4 * j + i - 4] >> 4)) - 8);
+                }
+                const float sc = __half2float(scales[c0 + j]);
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int i = 0; i < NK; i++) d = fmaf(q[i], xv[r][i], d);
+                    acc[m][r][j] = fmaf(d, sc, acc[m][r][j]);
+                }
+            }
+        }
+    }
+    __shared__ float red[WARPS][NM][ROWS][PANEL];
+#pragma unroll
+    for (int m = 0; m < NM; m++)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+#pragma unroll
+            for (int j = 0; j < NC; j++) {
+                float v = acc[m][r][j];
+                for (int o = LG; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (lane < LG) red[warp][m][r][c0 + j] = v;
+            }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * PANEL; i += blockDim.x) {
+        const int r = i / PANEL, c = i % PANEL;
+        if (row0 + r >= T) continue;
+        float s[NM];
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            s[m] = 0.f;
+            for (int wi = 0; wi < WARPS; wi++) s[m] += red[wi][m][r][c];
+        }
+        if (GLU) {
+            y[(size_t)(row0 + r) * (N / 2) + p * PANEL + c] = activation(s[0], act) * s[NM - 1];
+        } else {
+            const size_t o = (size_t)(row0 + r) * N + p * PANEL + c;
+            const float v = s[0] + (bias ? bias[p * PANEL + c] : 0.f);
+            y[o] = residual ? y[o] + v : v;
+        }
+    }
+}
+
 /* grid (T, H + Hkv), 128 threads: head j of row t (sequence b = t / S at position start[b] + t % S). A query
    head (j < H) is normed (qn), rotated and scaled into q (T, H, D); a key head is normed (kn), rotated and
    written with its value to the cache at that position. inv_freq NULL: this layer has no rotary. */
@@ -410,27 +507,34 @@ __global__ void k_argmax(const float *__restrict__ logits, int64_t V, int64_t lo
 
 template <int ROWS, bool GLU>
 static void launch_mm(const float *x, const void *w, int K, int N, int T, const float *bias, float *y, int residual,
-                      int act, cudaStream_t st) {
+                      int act, int kind, cudaStream_t st) {
     const dim3 grid((GLU ? N / 2 : N) / PANEL, (T + ROWS - 1) / ROWS);
-    void (*kern)(const float *, const __half *, int, int, int, const float *, float *, int, int) = k_matmul<ROWS, GLU>;
-    LAUNCH(kern, grid, WARPS * 32, st, x, (const __half *)w, K, N, T, bias, y, residual, act);
+    if (kind == ES_F16) {
+        void (*kern)(const float *, const __half *, int, int, int, const float *, float *, int, int) = k_matmul<ROWS, GLU>;
+        LAUNCH(kern, grid, WARPS * 32, st, x, (const __half *)w, K, N, T, bias, y, residual, act);
+    } else {
+        void (*kern)(const float *, const uint8_t *, int, int, int, const float *, float *, int, int) =
+            kind == ES_Q8 ? k_matmul_q<ROWS, GLU, ES_Q8> : k_matmul_q<ROWS, GLU, ES_Q4>;
+        LAUNCH(kern, grid, WARPS * 32, st, x, (const uint8_t *)w, K, N, T, bias, y, residual, act);
+    }
 }
 
-/* y (T, N) [+]= x (T, K) @ w (+ bias); glu: y (T, N / 2) = act(gate) * up. Row tiles of up to 16 (8 with glu). */
+/* y (T, N) [+]= x (T, K) @ w (+ bias), w of `kind` (ES_F16 panels, ES_Q8 / ES_Q4 blocks); glu: y (T, N / 2) =
+   act(gate) * up. Row tiles of up to 16 (8 with glu). */
 static void matmul(const float *x, const void *w, int64_t K, int64_t N, int64_t T, const float *bias, float *y,
-                   int residual, int glu, int act, cudaStream_t st) {
+                   int residual, int glu, int act, int kind, cudaStream_t st) {
     const int k = (int)K, n = (int)N, t = (int)T;
     if (glu) {
-        if (T <= 1) launch_mm<1, true>(x, w, k, n, t, bias, y, 0, act, st);
-        else if (T <= 2) launch_mm<2, true>(x, w, k, n, t, bias, y, 0, act, st);
-        else if (T <= 4) launch_mm<4, true>(x, w, k, n, t, bias, y, 0, act, st);
-        else launch_mm<8, true>(x, w, k, n, t, bias, y, 0, act, st);
+        if (T <= 1) launch_mm<1, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
+        else if (T <= 2) launch_mm<2, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
+        else if (T <= 4) launch_mm<4, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
+        else launch_mm<8, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
     } else {
-        if (T <= 1) launch_mm<1, false>(x, w, k, n, t, bias, y, residual, act, st);
-        else if (T <= 2) launch_mm<2, false>(x, w, k, n, t, bias, y, residual, act, st);
-        else if (T <= 4) launch_mm<4, false>(x, w, k, n, t, bias, y, residual, act, st);
-        else if (T <= 8) launch_mm<8, false>(x, w, k, n, t, bias, y, residual, act, st);
-        else launch_mm<16, false>(x, w, k, n, t, bias, y, residual, act, st);
+        if (T <= 1) launch_mm<1, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
+        else if (T <= 2) launch_mm<2, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
+        else if (T <= 4) launch_mm<4, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
+        else if (T <= 8) launch_mm<8, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
+        else launch_mm<16, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
     }
 }
 
@@ -527,9 +631,10 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     const int64_t B = io->B, T = B * S, E = m->E, H = m->H, Hkv = m->Hkv, D = m->D, I = m->I, V = m->V;
     const int64_t NQKV = (H + 2 * Hkv) * D;
     cudaStream_t st = (cudaStream_t)io->stream;
-    if (S < 1 || T > io->rows || D > 512 || m->wkind != ES_F16 || m->head_kind != ES_F16) {
+    if (S < 1 || T > io->rows || D > 512 || m->wkind < ES_F16 || m->wkind > ES_Q4 || m->head_kind < ES_F16 ||
+        m->head_kind > ES_Q4) {
         snprintf(last_error, sizeof last_error, "ecs_enqueue: S %lld, B S %lld rows of %lld, head_dim %lld (<= 512), "
-                 "weights %lld / %lld (float16 only)", (long long)S, (long long)T, (long long)io->rows, (long long)D,
+                 "weights %lld / %lld (0..2)", (long long)S, (long long)T, (long long)io->rows, (long long)D,
                  (long long)m->wkind, (long long)m->head_kind);
         return -1;
     }
@@ -541,9 +646,9 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     else
         LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
     LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln1[0], io->h, (int)E, m->eps);
-    const int act = (int)m->act;
+    const int act = (int)m->act, wk = (int)m->wkind;
     for (int64_t l = 0; l < m->L; l++) {
-        matmul(io->h, m->wqkv[l], E, NQKV, T, opt(m->bqkv, l), io->qkv, 0, 0, act, st);
+        matmul(io->h, m->wqkv[l], E, NQKV, T, opt(m->bqkv, l), io->qkv, 0, 0, act, wk, st);
         const int64_t rj = m->layer_rope ? m->layer_rope[l] : (m->n_ropes ? 0 : -1);
         const float *inv = rj >= 0 ? m->inv_freq + rj * (m->R / 2) : NULL;
         LAUNCH(k_rope_kv, dim3((unsigned)T, (unsigned)(H + Hkv)), 128, st,
@@ -555,27 +660,41 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
         LAUNCH(k_attn_merge, (unsigned)(T * H), 128, st, io->part, (int)io->nsplit, (int)D, io->att);
         const float *post_attn = opt(m->post_attn, l), *post_mlp = opt(m->post_mlp, l);
         if (post_attn) {
-            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->tmp, 0, 0, act, st);
+            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->tmp, 0, 0, act, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_attn, m->ln2[l], io->h, (int)E, m->eps);
         } else {
-            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->x, 1, 0, act, st);
+            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->x, 1, 0, act, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln2[l], io->h, (int)E, m->eps);
         }
-        matmul(io->h, m->wgu[l], E, 2 * I, T, NULL, io->mlp, 0, 1, act, st);
+        matmul(io->h, m->wgu[l], E, 2 * I, T, NULL, io->mlp, 0, 1, act, wk, st);
         const float *next_w = l + 1 < m->L ? m->ln1[l + 1] : m->norm;
         if (post_mlp) {
-            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->tmp, 0, 0, act, st);
+            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->tmp, 0, 0, act, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_mlp, next_w, io->h, (int)E, m->eps);
         } else {
-            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->x, 1, 0, act, st);
+            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->x, 1, 0, act, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, next_w, io->h, (int)E, m->eps);
         }
     }
-    matmul(io->h, m->lm_head, E, V, T, NULL, io->logits, 0, 0, act, st);
+    matmul(io->h, m->lm_head, E, V, T, NULL, io->logits, 0, 0, act, (int)m->head_kind, st);
     LAUNCH(k_argmax, (unsigned)T, 1024, st, io->logits, V, m->argmax_lo, m->argmax_hi, io->next);
     CK(cudaGetLastError());
     CK(cudaEventRecord((cudaEvent_t)io->ev1, st));
     CK(cudaMemcpyAsync(io->next_host, io->next, (size_t)T * sizeof(int64_t), cudaMemcpyDeviceToHost, st));
+    return 0;
+}
+
+/* y (T, N) = x (T, K) @ w of `kind` (glu: y (T, N / 2) = act(gate) * up), device addresses, synchronously: the
+   matrix kernels alone, for the tests (tests/test_cuda_emulated.py compares them with numpy) */
+int ecs_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int64_t N, float *y, int glu, int act) {
+    if (kind < ES_F16 || kind > ES_Q4 || T < 1 || N % PANEL || (kind != ES_F16 && K % QB) || (glu && N % (2 * PANEL))) {
+        snprintf(last_error, sizeof last_error, "ecs_matmul: kind %d, T %lld, K %lld, N %lld, glu %d", kind,
+                 (long long)T, (long long)K, (long long)N, glu);
+        return -1;
+    }
+    matmul(x, w, K, N, T, NULL, y, 0, glu, act, kind, (cudaStream_t)0);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
     return 0;
 }
 

@@ -261,13 +261,23 @@ def test_what_cuda_native_cannot_run_is_refused_by_name(folders, standin, tmp_pa
         gpu.ids(np.array([[96]]))
     with pytest.raises(ValueError, match="max context is 256"):
         gpu.ids(np.zeros((1, 257), np.int64))
-    q8 = tmp_path / "q8"
-    shutil.copytree(folders["llama"], q8)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_integer_weights_upload_as_blocks_and_equal_cpu_native(folders, standin, tmp_path, kind):
+    """native.npz's int8 / int4 blocks uploaded as they are (the stand-in runs them through native_step.c)."""
+    q = tmp_path / kind
+    shutil.copytree(folders["llama"], q)
     from edgespec.export.native import main as add_native
-    add_native([str(q8), "--checkpoint", str(folders["llama"].parent / "ck-llama"), "--weights", "int8",
+    add_native([str(q), "--checkpoint", str(folders["llama"].parent / "ck-llama"), "--weights", kind,
                 "--allow-lossy"])
-    with pytest.raises(EngineError, match="reads float16 native weights.*int8"):
-        open_engine(q8, "cuda-native")
+    gpu = open_engine(q, "cuda-native")
+    assert gpu.weights["layers.0.wqkv"].dtype == np.uint8
+    cpu, dec = open_engine(q, "cpu-native").decoder(), gpu.decoder()
+    _same_call(cpu, dec, np.arange(9)[None] + 3)
+    for d in (cpu, dec):
+        d.cache.commit(9)
+    _same_call(cpu, dec, np.array([[7]]))
 
 
 def test_no_nvcc_is_a_clear_error(folders, monkeypatch):

@@ -126,7 +126,8 @@ def load(path: Path):
             "ecs_kernel_ms": ([ctypes.POINTER(_Io)], ctypes.c_float),
             "ecs_enqueue": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], i32),
             "ecs_capture": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], P),
-            "ecs_launch": ([P, P], i32), "ecs_graph_destroy": ([P], i32)}
+            "ecs_launch": ([P, P], i32), "ecs_graph_destroy": ([P], i32),
+            "ecs_matmul": ([i32, P, i64, P, i64, i64, P, i32, i32], i32)}
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -277,3 +278,20 @@ class CudaRuntime:
 
     def kernel_ms(self, io: _Io) -> float:
         return float(self.lib.ecs_kernel_ms(ctypes.byref(io)))
+
+    def matmul(self, kind: int, x: np.ndarray, packed: np.ndarray, glu: bool = False, act: int = 0) -> np.ndarray:
+        """The matrix kernels alone (for the tests): x (T, K) float32 @ a packed matrix of `kind`
+        (native_format.WEIGHT_KINDS' value) -> (T, N) float32, or (T, N / 2) act(gate) * up with glu."""
+        from .native_format import PANEL, QB
+        x = np.ascontiguousarray(x, np.float32)
+        t, k = x.shape
+        n = packed.shape[0] * PANEL
+        if (packed.shape[1] if kind == 0 else packed.shape[1] * QB) != k:
+            raise ValueError(f"x has {k} inputs, the matrix {packed.shape}")
+        mem = self.memory
+        bx, bw = mem.zeros(x.shape, np.float32), mem.zeros(packed.shape, packed.dtype)
+        by = mem.zeros((t, n // 2 if glu else n), np.float32)
+        mem.write(bx, x)
+        mem.write(bw, packed)
+        self._check(self.lib.ecs_matmul(kind, bx.ptr, t, bw.ptr, k, n, by.ptr, int(glu), act), "ecs_matmul")
+        return mem.to_host(by)

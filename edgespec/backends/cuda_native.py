@@ -3,7 +3,7 @@ KV cache in device memory written in place at the committed lengths, one CUDA gr
 call, and only the argmax ids copied back (the logits and the hidden state when asked for).
 
     engine = CudaNativeEngine(dir)      # native.npz read and checked as cpu-native reads it (native_folder.py),
-                                        # its arrays uploaded (float16 weights)
+                                        # its arrays uploaded as they are (float16 panels, int8 / int4 blocks)
     dec = engine.decoder(batch)         # a Decoder (base.py): the speculative round, the drafts, batches and the
                                         # text head run on it as on any other
     dec.ids(tokens)                     # one call: start and ids into the pinned parameter block, the graph of
@@ -62,12 +62,6 @@ class CudaNativeEngine(EmbeddingTable):
                  folder: NativeFolder | None = None):
         """engine_dir's native weights, or `folder`'s (native_folder.in_memory: made where they run)."""
         f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
-        kinds = {k: f.info.get(k, "float16") for k in ("weights", "head_weights")}
-        if set(kinds.values()) != {"float16"}:
-            raise EngineError(f"{f.dir}: provider 'cuda-native' reads float16 native weights; this folder's are "
-                              f"{kinds['weights']} (lm_head {kinds['head_weights']}): re-add float16 ones with "
-                              f"`python -m edgespec.export.native {f.dir} --checkpoint CHECKPOINT_DIR --weights "
-                              f"float16`, or run it on provider 'cpu-native'")
         self.dir, self.manifest, self.info, self.intermediate = f.dir, f.manifest, f.info, f.intermediate
         self.rt = rt if rt is not None else runtime(device_id)
         for k in ("inv_freq", "rope_scale"):
