@@ -49,12 +49,18 @@ def tiny_source(tmp_path_factory):
 
 
 def test_the_check_runs_every_step_and_keeps_the_other_keys_of_its_file(tiny_source, tmp_path, monkeypatch, capsys):
+    from conftest import make_f16_policy
+
+    from edgespec.backends import cuda_native
     mod = _check_module()
-    monkeypatch.setattr(mod, "open_runtime", lambda lib, work, data: StandIn())
+    rt = StandIn()
+    monkeypatch.setattr(cuda_native, "runtime", lambda device_id=0: rt)  # the policies' engines
+    policy = make_f16_policy(tmp_path / "policy")
+    monkeypatch.setattr(mod, "open_runtime", lambda lib, work, data: rt)
     out = tmp_path / "device.json"
     out.write_text(json.dumps({"paths": {"cuda": {"unavailable": "no onnxruntime-gpu"}}}))
     rc = mod.main(["--smoke", "--models", "tiny", "--source", str(tiny_source), "--prompts", "2", "--out", str(out),
-                   "--key", "cuda_native", "--work", str(tmp_path / "work")])
+                   "--key", "cuda_native", "--work", str(tmp_path / "work"), "--vla", str(policy)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["paths"] == {"cuda": {"unavailable": "no onnxruntime-gpu"}}  # device_setup's record, kept
@@ -68,6 +74,9 @@ def test_the_check_runs_every_step_and_keeps_the_other_keys_of_its_file(tiny_sou
     assert 0 <= r["speed"]["speculative"]["acceptance"] <= 1
     assert r["torch"]["torch_eager"]["tokens_per_s"] > 0 and "skipped" in r["torch"]["torch_cuda_graphs"]
     assert r["weight_bytes"] > 0 and r["draft_weight_bytes"] > 0
+    v = doc["cuda_native"]["vla"]
+    assert "error" not in v, v
+    assert v["actions_identical"] == {"head": "4/4", "decoder": "4/4"} and v["decode_ms_median"]["plain"] > 0
     shown = capsys.readouterr().out
     assert "tiny: parity top-1 1.0" in shown and "spec==plain True" in shown
 

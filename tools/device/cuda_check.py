@@ -282,6 +282,42 @@ def torch_speed(target_dir: str, seqs: list[list[int]], n: int, device: str) -> 
     return out
 
 
+def export_vla(source: Path, work: Path) -> dict:
+    """The bundled reacher policy exported here (ONNX encoder, decoders with native weights: seconds)."""
+    from edgespec.export.vla import export_policy
+    out = work / "vla-reacher"
+    if not (out / "policy.json").is_file():
+        export_policy(source, out, progress=False)
+    return {"policy": str(out)}
+
+
+def vla(policy_dir: Path, n_obs: int) -> dict:
+    """VLA decode ms per chunk on cuda-native: plain, exact speculative with the draft head and with the draft
+    decoder; actions identical to plain."""
+    plain = edgespec.load_policy(policy_dir, provider="cuda-native")
+    drafts = {"head": edgespec.load_policy(policy_dir, draft="head", provider="cuda-native"),
+              "decoder": edgespec.load_policy(policy_dir, draft=True, provider="cuda-native")}
+    rng = np.random.default_rng(0)
+    words = ["reach the red target", "go to the blue target", "touch the green target"]
+    obs = [(rng.integers(0, 256, (plain.image_size, plain.image_size, 3), dtype=np.uint8),
+            rng.normal(0, 1, plain.state_dim), words[i % 3]) for i in range(n_obs)]
+    for pol in (plain, *drafts.values()):
+        pol.act(*obs[0])  # warm: graphs captured
+    ms = {"plain": [], **{k: [] for k in drafts}}
+    same = dict.fromkeys(drafts, 0)
+    for o in obs:
+        a = plain.act(*o)
+        ms["plain"].append(plain.last_info["decode_ms"])
+        for k, pol in drafts.items():
+            b = pol.act(*o)
+            ms[k].append(pol.last_info["decode_ms"])
+            same[k] += bool(np.array_equal(a, b))
+    med = {k: float(np.median(v)) for k, v in ms.items()}
+    return {"observations": n_obs, "decode_ms_median": med,
+            "speedup": {k: med["plain"] / med[k] for k in drafts},
+            "actions_identical": {k: f"{same[k]}/{n_obs}" for k in drafts}}
+
+
 # -- the run -------------------------------------------------------------------------------------------------
 
 def open_runtime(lib: Path | None, work: Path, data: dict):
@@ -325,6 +361,13 @@ def summary(data: dict) -> str:
             if bw and r.get("weight_bytes"):
                 ratios.append(f"roofline {100 * r['weight_bytes'] * plain / bw:.0f}%")
             lines.append("  " + ", ".join(ratios))
+    v = data.get("vla", {})
+    if "decode_ms_median" in v:
+        lines.append(f"vla: decode ms plain {v['decode_ms_median']['plain']:.2f}, " + ", ".join(
+            f"{k} {v['decode_ms_median'][k]:.2f} ({v['speedup'][k]:.2f}x, identical {v['actions_identical'][k]})"
+            for k in v["speedup"]))
+    elif v:
+        lines.append(f"vla: {v.get('error') or v.get('skipped')}")
     return "\n".join(lines)
 
 
@@ -340,6 +383,10 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny model, few tokens, --lib's build (tests)")
     ap.add_argument("--lib", type=Path, default=None, help="a built cuda_step library to load instead of nvcc's")
     ap.add_argument("--source", type=Path, default=ROOT / "models" / "demo-draft")
+    ap.add_argument("--vla", type=Path, default=ROOT / "models" / "vla-reacher",
+                    help="the policy model folder to export and decode (an exported policy folder is used as is)")
+    ap.add_argument("--vla-obs", type=int, default=20)
+    ap.add_argument("--no-vla", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.time()
     rep = Report(a.out, a.key)
@@ -355,7 +402,18 @@ def main(argv=None) -> int:
     rep.data["runtime"] = {"device": rt.device}
     n = 6 if a.smoke else a.new_tokens
     seqs = rep.step(("prompts",), lambda: {"ids": prompts(a.source, a.prompts, 16 if a.smoke else 96)})["ids"]
-    for name in a.models.split(","):
+    def run_vla():
+        if time.time() - t0 > a.budget_s:
+            rep.data["vla"] = {"skipped": f"over the {a.budget_s:.0f} s budget"}
+            return
+        exported = (a.vla / "target" / "engine.json").is_file()
+        pol = {"policy": str(a.vla)} if exported else rep.step(("vla_export",), lambda: export_vla(a.vla, work))
+        if "policy" in pol:
+            rep.step(("vla",), lambda: vla(Path(pol["policy"]), 4 if a.smoke else a.vla_obs))
+
+    for i, name in enumerate(a.models.split(",")):
+        if i == 1 and not a.no_vla:  # after the first model: the VLA policy, before the large stand-ins
+            run_vla()
         if time.time() - t0 > a.budget_s:
             rep.data.setdefault("models", {})[name] = {"skipped": f"over the {a.budget_s:.0f} s budget"}
             continue
@@ -374,6 +432,8 @@ def main(argv=None) -> int:
         rep.step(key + ("speed",), lambda: decode_speed(e, seqs, n))
         rep.step(key + ("torch",), lambda: torch_speed(dirs["target"], seqs, n, device))
         e = None  # the engines (and their device memory) go before the next model
+    if len(a.models.split(",")) < 2 and not a.no_vla:
+        run_vla()
     rep.data["total_s"] = round(time.time() - t0, 1)
     rep.save()
     print(summary(rep.data))
