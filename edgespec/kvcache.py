@@ -8,7 +8,9 @@ rows in place at the committed length (the decoder binds each `present` output t
 overwritten by later calls, never cleared or copied (except the rows of a call whose outputs were not
 finite, which are zeroed so that the cache only ever holds finite values). Rolling back (`rewind_to`)
 lowers the length: O(1). The buffers grow in chunks as the live context grows (amortised O(1) per
-token), so a step binds about as many rows as the context holds, not the engine's full capacity.
+token), so a step binds about as many rows as the context holds, not the engine's full capacity. With
+`doubling` they grow to the next power of two instead (TensorRT: each size is a new set of CUDA graphs, so few
+sizes, and a call binds at most twice the live rows).
 
 Nothing outside this class changes `lengths`: the verbs are `reserve`, `commit` and `rewind_to`.
 
@@ -29,11 +31,12 @@ GROW_CHUNK = 128  # rows added per reallocation
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_context: int,
                  dtype="float32", memory: HostMemory | None = None, chunk: int = GROW_CHUNK,
-                 in_place: bool = True, capacity: int | None = None):
+                 in_place: bool = True, capacity: int | None = None, doubling: bool = False):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.shape = (batch, kv_heads, head_dim)
         self.num_layers, self.max_context, self.chunk = num_layers, max_context, chunk
+        self.doubling = doubling  # grow to the next power of two (>= chunk) rather than the next chunk
         self.dtype = np.dtype(dtype)
         self.memory = memory or HostMemory()
         self._set_lengths(np.zeros(batch, dtype=np.int64))  # committed rows per sequence
@@ -79,7 +82,8 @@ class KVCache:
         if rows > self.max_context:
             raise ValueError(f"KV cache needs {rows} rows but the engine's max context is {self.max_context}")
         if rows > self.capacity:
-            new = min(self.max_context, -(-rows // self.chunk) * self.chunk)
+            step = max(self.chunk, 1 << (rows - 1).bit_length()) if self.doubling else -(-rows // self.chunk) * self.chunk
+            new = min(self.max_context, step)
             self._sets = [[self.memory.grow(buf, new) for buf in bufs] for bufs in self._sets]
             self.generation += 1
 

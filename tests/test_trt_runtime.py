@@ -289,14 +289,25 @@ def _same_calls(a, b, rng, vocab, steps=12):
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_trt_decoder_matches_the_onnx_runtime_decoder(fakes, planned, graphs):
+def test_trt_decoder_matches_the_onnx_runtime_decoder(fakes, planned, graphs, monkeypatch):
+    from edgespec.backends import trt as trt_mod
     from edgespec.backends.trt import TrtDecoder
     cud, trt = fakes
+    monkeypatch.setattr(trt_mod, "MIN_ROWS", 16)  # the tiny engines hold 128 rows: let the cache double in the test
     dec = TrtDecoder(_trt_engine(planned["target"]), cuda_graphs=graphs)
     ref = _ort_decoder(planned["target"])
-    assert dec.cache.capacity == dec.m.max_context and not dec.cache.in_place
+    assert dec.cache.capacity == 16 and not dec.cache.in_place
     rng = np.random.default_rng(1)
+    seen = []  # (capacity, bound rows) of each call: a call binds the cache's capacity, at most twice its rows
+    real = dec._bind
+
+    def bind(ctx, io, s):
+        seen.append((dec.cache.capacity, io.bias.shape[3], int(dec.cache.lengths.max()) + s))
+        return real(ctx, io, s)
+    dec._bind = bind
     _same_calls(dec, ref, rng, dec.vocab_size)
+    assert {c for c, _, _ in seen} >= {32, 64}  # it doubled, and the calls after each doubling still match
+    assert all(bias == cap and cap <= max(16, 2 * rows) for cap, bias, rows in seen), seen
     # logits too (the same call on both)
     toks = rng.integers(0, dec.vocab_size, (1, 3))
     np.testing.assert_allclose(dec(toks), ref(toks), atol=1e-4)

@@ -13,9 +13,12 @@ and `cache.wrote(S)` swaps the two sets. Each call therefore copies the bound ro
 IKVCacheUpdateLayer, whose output aliases the cache input by design (`engine.get_aliased_input_tensor`):
 that is the path to a true in-place cache later. JetPack 6 ships TensorRT 10.3, so not yet.
 
-Why the cache has a fixed capacity (manifest.max_context rows) instead of growing: CUDA graphs replay
-fixed shapes and fixed addresses. Per (profile, S, parity) used by decode and verify calls the decoder
-captures one graph on its own execution context (after one warm-up call) and later only launches it.
+Why the cache grows by doubling (MIN_ROWS rows, then powers of two up to manifest.max_context): a call binds
+the cache's whole capacity P (attention and the ScatterND copy read every bound row), so P should follow the
+live context, while CUDA graphs replay fixed shapes and addresses. Per (profile, S, parity) used by decode and
+verify calls the decoder captures one graph on its own execution context (after one warm-up call) and later only
+launches it; when the cache grows (a new capacity, new addresses) the graphs and their contexts are dropped and
+captured again: once per doubling, so a call binds at most twice the rows it needs (or MIN_ROWS).
 The execution contexts share one device scratch allocation (they all run in order on one stream).
 """
 from __future__ import annotations
@@ -35,6 +38,7 @@ from .providers import PLAN_FILE, PROVIDERS, checked_folder, memory_for
 from .base import Capabilities, Decoder, EmbeddingTable
 
 PROVIDER = "tensorrt-native"
+MIN_ROWS = 256  # the cache's first capacity (rows per sequence); it doubles from there as the context grows
 BUILD_HINT = "build it on this device with `python -m edgespec.export.tensorrt {dir}` (or `edgespec export ... --tensorrt`)"
 TENSORRT_HINT = ("install the `trt` extra on x86_64 (pip install 'edgespec[trt]': TensorRT and cuda-python for CUDA 13, "
                  "a driver >= 580; `trt-cu12` for CUDA 12); "
@@ -218,8 +222,9 @@ class TrtEngine(EmbeddingTable):
         return out
 
     def decoder(self, batch: int = 1, embedding: np.ndarray | None = None, cuda_graphs: bool = True) -> "TrtDecoder":
-        """A TrtDecoder for `batch` sequences (what open_engine's callers ask every engine for). It allocates a
-        max_context cache and captures its CUDA graphs on first use: keep it (Generator pools its decoders)."""
+        """A TrtDecoder for `batch` sequences (what open_engine's callers ask every engine for). Its cache doubles
+        as the context grows and it captures CUDA graphs per capacity on first use: keep it (Generator pools its
+        decoders)."""
         return TrtDecoder(self, batch, embedding, cuda_graphs)
 
     def profile_for(self, s: int, rows: int, batch: int = 1) -> int:
@@ -261,7 +266,8 @@ class _Graph:
 
 
 class TrtDecoder(Decoder):
-    """The Decoder (base.py) over a TensorRT plan; its last call's outputs are (_IO, S). The cache lives on the GPU with a fixed capacity of max_context rows."""
+    """The Decoder (base.py) over a TensorRT plan; its last call's outputs are (_IO, S). The cache lives on the GPU,
+    MIN_ROWS rows at first, doubling up to max_context as the context grows (the module docstring)."""
 
     def __init__(self, engine: TrtEngine, batch: int = 1, embedding: np.ndarray | None = None,
                  cuda_graphs: bool = True):
@@ -273,7 +279,8 @@ class TrtDecoder(Decoder):
             raise EngineError(f"{engine.plan_path}: context of {cap} rows (engine.json max_context) is longer than "
                               f"the plan's profile (max {max_rows}); rebuild with a larger --max-context / profile")
         cache = KVCache(m.num_layers, batch, m.num_kv_heads, m.head_dim, cap, m.cache_dtype, memory,
-                        in_place=PROVIDERS[PROVIDER].in_place, capacity=cap)  # fixed: graphs see fixed shapes
+                        in_place=PROVIDERS[PROVIDER].in_place, chunk=MIN_ROWS, capacity=min(MIN_ROWS, cap),
+                        doubling=True)  # each capacity: its own graphs
         super().__init__(engine, batch, memory, cache, embedding)
         self.caps = Capabilities(embeds=m.input_mode == "embeds")
         self.stream = self.memory.stream
@@ -291,7 +298,7 @@ class TrtDecoder(Decoder):
     def _io_for(self, s: int) -> _IO:
         key = s if s <= self.graph_max else "big"
         io = self._io.get(key)
-        if io is None or io.s < s:
+        if io is None or io.s < s or io.bias.shape[3] != self.cache.capacity:
             n = s if key != "big" else 1 << (s - 1).bit_length()  # prefill: grow in powers of two
             b, m, p, z = self.batch, self.m, self.cache.capacity, self.memory.zeros
             first = z((b, n), np.int64) if m.input_mode == "ids" else z((b, n, m.hidden_size), np.float32)
@@ -374,12 +381,17 @@ class TrtDecoder(Decoder):
                                       f"-> {getattr(err, 'name', err)}); running without graphs")
         return None
 
-    def _enqueue(self, profile: int, io: _IO, s: int) -> None:
-        """Enqueue the engine for a call of S tokens: replay its graph, or capture one, or run plainly."""
-        if self.cache.generation != self._generation:  # never with a fixed capacity; graphs hold addresses
+    def _renew_if_grown(self) -> None:
+        """After the cache grew (new buffers, a new capacity): the graphs and their contexts hold the old
+        addresses and shapes, and the calls' bias buffers the old width: all dropped (made again on use)."""
+        if self.cache.generation != self._generation:
             self._graphs.clear()
             self._contexts = {k: v for k, v in self._contexts.items() if isinstance(k, int)}
+            self._io.clear()
             self._generation = self.cache.generation
+
+    def _enqueue(self, profile: int, io: _IO, s: int) -> None:
+        """Enqueue the engine for a call of S tokens: replay its graph, or capture one, or run plainly."""
         if self.cuda_graphs and s <= self.graph_max:
             key = (profile, s, self.cache.parity)
             if key in self._graphs:
@@ -409,6 +421,7 @@ class TrtDecoder(Decoder):
         the cache), the outputs stay on the device until ids() / last_logits() copy them back."""
         first, pos, bias = self._inputs(tokens, valid, embeds)  # host: (B, S[, E]), (B, S), (B, 1, S, P)
         s = first.shape[1]
+        self._renew_if_grown()  # _inputs reserved the rows: the cache may have doubled
         profile = self.engine.profile_for(s, self.cache.capacity, self.batch)
         io = self._io_for(s)
         mem, view = self.memory, CudaMemory.view
