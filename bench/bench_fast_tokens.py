@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fit-episodes", type=int, default=200)
     ap.add_argument("--held-out-episodes", type=int, default=60)
-    ap.add_argument("--scales", default="5,10,20")
+    ap.add_argument("--scales", default="10,20,50,100")
     ap.add_argument("--vocab-sizes", default="256,1024")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "fast_tokens.json")
     a = ap.parse_args(argv)
