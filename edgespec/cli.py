@@ -70,13 +70,14 @@ def cmd_inspect(args) -> int:
         nat = m.extra.get("native")
         if nat and nat.get("file"):
             g = nat.get("gate", {})
-            print(f"  provider cpu-native: {nat['file']}, float16 weights and float32 math"
+            print(f"  providers cpu-native and cuda-native: {nat['file']}, {nat.get('weights', 'float16')} weights and "
+                  f"float32 math"
                   + (f", {nat['weight_bytes_per_token'] / 1e6:.2f} MB of weights per token"
                      if nat.get("weight_bytes_per_token") else "")
                   + (f"; gate against ONNX Runtime: ids {g.get('ids_agree')}/{g.get('ids')}, max logit difference "
                      f"{g.get('max_logit_diff'):.1e}" if g.get("passed") else ""))
         elif nat:
-            print(f"  provider cpu-native: not available ({nat.get('unavailable')})")
+            print(f"  providers cpu-native and cuda-native: not available ({nat.get('unavailable')})")
         if m.extra.get("validation"):
             print("  validation: " + json.dumps(m.extra["validation"]))
     try:

@@ -77,8 +77,8 @@ def test_export_writes_native_weights_that_pass_their_gate(native_engines, capsy
         open_engine(draft, "cpu-native")
     assert main(["inspect", str(target)]) == 0 and main(["inspect", str(draft)]) == 0
     out = capsys.readouterr().out
-    assert "provider cpu-native: native.npz, float16 weights and float32 math" in out and "ids 64/64" in out
-    assert "provider cpu-native: not available (model.embed_tokens.weight:" in out
+    assert "providers cpu-native and cuda-native: native.npz, float16 weights and float32 math" in out and "ids 64/64" in out
+    assert "providers cpu-native and cuda-native: not available (model.embed_tokens.weight:" in out
 
 
 @pytest.mark.parametrize("march", [None, "haswell", "x86-64"])  # this CPU; AVX2 without AVX-512; portable C
