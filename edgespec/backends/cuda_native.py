@@ -165,6 +165,7 @@ class CudaNativeDecoder(Decoder):
         lay = self.layout = scratch_layout(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, e.intermediate,
                                            m.vocab_size, rows, self._io.nsplit)
         self._scratch = self.memory.zeros((lay.nbytes,), np.uint8)
+        self._views: dict = {}  # S -> the outputs' buffers in this scratch
         base = self._scratch.ptr
         for name, (off, _) in lay.offsets.items():
             setattr(self._io, name, base + off)
@@ -229,15 +230,18 @@ class CudaNativeDecoder(Decoder):
         ms = max(self.rt.kernel_ms(self._io), 0.0) / 1e3
         self.kernel_s += ms
         self.engine.kernel_s += ms
-        m, mem, off = self.m, self.memory, self.layout.offsets
-        out = _Outputs(self._next[:b * s].reshape(b, s).copy(),
-                       mem.sub(self._scratch, off["logits"][0], (b, s, m.vocab_size), np.float32),
-                       mem.sub(self._scratch, off["h"][0], (b, s, m.hidden_size), np.float32))
+        views = self._views.get(s)
+        if views is None:  # the (B, S, V) logits and (B, S, E) hidden state inside the scratch, made once per S
+            m, mem, off = self.m, self.memory, self.layout.offsets
+            views = self._views[s] = (mem.sub(self._scratch, off["logits"][0], (b, s, m.vocab_size), np.float32),
+                                      mem.sub(self._scratch, off["h"][0], (b, s, m.hidden_size), np.float32))
+        out = _Outputs(self._next[:b * s].reshape(b, s).copy(), *views)
         self._called(s, out, t0, t1, start, valid)
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self.m.vocab_size):
-            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
+        flat = ids.ravel().tolist()  # a call's few ids: Python's min and max are quicker than numpy's here
+        if flat and (min(flat) < 0 or max(flat) >= self.m.vocab_size):
+            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {min(flat)}..{max(flat)}")
 
     def _fetch_ids(self) -> np.ndarray:
         return self._last.ids
