@@ -345,17 +345,17 @@ def test_on_a_gpu_the_kernels_match_cpu_native(folders, name, monkeypatch):
     monkeypatch.setattr(cuda_native, "runtime", lambda device_id=0: rt)
     cpu, gpu = _pair(folders[name])
     rng = np.random.default_rng(2)
-    agree = total = 0
     for s in (13, 1, 1, 4, 1, 9, 1):
         t = rng.integers(0, 96, (1, s))
         a, b = cpu(t), gpu(t)
         scale = max(1.0, float(np.abs(a).max()))
         assert np.abs(a - b).max() <= 1e-4 * scale, (s, np.abs(a - b).max())
-        agree += int((cpu.last_ids() == gpu.last_ids()).sum())
-        total += s
+        # ids equal, except where the CPU's best two logits are within the two steps' rounding of each other
+        top2 = np.sort(a[0], axis=-1)[:, -2:]
+        near_tie = (top2[:, 1] - top2[:, 0]) <= 2e-4 * scale
+        assert ((cpu.last_ids()[0] == gpu.last_ids()[0]) | near_tie).all()
         for d in (cpu, gpu):
             d.cache.commit(s)
-    assert agree == total
 
 
 @pytest.mark.gpu
