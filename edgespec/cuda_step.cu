@@ -16,17 +16,16 @@
    graph and ecs_launch replays that graph call after call (cuda_native.py keeps the graphs).
 
    Per layer l, as native_step.c (its header lists the family options; a NULL table is an absent option):
-     k_norm        h = rmsnorm(x, ln1)          (fused with the residual add of the layer before)
-     k_matmul      qkv = h Wqkv + bqkv
+     k_matmul      qkv = rmsnorm(x, ln1) Wqkv + bqkv   (the norm fused: each block norms the rows it reads)
      k_rope_kv     q, k normed per head (qn, kn), rotated over R dims; k, v written to the cache at start + s;
                    q scaled by attn_scale
      k_attn        softmax(q k^T) v over rows max(0, p - window + 1)..p, the rows split in nsplit parts (one block
                    each, online softmax), then k_attn_merge
-     k_matmul      x += a Wo + bo, or tmp = a Wo + bo and k_norm adds rmsnorm(tmp, post_attn)
-     k_norm        h = rmsnorm(x, ln2)
-     k_matmul<GLU> mlp = act(h Wg) * (h Wu)     (gate panel p and up panel p + I/16 in one block)
-     k_matmul      x += mlp Wd, or through post_mlp as above; k_norm: h = rmsnorm(x, the next ln1 or norm)
-   then logits = h lm_head and k_argmax.
+     k_matmul      x += a Wo + bo; or tmp = a Wo + bo and k_norm adds rmsnorm(tmp, post_attn) to x
+     k_matmul<GLU> mlp = act(g) * u, (g, u) = rmsnorm(x, ln2) (Wg, Wu)   (gate panel p and up panel p + I/16 in
+                   one block, the norm fused)
+     k_matmul      x += mlp Wd, or through post_mlp as above
+   then k_norm h = rmsnorm(x, norm) (the hidden state), logits = h lm_head and k_argmax.
 
    Layout (cuda_native.py allocates, tests/test_cuda_native.py checks through a stand-in that runs native_step.c):
      KV cache        per layer one key and one value buffer (B, Hkv, cap, D) float32: io->kc[l], io->vc[l]
@@ -120,8 +119,8 @@ __global__ void k_embed(const int64_t *__restrict__ ids, const __half *__restric
     for (int e = threadIdx.x; e < E; e += blockDim.x) x[t * E + e] = __half2float(embed[id * E + e]) * scale;
 }
 
-/* row t (grid T): if a, x += a (post NULL) or x += rmsnorm(a, post); then h = rmsnorm(x, w), native_step.c's
-   norm_row order (normalise, then scale) */
+/* row t (grid T): if a, x += a (post NULL) or x += rmsnorm(a, post); then, if w, h = rmsnorm(x, w),
+   native_step.c's norm_row order (normalise, then scale) */
 __global__ void k_norm(float *__restrict__ x, const float *__restrict__ a, const float *__restrict__ post,
                        const float *__restrict__ w, float *__restrict__ h, int E, float eps) {
     __shared__ float sh[32];
@@ -143,6 +142,7 @@ __global__ void k_norm(float *__restrict__ x, const float *__restrict__ a, const
         }
         ss += v * v;
     }
+    if (!w) return; /* only the residual add (the next product norms x itself) */
     const float r = 1.0f / sqrtf(block_sum(ss, sh) / (float)E + eps);
     for (int e = threadIdx.x; e < E; e += blockDim.x) h[t * E + e] = w[e] * (xr[e] * r);
 }
@@ -155,20 +155,44 @@ __device__ __forceinline__ float activation(float g, int act) {
 
 __device__ __forceinline__ uint4 load16(const __half *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
+/* nw non-NULL: the inverse RMS of rows row0 .. row0 + ROWS - 1 of x (K each) into inv (shared), so that a matrix
+   product reads its rows normed, nw[k] * (x[k] * inv[r]) (native_step.c's norm_row, fused into the product that
+   consumes it: one kernel less per norm). Every thread takes part (block_sum's barriers). */
+template <int ROWS>
+__device__ void rows_inv_rms(const float *__restrict__ x, int K, int T, int row0, const float *nw, float eps,
+                             float *inv, float *sh) {
+    if (!nw) return;
+    for (int r = 0; r < ROWS; r++) {
+        float ss = 0.f;
+        if (row0 + r < T)
+            for (int k = threadIdx.x; k < K; k += blockDim.x) {
+                const float v = x[(size_t)(row0 + r) * K + k];
+                ss += v * v;
+            }
+        ss = block_sum(ss, sh);
+        if (threadIdx.x == 0) inv[r] = 1.0f / sqrtf(ss / (float)K + eps);
+    }
+    __syncthreads();
+}
+
 /* y (T, N) = x (T, K) @ W (+ bias), W in float16 panels; grid (N / 16, ceil(T / ROWS)), WARPS warps.
    Warp w takes inputs k0 = 16 w, 16 w + 16 WARPS, ...: its lane l reads 8 weights (16 bytes) of input
    k0 + l / 2, columns 8 (l & 1) .. + 7, so a warp reads 512 consecutive bytes of the panel at a time, and
    accumulates them against ROWS rows of x. The partial sums meet across the 16 lanes of the same column half
-   (shuffles), then across warps (shared memory). residual: y += instead of y =.
+   (shuffles), then across warps (shared memory). residual: y += instead of y =. nw: the rows RMS-normed with
+   weights nw first (rows_inv_rms).
    GLU: W is (2 I, K) with the gate rows first; block p computes gate panel p and up panel p + I / 16 and writes
    act(gate) * up into y (T, I). */
 template <int ROWS, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32) k_matmul(const float *__restrict__ x, const __half *__restrict__ w,
                                                       int K, int N, int T, const float *__restrict__ bias,
-                                                      float *__restrict__ y, int residual, int act) {
+                                                      float *__restrict__ y, int residual, int act,
+                                                      const float *__restrict__ nw, float eps) {
     constexpr int NM = GLU ? 2 : 1;
     constexpr int UNROLL = ROWS <= 4 ? 4 : 2;
     const int p = blockIdx.x, row0 = blockIdx.y * ROWS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float inv[ROWS], sh[32];
+    rows_inv_rms<ROWS>(x, K, T, row0, nw, eps, inv, sh);
     const int kl = lane >> 1, c0 = (lane & 1) * 8;
     const __half *wp[NM];
     wp[0] = w + (size_t)p * K * PANEL;
@@ -195,7 +219,10 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul(const float *__restrict__
             if (kk >= K) break;
             float xv[ROWS];
 #pragma unroll
-            for (int r = 0; r < ROWS; r++) xv[r] = row0 + r < T ? x[(size_t)(row0 + r) * K + kk + kl] : 0.f;
+            for (int r = 0; r < ROWS; r++) {
+                xv[r] = row0 + r < T ? x[(size_t)(row0 + r) * K + kk + kl] : 0.f;
+                if (nw) xv[r] = nw[kk + kl] * (xv[r] * inv[r]);
+            }
 #pragma unroll
             for (int m = 0; m < NM; m++) {
                 const __half2 *h2 = reinterpret_cast<const __half2 *>(&wv[m][u]);
@@ -257,7 +284,8 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul(const float *__restrict__
 template <int ROWS, bool GLU, int KIND>
 __global__ void __launch_bounds__(WARPS * 32) k_matmul_q(const float *__restrict__ x, const uint8_t *__restrict__ w,
                                                         int K, int N, int T, const float *__restrict__ bias,
-                                                        float *__restrict__ y, int residual, int act) {
+                                                        float *__restrict__ y, int residual, int act,
+                                                        const float *__restrict__ nw, float eps) {
     constexpr int NM = GLU ? 2 : 1;
     constexpr int BB = KIND == ES_Q8 ? 32 + QB * 16 : 32 + QB * 8; /* bytes of one (block, panel) */
     constexpr int NC = KIND == ES_Q8 ? 4 : 2;                       /* columns per lane */
@@ -265,6 +293,8 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul_q(const float *__restrict
     constexpr int LG = PANEL / NC;                                  /* lanes l and l + LG hold the same columns */
     const int p = blockIdx.x, row0 = blockIdx.y * ROWS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int nb = K / QB, c0 = (lane % LG) * NC, k0 = (lane / LG) * NK;
+    __shared__ float inv[ROWS], sh[32];
+    rows_inv_rms<ROWS>(x, K, T, row0, nw, eps, inv, sh);
     const uint8_t *wp[NM];
     wp[0] = w + (size_t)p * nb * BB;
     if (GLU) wp[NM - 1] = w + (size_t)(p + N / 2 / PANEL) * nb * BB;
@@ -280,7 +310,11 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul_q(const float *__restrict
 #pragma unroll
         for (int r = 0; r < ROWS; r++)
 #pragma unroll
-            for (int i = 0; i < NK; i++) xv[r][i] = row0 + r < T ? x[(size_t)(row0 + r) * K + kb * QB + k0 + i] : 0.f;
+            for (int i = 0; i < NK; i++) {
+                const int k = kb * QB + k0 + i;
+                xv[r][i] = row0 + r < T ? x[(size_t)(row0 + r) * K + k] : 0.f;
+                if (nw) xv[r][i] = nw[k] * (xv[r][i] * inv[r]);
+            }
 #pragma unroll
         for (int m = 0; m < NM; m++) {
             const uint8_t *blk = wp[m] + (size_t)kb * BB;
@@ -505,38 +539,50 @@ __global__ void k_argmax(const float *__restrict__ logits, int64_t V, int64_t lo
 
 /* ---- launching ---- */
 
+typedef struct { /* what a matrix product does beyond y = x W */
+    const float *bias;  /* (N) added, or NULL */
+    int residual;       /* y += instead of y = */
+    int glu;            /* y (T, N / 2) = act(gate) * up */
+    int act;            /* ES_SILU / ES_GELU_TANH, with glu */
+    const float *norm;  /* (K): the rows RMS-normed with these weights first, or NULL */
+    float eps;          /* the norm's epsilon */
+} mm_opts;
+
 template <int ROWS, bool GLU>
-static void launch_mm(const float *x, const void *w, int K, int N, int T, const float *bias, float *y, int residual,
-                      int act, int kind, cudaStream_t st) {
+static void launch_mm(const float *x, const void *w, int K, int N, int T, float *y, mm_opts o, int kind,
+                      cudaStream_t st) {
     const dim3 grid((GLU ? N / 2 : N) / PANEL, (T + ROWS - 1) / ROWS);
     if (kind == ES_F16) {
-        void (*kern)(const float *, const __half *, int, int, int, const float *, float *, int, int) = k_matmul<ROWS, GLU>;
-        LAUNCH(kern, grid, WARPS * 32, st, x, (const __half *)w, K, N, T, bias, y, residual, act);
+        void (*kern)(const float *, const __half *, int, int, int, const float *, float *, int, int, const float *,
+                     float) = k_matmul<ROWS, GLU>;
+        LAUNCH(kern, grid, WARPS * 32, st, x, (const __half *)w, K, N, T, o.bias, y, o.residual, o.act, o.norm, o.eps);
     } else {
-        void (*kern)(const float *, const uint8_t *, int, int, int, const float *, float *, int, int) =
-            kind == ES_Q8 ? k_matmul_q<ROWS, GLU, ES_Q8> : k_matmul_q<ROWS, GLU, ES_Q4>;
-        LAUNCH(kern, grid, WARPS * 32, st, x, (const uint8_t *)w, K, N, T, bias, y, residual, act);
+        void (*kern)(const float *, const uint8_t *, int, int, int, const float *, float *, int, int, const float *,
+                     float) = kind == ES_Q8 ? k_matmul_q<ROWS, GLU, ES_Q8> : k_matmul_q<ROWS, GLU, ES_Q4>;
+        LAUNCH(kern, grid, WARPS * 32, st, x, (const uint8_t *)w, K, N, T, o.bias, y, o.residual, o.act, o.norm, o.eps);
     }
 }
 
-/* y (T, N) [+]= x (T, K) @ w (+ bias), w of `kind` (ES_F16 panels, ES_Q8 / ES_Q4 blocks); glu: y (T, N / 2) =
-   act(gate) * up. Row tiles of up to 16 (8 with glu). */
-static void matmul(const float *x, const void *w, int64_t K, int64_t N, int64_t T, const float *bias, float *y,
-                   int residual, int glu, int act, int kind, cudaStream_t st) {
+/* y (T, N) [+]= x (T, K) @ w of `kind` (ES_F16 panels, ES_Q8 / ES_Q4 blocks), with o's bias, residual add,
+   norm of the rows and GLU. Row tiles of up to 16 (8 with glu). */
+static void matmul(const float *x, const void *w, int64_t K, int64_t N, int64_t T, float *y, mm_opts o, int kind,
+                   cudaStream_t st) {
     const int k = (int)K, n = (int)N, t = (int)T;
-    if (glu) {
-        if (T <= 1) launch_mm<1, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
-        else if (T <= 2) launch_mm<2, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
-        else if (T <= 4) launch_mm<4, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
-        else launch_mm<8, true>(x, w, k, n, t, bias, y, 0, act, kind, st);
+    if (o.glu) {
+        if (T <= 1) launch_mm<1, true>(x, w, k, n, t, y, o, kind, st);
+        else if (T <= 2) launch_mm<2, true>(x, w, k, n, t, y, o, kind, st);
+        else if (T <= 4) launch_mm<4, true>(x, w, k, n, t, y, o, kind, st);
+        else launch_mm<8, true>(x, w, k, n, t, y, o, kind, st);
     } else {
-        if (T <= 1) launch_mm<1, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
-        else if (T <= 2) launch_mm<2, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
-        else if (T <= 4) launch_mm<4, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
-        else if (T <= 8) launch_mm<8, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
-        else launch_mm<16, false>(x, w, k, n, t, bias, y, residual, act, kind, st);
+        if (T <= 1) launch_mm<1, false>(x, w, k, n, t, y, o, kind, st);
+        else if (T <= 2) launch_mm<2, false>(x, w, k, n, t, y, o, kind, st);
+        else if (T <= 4) launch_mm<4, false>(x, w, k, n, t, y, o, kind, st);
+        else if (T <= 8) launch_mm<8, false>(x, w, k, n, t, y, o, kind, st);
+        else launch_mm<16, false>(x, w, k, n, t, y, o, kind, st);
     }
 }
+
+static mm_opts plain(void) { mm_opts o = {NULL, 0, 0, 0, NULL, 0.f}; return o; }
 
 static const float *opt(const float *const *table, int64_t l) { return table ? table[l] : NULL; }
 
@@ -645,10 +691,11 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
         CK(cudaMemcpyAsync(io->x, io->embeds_host, (size_t)(T * E) * sizeof(float), cudaMemcpyHostToDevice, st));
     else
         LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
-    LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln1[0], io->h, (int)E, m->eps);
     const int act = (int)m->act, wk = (int)m->wkind;
     for (int64_t l = 0; l < m->L; l++) {
-        matmul(io->h, m->wqkv[l], E, NQKV, T, opt(m->bqkv, l), io->qkv, 0, 0, act, wk, st);
+        mm_opts qkv = plain(); /* the layer's input norm, fused: the product reads x normed with ln1 */
+        qkv.bias = opt(m->bqkv, l), qkv.norm = m->ln1[l], qkv.eps = m->eps;
+        matmul(io->x, m->wqkv[l], E, NQKV, T, io->qkv, qkv, wk, st);
         const int64_t rj = m->layer_rope ? m->layer_rope[l] : (m->n_ropes ? 0 : -1);
         const float *inv = rj >= 0 ? m->inv_freq + rj * (m->R / 2) : NULL;
         LAUNCH(k_rope_kv, dim3((unsigned)T, (unsigned)(H + Hkv)), 128, st,
@@ -659,24 +706,30 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
                io->q, io->kc[l], io->vc[l], start, (int)S, (int)H, (int)Hkv, (int)D, io->cap, window, io->part);
         LAUNCH(k_attn_merge, (unsigned)(T * H), 128, st, io->part, (int)io->nsplit, (int)D, io->att);
         const float *post_attn = opt(m->post_attn, l), *post_mlp = opt(m->post_mlp, l);
-        if (post_attn) {
-            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->tmp, 0, 0, act, wk, st);
-            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_attn, m->ln2[l], io->h, (int)E, m->eps);
-        } else {
-            matmul(io->att, m->wo[l], H * D, E, T, opt(m->bo, l), io->x, 1, 0, act, wk, st);
-            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->ln2[l], io->h, (int)E, m->eps);
+        mm_opts o = plain();
+        o.bias = opt(m->bo, l);
+        if (post_attn) { /* x += rmsnorm(a Wo + bo, post_attn) */
+            matmul(io->att, m->wo[l], H * D, E, T, io->tmp, o, wk, st);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_attn, nullptr, nullptr, (int)E, m->eps);
+        } else { /* x += a Wo + bo */
+            o.residual = 1;
+            matmul(io->att, m->wo[l], H * D, E, T, io->x, o, wk, st);
         }
-        matmul(io->h, m->wgu[l], E, 2 * I, T, NULL, io->mlp, 0, 1, act, wk, st);
-        const float *next_w = l + 1 < m->L ? m->ln1[l + 1] : m->norm;
+        mm_opts gu = plain(); /* the MLP's input norm, fused */
+        gu.glu = 1, gu.act = act, gu.norm = m->ln2[l], gu.eps = m->eps;
+        matmul(io->x, m->wgu[l], E, 2 * I, T, io->mlp, gu, wk, st);
+        mm_opts d = plain();
         if (post_mlp) {
-            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->tmp, 0, 0, act, wk, st);
-            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_mlp, next_w, io->h, (int)E, m->eps);
+            matmul(io->mlp, m->wd[l], I, E, T, io->tmp, d, wk, st);
+            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_mlp, nullptr, nullptr, (int)E, m->eps);
         } else {
-            matmul(io->mlp, m->wd[l], I, E, T, NULL, io->x, 1, 0, act, wk, st);
-            LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, next_w, io->h, (int)E, m->eps);
+            d.residual = 1;
+            matmul(io->mlp, m->wd[l], I, E, T, io->x, d, wk, st);
         }
     }
-    matmul(io->h, m->lm_head, E, V, T, NULL, io->logits, 0, 0, act, (int)m->head_kind, st);
+    /* the final norm into h: the hidden state a text head reads, and the lm_head's input */
+    LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->norm, io->h, (int)E, m->eps);
+    matmul(io->h, m->lm_head, E, V, T, io->logits, plain(), (int)m->head_kind, st);
     LAUNCH(k_argmax, (unsigned)T, 1024, st, io->logits, V, m->argmax_lo, m->argmax_hi, io->next);
     CK(cudaGetLastError());
     CK(cudaEventRecord((cudaEvent_t)io->ev1, st));
@@ -684,15 +737,19 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     return 0;
 }
 
-/* y (T, N) = x (T, K) @ w of `kind` (glu: y (T, N / 2) = act(gate) * up), device addresses, synchronously: the
-   matrix kernels alone, for the tests (tests/test_cuda_emulated.py compares them with numpy) */
-int ecs_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int64_t N, float *y, int glu, int act) {
+/* y (T, N) = x (T, K) @ w of `kind` (glu: y (T, N / 2) = act(gate) * up; norm: the rows RMS-normed with these
+   weights first), device addresses, synchronously: the matrix kernels alone, for the tests
+   (tests/test_cuda_emulated.py compares them with numpy) */
+int ecs_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int64_t N, float *y, int glu, int act,
+               const float *norm, float eps) {
     if (kind < ES_F16 || kind > ES_Q4 || T < 1 || N % PANEL || (kind != ES_F16 && K % QB) || (glu && N % (2 * PANEL))) {
         snprintf(last_error, sizeof last_error, "ecs_matmul: kind %d, T %lld, K %lld, N %lld, glu %d", kind,
                  (long long)T, (long long)K, (long long)N, glu);
         return -1;
     }
-    matmul(x, w, K, N, T, NULL, y, 0, glu, act, kind, (cudaStream_t)0);
+    mm_opts o = plain();
+    o.glu = glu, o.act = act, o.norm = norm, o.eps = eps;
+    matmul(x, w, K, N, T, y, o, kind, (cudaStream_t)0);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     return 0;

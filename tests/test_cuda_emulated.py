@@ -109,8 +109,10 @@ def test_a_policy_decoder_takes_its_prefix_rows(tmp_path_factory, on_emulated):
 
 @pytest.mark.parametrize("kind", ["float16", "int8", "int4"])
 @pytest.mark.parametrize("glu", [False, True])
-def test_the_matrix_kernels_equal_the_dequantized_reference(emulated, kind, glu):
-    """Every row tile (1, 2, 4, 8, 16 rows; 8 with glu) of each weight kind against numpy: x @ (q * scale)."""
+@pytest.mark.parametrize("normed", [False, True])
+def test_the_matrix_kernels_equal_the_dequantized_reference(emulated, kind, glu, normed):
+    """Every row tile (1, 2, 4, 8, 16 rows; 8 with glu) of each weight kind against numpy: x @ (q * scale), the rows
+    first RMS-normed where the product fuses a norm."""
     from edgespec.backends.native_format import WEIGHT_KINDS, dequantize, pack, pack_blocks, quantize_blocks
     rng = np.random.default_rng(0)
     n, k = 64, 96
@@ -119,11 +121,15 @@ def test_the_matrix_kernels_equal_the_dequantized_reference(emulated, kind, glu)
     ref_w = dequantize(packed, kind).astype(np.float64)
     for t in (1, 2, 3, 5, 9, 17):
         x = rng.normal(0, 1, (t, k)).astype(np.float32)
-        y = x.astype(np.float64) @ ref_w.T
+        nw = rng.normal(1, 0.3, k).astype(np.float32) if normed else None
+        x64 = x.astype(np.float64)
+        if normed:
+            x64 = nw * (x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6))
+        y = x64 @ ref_w.T
         if glu:
             g, u = y[:, :n // 2], y[:, n // 2:]
             y = g / (1 + np.exp(-g)) * u
-        got = emulated.matmul(WEIGHT_KINDS[kind], x, packed, glu=glu)
+        got = emulated.matmul(WEIGHT_KINDS[kind], x, packed, glu=glu, norm=nw)
         np.testing.assert_allclose(got, y, rtol=1e-5, atol=1e-5 * np.abs(y).max())
 
 

@@ -127,7 +127,7 @@ def load(path: Path):
             "ecs_enqueue": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], i32),
             "ecs_capture": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], P),
             "ecs_launch": ([P, P], i32), "ecs_graph_destroy": ([P], i32),
-            "ecs_matmul": ([i32, P, i64, P, i64, i64, P, i32, i32], i32)}
+            "ecs_matmul": ([i32, P, i64, P, i64, i64, P, i32, i32, P, ctypes.c_float], i32)}
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -279,9 +279,11 @@ class CudaRuntime:
     def kernel_ms(self, io: _Io) -> float:
         return float(self.lib.ecs_kernel_ms(ctypes.byref(io)))
 
-    def matmul(self, kind: int, x: np.ndarray, packed: np.ndarray, glu: bool = False, act: int = 0) -> np.ndarray:
+    def matmul(self, kind: int, x: np.ndarray, packed: np.ndarray, glu: bool = False, act: int = 0,
+               norm: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:
         """The matrix kernels alone (for the tests): x (T, K) float32 @ a packed matrix of `kind`
-        (native_format.WEIGHT_KINDS' value) -> (T, N) float32, or (T, N / 2) act(gate) * up with glu."""
+        (native_format.WEIGHT_KINDS' value) -> (T, N) float32, or (T, N / 2) act(gate) * up with glu; norm (K):
+        the rows RMS-normed with these weights first."""
         from .native_format import PANEL, QB
         x = np.ascontiguousarray(x, np.float32)
         t, k = x.shape
@@ -293,5 +295,10 @@ class CudaRuntime:
         by = mem.zeros((t, n // 2 if glu else n), np.float32)
         mem.write(bx, x)
         mem.write(bw, packed)
-        self._check(self.lib.ecs_matmul(kind, bx.ptr, t, bw.ptr, k, n, by.ptr, int(glu), act), "ecs_matmul")
+        bn = None
+        if norm is not None:
+            bn = mem.zeros((k,), np.float32)
+            mem.write(bn, np.asarray(norm, np.float32))
+        self._check(self.lib.ecs_matmul(kind, bx.ptr, t, bw.ptr, k, n, by.ptr, int(glu), act,
+                                        bn.ptr if bn is not None else None, eps), "ecs_matmul")
         return mem.to_host(by)
