@@ -537,6 +537,25 @@ __global__ void k_argmax(const float *__restrict__ logits, int64_t V, int64_t lo
     }
 }
 
+/* ---- the profiler: an event after every kernel of one enqueued call (ecs_profile), by kind ---- */
+
+enum { P_START, P_EMBED, P_MATMUL, P_ROPE_KV, P_ATTN, P_MERGE, P_NORM, P_ARGMAX, P_KINDS };
+static const char *prof_kinds = "start,embed,matmul,rope_kv,attention,attention_merge,norm,argmax";
+#define PROF_MAX 2048
+typedef struct {
+    cudaEvent_t ev[PROF_MAX];
+    int kind[PROF_MAX];
+    int n, ready;
+} es_prof;
+static es_prof *prof = NULL; /* set by ecs_profile for one call; never while a graph is captured */
+
+static void mark(int kind, cudaStream_t st) {
+    if (prof && prof->n < PROF_MAX) {
+        cudaEventRecord(prof->ev[prof->n], st);
+        prof->kind[prof->n++] = kind;
+    }
+}
+
 /* ---- launching ---- */
 
 typedef struct { /* what a matrix product does beyond y = x W */
@@ -580,6 +599,7 @@ static void matmul(const float *x, const void *w, int64_t K, int64_t N, int64_t 
         else if (T <= 8) launch_mm<8, false>(x, w, k, n, t, y, o, kind, st);
         else launch_mm<16, false>(x, w, k, n, t, y, o, kind, st);
     }
+    mark(P_MATMUL, st);
 }
 
 static mm_opts plain(void) { mm_opts o = {NULL, 0, 0, 0, NULL, 0.f}; return o; }
@@ -687,10 +707,12 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     const int64_t *start = io->params, *ids = io->params + B;
     CK(cudaMemcpyAsync(io->params, io->params_host, (size_t)(B + T) * sizeof(int64_t), cudaMemcpyHostToDevice, st));
     CK(cudaEventRecord((cudaEvent_t)io->ev0, st));
+    mark(P_START, st);
     if (io->embeds_host) /* an inputs_embeds engine: x is the call's rows as given (a VLA encoder's prefix) */
         CK(cudaMemcpyAsync(io->x, io->embeds_host, (size_t)(T * E) * sizeof(float), cudaMemcpyHostToDevice, st));
     else
         LAUNCH(k_embed, (unsigned)T, 256, st, ids, (const __half *)m->embed, m->embed_scale, io->x, (int)E);
+    mark(P_EMBED, st);
     const int act = (int)m->act, wk = (int)m->wkind;
     for (int64_t l = 0; l < m->L; l++) {
         mm_opts qkv = plain(); /* the layer's input norm, fused: the product reads x normed with ln1 */
@@ -701,16 +723,20 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
         LAUNCH(k_rope_kv, dim3((unsigned)T, (unsigned)(H + Hkv)), 128, st,
                io->qkv, opt(m->qn, l), opt(m->kn, l), inv, m->rope_scale + (rj >= 0 ? rj : 0), (int)m->R, start,
                (int)S, (int)H, (int)Hkv, (int)D, m->eps, m->attn_scale, io->q, io->kc[l], io->vc[l], io->cap);
+        mark(P_ROPE_KV, st);
         const int64_t window = m->layer_window ? m->layer_window[l] : 0;
         LAUNCH(k_attn, dim3((unsigned)(T * H), (unsigned)io->nsplit), ATT_WARPS * 32, st,
                io->q, io->kc[l], io->vc[l], start, (int)S, (int)H, (int)Hkv, (int)D, io->cap, window, io->part);
+        mark(P_ATTN, st);
         LAUNCH(k_attn_merge, (unsigned)(T * H), 128, st, io->part, (int)io->nsplit, (int)D, io->att);
+        mark(P_MERGE, st);
         const float *post_attn = opt(m->post_attn, l), *post_mlp = opt(m->post_mlp, l);
         mm_opts o = plain();
         o.bias = opt(m->bo, l);
         if (post_attn) { /* x += rmsnorm(a Wo + bo, post_attn) */
             matmul(io->att, m->wo[l], H * D, E, T, io->tmp, o, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_attn, nullptr, nullptr, (int)E, m->eps);
+            mark(P_NORM, st);
         } else { /* x += a Wo + bo */
             o.residual = 1;
             matmul(io->att, m->wo[l], H * D, E, T, io->x, o, wk, st);
@@ -722,6 +748,7 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
         if (post_mlp) {
             matmul(io->mlp, m->wd[l], I, E, T, io->tmp, d, wk, st);
             LAUNCH(k_norm, (unsigned)T, 256, st, io->x, io->tmp, post_mlp, nullptr, nullptr, (int)E, m->eps);
+            mark(P_NORM, st);
         } else {
             d.residual = 1;
             matmul(io->mlp, m->wd[l], I, E, T, io->x, d, wk, st);
@@ -729,8 +756,10 @@ int ecs_enqueue(const es_model *m, const ecs_io *io, int64_t S) {
     }
     /* the final norm into h: the hidden state a text head reads, and the lm_head's input */
     LAUNCH(k_norm, (unsigned)T, 256, st, io->x, nullptr, nullptr, m->norm, io->h, (int)E, m->eps);
+    mark(P_NORM, st);
     matmul(io->h, m->lm_head, E, V, T, io->logits, plain(), (int)m->head_kind, st);
     LAUNCH(k_argmax, (unsigned)T, 1024, st, io->logits, V, m->argmax_lo, m->argmax_hi, io->next);
+    mark(P_ARGMAX, st);
     CK(cudaGetLastError());
     CK(cudaEventRecord((cudaEvent_t)io->ev1, st));
     CK(cudaMemcpyAsync(io->next_host, io->next, (size_t)T * sizeof(int64_t), cudaMemcpyDeviceToHost, st));
@@ -752,6 +781,37 @@ int ecs_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, in
     matmul(x, w, K, N, T, y, o, kind, (cudaStream_t)0);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
+    return 0;
+}
+
+const char *ecs_profile_kinds(void) { return prof_kinds; }
+
+/* one call of S tokens enqueued (no graph) with an event after every kernel, run and timed: ms[k] the GPU time of
+   kind k's kernels (prof_kinds' order; a kernel's time is from the event before it to its own), counts[k] how
+   many ran; 0, or -1 (ecs_error) */
+int ecs_profile(const es_model *m, const ecs_io *io, int64_t S, float *ms, int64_t *counts) {
+    static es_prof state;
+    if (!state.ready) {
+        for (int i = 0; i < PROF_MAX; i++) CK(cudaEventCreate(&state.ev[i]));
+        state.ready = 1;
+    }
+    state.n = 0;
+    prof = &state;
+    const int rc = ecs_enqueue(m, io, S);
+    prof = NULL;
+    if (rc != 0) return rc;
+    CK(cudaStreamSynchronize((cudaStream_t)io->stream));
+    for (int k = 0; k < P_KINDS; k++) ms[k] = 0.f, counts[k] = 0;
+    for (int i = 1; i < state.n; i++) {
+        float t = 0.f;
+        CK(cudaEventElapsedTime(&t, state.ev[i - 1], state.ev[i]));
+        ms[state.kind[i]] += t;
+        counts[state.kind[i]]++;
+    }
+    if (state.n >= PROF_MAX) {
+        snprintf(last_error, sizeof last_error, "ecs_profile: more than %d kernels in one call", PROF_MAX);
+        return -1;
+    }
     return 0;
 }
 

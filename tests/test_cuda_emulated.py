@@ -147,3 +147,18 @@ def test_an_integer_model_decodes_as_cpu_native_does(folders, on_emulated, tmp_p
     a, b = cpu(t), gpu(t)
     assert np.abs(a - b).max() <= 0.02 * max(1.0, float(np.abs(a).max()))
     assert (cpu.last_ids() == gpu.last_ids()).mean() >= 5 / 6
+
+
+def test_a_profiled_call_times_every_kernel_by_kind(folders, on_emulated):  # noqa: F811
+    """profile(): the same call without a graph, an event after each kernel; its counts are the step's kernels."""
+    gpu = open_engine(folders["gemma3"], "cuda-native").decoder()
+    cpu = open_engine(folders["gemma3"], "cpu-native").decoder()
+    t = np.array([[5, 17, 3]])
+    prof = gpu.profile(t)
+    _close(cpu(t), np.asarray(gpu.last_logits()))  # the profiled call computed the same thing
+    L = gpu.m.num_layers
+    # gemma3: 4 products per layer + the lm_head; sandwich norms add two per layer, then the final norm
+    assert {k: v["kernels"] for k, v in prof.items()} == {
+        "embed": 1, "matmul": 4 * L + 1, "rope_kv": L, "attention": L, "attention_merge": L, "norm": 2 * L + 1,
+        "argmax": 1}
+    assert all(v["ms"] >= 0 for v in prof.values()) and gpu.captures == 0

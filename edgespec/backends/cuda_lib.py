@@ -127,7 +127,9 @@ def load(path: Path):
             "ecs_enqueue": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], i32),
             "ecs_capture": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64], P),
             "ecs_launch": ([P, P], i32), "ecs_graph_destroy": ([P], i32),
-            "ecs_matmul": ([i32, P, i64, P, i64, i64, P, i32, i32, P, ctypes.c_float], i32)}
+            "ecs_matmul": ([i32, P, i64, P, i64, i64, P, i32, i32, P, ctypes.c_float], i32),
+            "ecs_profile_kinds": ([], ctypes.c_char_p),
+            "ecs_profile": ([ctypes.POINTER(_Model), ctypes.POINTER(_Io), i64, P, P], i32)}
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -278,6 +280,15 @@ class CudaRuntime:
 
     def kernel_ms(self, io: _Io) -> float:
         return float(self.lib.ecs_kernel_ms(ctypes.byref(io)))
+
+    def profile(self, model: _Model, io: _Io, s: int) -> dict:
+        """One call of S tokens enqueued without a graph, an event after every kernel: {kind: {"ms", "kernels"}}
+        (cuda_step.cu's kinds), the GPU time of each kind's kernels."""
+        kinds = self.lib.ecs_profile_kinds().decode().split(",")
+        ms, n = np.zeros(len(kinds), np.float32), np.zeros(len(kinds), np.int64)
+        self._check(self.lib.ecs_profile(ctypes.byref(model), ctypes.byref(io), s, ms.ctypes.data, n.ctypes.data),
+                    f"a profiled call of S = {s}")
+        return {k: {"ms": float(ms[i]), "kernels": int(n[i])} for i, k in enumerate(kinds) if n[i]}
 
     def matmul(self, kind: int, x: np.ndarray, packed: np.ndarray, glu: bool = False, act: int = 0,
                norm: np.ndarray | None = None, eps: float = 1e-6) -> np.ndarray:

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import EngineError
 from ..kvcache import KVCache
 from ..memory import Buffer
 from .base import Capabilities, Decoder, EmbeddingTable
@@ -137,6 +136,7 @@ class CudaNativeDecoder(Decoder):
         self.graphs: dict[int, object] = {}  # S -> the captured graph of a call of S tokens per sequence
         self.captures = self.launches = self.enqueues = 0
         self.kernel_s = 0.0  # GPU time between the call's first and last kernel, summed over calls
+        self._profile: dict | None = None  # set by profile() for one call
         self._stream = rt.stream()
         self._events = (rt.event(), rt.event())
         io = self._io = _Io()
@@ -215,7 +215,10 @@ class CudaNativeDecoder(Decoder):
             self._embeds[:rows.size] = rows.reshape(-1)
         t0 = time.perf_counter()
         graphs = self.engine.use_graphs if self.use_graphs is None else self.use_graphs
-        if graphs and s <= GRAPH_MAX_S:
+        if self._profile is not None:  # profile(): this call without a graph, an event after every kernel
+            self._profile.update(self.rt.profile(self.engine.model, self._io, s))
+            self.enqueues += 1
+        elif graphs and s <= GRAPH_MAX_S:
             graph = self.graphs.get(s)
             if graph is None:
                 graph = self.graphs[s] = self.rt.capture(self.engine.model, self._io, s)
@@ -237,6 +240,17 @@ class CudaNativeDecoder(Decoder):
                                       mem.sub(self._scratch, off["h"][0], (b, s, m.hidden_size), np.float32))
         out = _Outputs(self._next[:b * s].reshape(b, s).copy(), *views)
         self._called(s, out, t0, t1, start, valid)
+
+    def profile(self, tokens: np.ndarray) -> dict:
+        """run(tokens) without a graph, with an event after every kernel: -> {kernel kind: {"ms", "kernels"}}, the
+        GPU time of each kind (cuda_step.cu's ecs_profile). The call's rows are written as any call's; the caller
+        commits or rewinds them."""
+        self._profile = {}
+        try:
+            self.run(tokens)
+            return self._profile
+        finally:
+            self._profile = None
 
     def _check_ids(self, ids: np.ndarray) -> None:
         flat = ids.ravel().tolist()  # a call's few ids: Python's min and max are quicker than numpy's here

@@ -17,7 +17,8 @@ weights: CPU fp32) teacher-forced on held-out code prompts: top-1 agreement and 
 (b) greedy speculative output identical to plain on the device; (c) tokens/s of plain decoding on cuda-native
 with and without CUDA graphs, speculative (γ = 4) with the draft on cuda-native and on cpu-native, and plain
 decoding in PyTorch float16 eager and with CUDA graphs over the same weights (bench/lib/torch_llama.py);
-(d) the share of decoding spent outside the kernels (the decoders' CUDA-event kernel time against the wall time);
+(d) the share of decoding spent outside the kernels (the decoders' CUDA-event kernel time against the wall time),
+and a decode and a verify call timed kernel by kernel (CudaNativeDecoder.profile: where a call's time goes);
 (e) the memory roofline: weight bytes per token x tokens/s against a device-to-device copy's bandwidth.
 Every step is wrapped: a failure records its error and the rest runs; the JSON is rewritten after each step.
 
@@ -262,6 +263,19 @@ def decode_speed(e: dict, seqs: list[list[int]], n: int) -> dict:
     return out
 
 
+def kernel_profile(e: dict, seqs: list[list[int]]) -> dict:
+    """After a prompt, one decode call (S = 1) and one verify call (S = γ + 1) run with an event after every
+    kernel (CudaNativeDecoder.profile): the GPU ms of each kernel kind, where a call's time goes."""
+    dec = e["target"].decoder()
+    dec.ids(np.array([seqs[0]], np.int64))
+    dec.cache.commit(len(seqs[0]))
+    out = {}
+    for s in (1, GAMMA + 1):
+        prof = dec.profile(np.ones((1, s), np.int64))
+        out[f"S={s}"] = {"by_kind": prof, "total_ms": sum(v["ms"] for v in prof.values())}
+    return out
+
+
 def torch_speed(target_dir: str, seqs: list[list[int]], n: int, device: str) -> dict:
     import torch
 
@@ -361,6 +375,11 @@ def summary(data: dict) -> str:
             if bw and r.get("weight_bytes"):
                 ratios.append(f"roofline {100 * r['weight_bytes'] * plain / bw:.0f}%")
             lines.append("  " + ", ".join(ratios))
+        kp = r.get("kernels", {}).get("S=1", {})
+        if kp.get("by_kind"):
+            top = sorted(kp["by_kind"].items(), key=lambda kv: -kv[1]["ms"])
+            lines.append(f"  S=1 kernels {kp['total_ms']:.3f} ms: " + ", ".join(
+                f"{k} {v['ms']:.3f} ({v['kernels']})" for k, v in top[:5]))
     v = data.get("vla", {})
     if "decode_ms_median" in v:
         lines.append(f"vla: decode ms plain {v['decode_ms_median']['plain']:.2f}, " + ", ".join(
@@ -430,6 +449,7 @@ def main(argv=None) -> int:
         rep.step(key + ("parity",), lambda: parity(e, seqs))
         rep.step(key + ("spec_equals_plain",), lambda: spec_equals_plain(e, seqs[:2], min(n, 64)))
         rep.step(key + ("speed",), lambda: decode_speed(e, seqs, n))
+        rep.step(key + ("kernels",), lambda: kernel_profile(e, seqs))
         rep.step(key + ("torch",), lambda: torch_speed(dirs["target"], seqs, n, device))
         e = None  # the engines (and their device memory) go before the next model
     if len(a.models.split(",")) < 2 and not a.no_vla:
