@@ -98,13 +98,21 @@ def test_a_nonfinite_row_gives_no_id_and_its_rows_are_zeroed(folders, on_emulate
 
 def test_a_policy_decoder_takes_its_prefix_rows(tmp_path_factory, on_emulated):
     """An inputs_embeds engine (a VLA policy's decoder): the call's rows copied to x instead of the embedding
-    kernel, then plain greedy steps through the graphs."""
+    kernel, then steps by id (the rows of the folder's table) through the graphs."""
     from conftest import make_f16_policy, policy_obs
     folder = make_f16_policy(tmp_path_factory.mktemp("f16policy"))
     cpu = edgespec.load_policy(folder, provider="cpu-native")
     gpu = edgespec.load_policy(folder, provider="cuda-native")
-    pre = cpu.encode(*policy_obs(1))
-    assert gpu.decode_ids(pre)[0] == cpu.decode_ids(pre)[0]
+    pre = cpu.encode(*policy_obs(1))  # (1, P, E)
+    a, b = cpu.target, gpu.target
+    _close(a(None, embeds=pre), b(None, embeds=pre))
+    for d in (a, b):
+        d.cache.commit(pre.shape[1])
+    for tok in (a.last_ids()[0, -1], 3):
+        _close(a(np.array([[tok]])), b(np.array([[tok]])))
+        assert np.array_equal(a.last_ids(), b.last_ids())
+        for d in (a, b):
+            d.cache.commit(1)
 
 
 @pytest.mark.parametrize("kind", ["float16", "int8", "int4"])
