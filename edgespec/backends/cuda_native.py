@@ -13,12 +13,15 @@ A call's kernels read the committed lengths from the parameter block on the devi
 the launch, so a graph captured once per S stays valid while the lengths move (accept, rewind) and is replayed
 unchanged. What a graph does hold are addresses: the cache buffers (allocated at the engine's full max_context,
 never grown) and the scratch (sized for `rows` token rows; a call with more rows reallocates it and drops every
-graph, recaptured on next use). Calls longer than GRAPH_MAX_S tokens (a long prompt) run without a graph.
+graph, recaptured on next use). Calls longer than GRAPH_MAX_S tokens (a long prompt) run without a graph. An
+inputs_embeds engine (a VLA policy's decoder) sends its call's rows through a pinned block as well (the folder's
+table gives the rows of ids). `profile()` times one call kernel by kernel.
 
 The device is `runtime` (cuda_lib.CudaRuntime over the compiled cuda_step.cu); the tests give the same decoder a
 stand-in runtime that answers on the CPU through native_step.c (tests/cuda_standin.py), which checks the
 bookkeeping here (the parameter block, buffer layouts, lengths after accept and rewind, graphs and when they
-are dropped) against the CPU native step bit for bit.
+are dropped) against the CPU native step bit for bit; and cuda_step.cu itself runs on the CPU under an emulation of
+CUDA (tests/cuda_emu/emu.h, tests/test_cuda_emulated.py).
 """
 from __future__ import annotations
 
