@@ -5,10 +5,13 @@
    a stream runs its work at once; a captured graph is the list of the stream's launches and copies, their
    arguments taken when they were captured, replayed by cudaGraphLaunch as a real graph is.
 
-   Slow (a thread per CUDA thread, a barrier per shuffle): for the tests' small models only. */
+   The host threads are a pool made once (asleep between launches); the barriers' waiters yield instead of
+   sleeping. Still slow (a barrier per shuffle): for the tests' small models only. It catches what runs wrong on any
+   schedule, a missing __syncthreads included (the tests were checked against one). */
 #pragma once
 #include <array>
-#include <barrier>
+#include <atomic>
+#include <semaphore>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -35,11 +38,54 @@ struct emu_idx { unsigned x, y, z; };
 inline thread_local emu_idx threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 
+/* a barrier whose waiters yield rather than sleep: with hundreds of threads on a few cores they pass it sooner */
+struct emu_barrier {
+    explicit emu_barrier(unsigned n) : n(n) {}
+    void arrive_and_wait() {
+        const unsigned g = gen.load(std::memory_order_acquire);
+        if (count.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+            count.store(0, std::memory_order_relaxed);
+            gen.fetch_add(1, std::memory_order_acq_rel);
+            return;
+        }
+        while (gen.load(std::memory_order_acquire) == g) std::this_thread::yield();
+    }
+    const unsigned n;
+    std::atomic<unsigned> count{0}, gen{0};
+};
+
 struct emu_block {
-    std::unique_ptr<std::barrier<>> all;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    std::unique_ptr<emu_barrier> all;
+    std::vector<std::unique_ptr<emu_barrier>> warps;
     std::vector<std::array<uint64_t, 32>> slots;
 };
+
+/* the host threads that play CUDA threads, made once and kept (asleep on their semaphores between launches) */
+struct emu_pool {
+    std::vector<std::unique_ptr<std::binary_semaphore>> go;
+    std::binary_semaphore done{0};
+    std::atomic<unsigned> remaining{0};
+    const std::function<void(unsigned)> *job = nullptr;
+    void run(unsigned n, const std::function<void(unsigned)> &j) { /* j(0) .. j(n - 1), one per thread */
+        while (go.size() < n) {
+            const unsigned id = (unsigned)go.size();
+            go.push_back(std::make_unique<std::binary_semaphore>(0));
+            std::binary_semaphore *g = go.back().get();
+            std::thread([this, id, g] {
+                for (;;) {
+                    g->acquire();
+                    (*job)(id);
+                    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) done.release();
+                }
+            }).detach();
+        }
+        job = &j;
+        remaining.store(n, std::memory_order_release);
+        for (unsigned i = 0; i < n; i++) go[i]->release();
+        done.acquire();
+    }
+};
+inline emu_pool *emu_threads = new emu_pool; /* never destroyed: its threads wait on it until the process ends */
 inline emu_block *emu_blk;
 
 inline void __syncthreads() { emu_blk->all->arrive_and_wait(); }
@@ -63,23 +109,21 @@ template <class F> void emu_run(dim3 g, dim3 b, const F &body) {
     const unsigned n = b.x * b.y * b.z;
     gridDim = g, blockDim = b;
     emu_block blk;
-    blk.all = std::make_unique<std::barrier<>>(n);
-    for (unsigned w = 0; w < (n + 31) / 32; w++) blk.warps.push_back(std::make_unique<std::barrier<>>(n - 32 * w < 32 ? n - 32 * w : 32));
+    blk.all = std::make_unique<emu_barrier>(n);
+    for (unsigned w = 0; w < (n + 31) / 32; w++) blk.warps.push_back(std::make_unique<emu_barrier>(n - 32 * w < 32 ? n - 32 * w : 32));
     blk.slots.resize((n + 31) / 32);
     emu_blk = &blk;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < n; t++)
-        ts.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            for (unsigned bz = 0; bz < g.z; bz++)
-                for (unsigned by = 0; by < g.y; by++)
-                    for (unsigned bx = 0; bx < g.x; bx++) {
-                        blockIdx = {bx, by, bz};
-                        body();
-                        blk.all->arrive_and_wait(); /* the block's shared memory is the next block's */
-                    }
-        });
-    for (auto &t : ts) t.join();
+    const std::function<void(unsigned)> job = [&](unsigned t) {
+        threadIdx = {t, 0, 0};
+        for (unsigned bz = 0; bz < g.z; bz++)
+            for (unsigned by = 0; by < g.y; by++)
+                for (unsigned bx = 0; bx < g.x; bx++) {
+                    blockIdx = {bx, by, bz};
+                    body();
+                    blk.all->arrive_and_wait(); /* the block's shared memory is the next block's */
+                }
+    };
+    emu_threads->run(n, job);
 }
 
 typedef std::vector<std::function<void()>> emu_jobs;
