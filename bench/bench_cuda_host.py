@@ -82,6 +82,17 @@ def blocks(fn, n: int, reps: int = 7) -> dict:
     return {"us_min": min(per), "us_median": float(np.median(per)), "calls_per_block": n, "blocks": reps}
 
 
+def runtime_tree() -> str:
+    """Which edgespec ran: its tree's commit (with "+changes" when the tree differs from it), not a path."""
+    import subprocess
+
+    import edgespec
+    tree = Path(edgespec.__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", "-C", str(tree), *a], capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "not a git tree"
+    return head + ("+changes" if git("status", "--porcelain", "--", "edgespec").stdout.strip() else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=20000)
@@ -97,8 +108,7 @@ def main(argv=None) -> int:
     folder = in_memory_engine_folder(spec, w, 4096)
     rt = StubRuntime()
     eng = CudaNativeEngine(None, rt=rt, folder=folder)
-    import edgespec
-    out = {"command": " ".join(["python"] + sys.argv), "runtime": edgespec.__file__, "machine": machine(),
+    out = {"command": " ".join(["python"] + sys.argv), "runtime": runtime_tree(), "machine": machine(),
            "load_before": load, "calls": {}}
     for s in (1, 5):
         dec = eng.decoder()

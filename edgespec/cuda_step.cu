@@ -155,6 +155,30 @@ __device__ __forceinline__ float activation(float g, int act) {
 
 __device__ __forceinline__ uint4 load16(const __half *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
 
+/* a product's epilogue: each warp's partial sums of panel p (red[warp][matrix][row][column], in shared memory)
+   summed, then y = sum (+ bias), y += sum with residual, or with GLU act(gate) * up into y (T, N / 2) */
+template <int ROWS, int NM, bool GLU>
+__device__ void store_panel(float (*red)[NM][ROWS][PANEL], int p, int row0, int T, int N,
+                            const float *__restrict__ bias, float *__restrict__ y, int residual, int act) {
+    for (int i = threadIdx.x; i < ROWS * PANEL; i += blockDim.x) {
+        const int r = i / PANEL, c = i % PANEL;
+        if (row0 + r >= T) continue;
+        float s[NM];
+#pragma unroll
+        for (int m = 0; m < NM; m++) {
+            s[m] = 0.f;
+            for (int wi = 0; wi < WARPS; wi++) s[m] += red[wi][m][r][c];
+        }
+        if (GLU) {
+            y[(size_t)(row0 + r) * (N / 2) + p * PANEL + c] = activation(s[0], act) * s[NM - 1];
+        } else {
+            const size_t o = (size_t)(row0 + r) * N + p * PANEL + c;
+            const float v = s[0] + (bias ? bias[p * PANEL + c] : 0.f);
+            y[o] = residual ? y[o] + v : v;
+        }
+    }
+}
+
 /* nw non-NULL: the inverse RMS of rows row0 .. row0 + ROWS - 1 of x (K each) into inv (shared), so that a matrix
    product reads its rows normed, nw[k] * (x[k] * inv[r]) (native_step.c's norm_row, fused into the product that
    consumes it: one kernel less per norm). Every thread takes part (block_sum's barriers). */
@@ -254,23 +278,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul(const float *__restrict__
                 if (lane < 2) red[warp][m][r][c0 + j] = v;
             }
     __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * PANEL; i += blockDim.x) {
-        const int r = i / PANEL, c = i % PANEL;
-        if (row0 + r >= T) continue;
-        float s[NM];
-#pragma unroll
-        for (int m = 0; m < NM; m++) {
-            s[m] = 0.f;
-            for (int wi = 0; wi < WARPS; wi++) s[m] += red[wi][m][r][c];
-        }
-        if (GLU) {
-            y[(size_t)(row0 + r) * (N / 2) + p * PANEL + c] = activation(s[0], act) * s[NM - 1];
-        } else {
-            const size_t o = (size_t)(row0 + r) * N + p * PANEL + c;
-            const float v = s[0] + (bias ? bias[p * PANEL + c] : 0.f);
-            y[o] = residual ? y[o] + v : v;
-        }
-    }
+    store_panel<ROWS, NM, GLU>(red, p, row0, T, N, bias, y, residual, act);
 }
 
 /* The same product over integer weights (es_model.wkind / head_kind ES_Q8 or ES_Q4: native_format.py's pack_blocks;
@@ -358,23 +366,7 @@ __global__ void __launch_bounds__(WARPS * 32) k_matmul_q(const float *__restrict
                 if (lane < LG) red[warp][m][r][c0 + j] = v;
             }
     __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * PANEL; i += blockDim.x) {
-        const int r = i / PANEL, c = i % PANEL;
-        if (row0 + r >= T) continue;
-        float s[NM];
-#pragma unroll
-        for (int m = 0; m < NM; m++) {
-            s[m] = 0.f;
-            for (int wi = 0; wi < WARPS; wi++) s[m] += red[wi][m][r][c];
-        }
-        if (GLU) {
-            y[(size_t)(row0 + r) * (N / 2) + p * PANEL + c] = activation(s[0], act) * s[NM - 1];
-        } else {
-            const size_t o = (size_t)(row0 + r) * N + p * PANEL + c;
-            const float v = s[0] + (bias ? bias[p * PANEL + c] : 0.f);
-            y[o] = residual ? y[o] + v : v;
-        }
-    }
+    store_panel<ROWS, NM, GLU>(red, p, row0, T, N, bias, y, residual, act);
 }
 
 /* grid (T, H + Hkv), 128 threads: head j of row t (sequence b = t / S at position start[b] + t % S). A query

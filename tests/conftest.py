@@ -288,3 +288,30 @@ def vllm_server(tmp_path_factory, model, **kw):
         raise RuntimeError(f"the vLLM server did not start; its log:\n{log.read_text()[-3000:]}")
     yield url, proc
     serve.stop(proc)
+
+
+def make_f16_model(cfg, path, seed):
+    """A random-init model of transformers config `cfg` whose weights are exactly float16 values (so the export
+    writes native.npz), wide enough (std 0.2) that differences show; saved to `path` with a char tokenizer."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODEL_CLASSES[cfg.model_type])(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.normal_(0, 0.2).half().float())
+        if getattr(cfg, "tie_word_embeddings", False):
+            model.tie_weights()
+    model.save_pretrained(path, safe_serialization=True)
+    char_tokenizer_json(path / "tokenizer.json")
+    return model
+
+
+def random_text_head(e: int, v: int, seed: int = 0):
+    """TextHeadWeights of random values for hidden size e and vocabulary v (every second id draftable)."""
+    from edgespec.text_head import TextHeadWeights
+    rng = np.random.default_rng(seed)
+    r = lambda *shape: (rng.normal(0, 0.3, shape)).astype(np.float32)  # noqa: E731
+    embed = r(v, e)
+    vocab = np.arange(0, v, 2)
+    return TextHeadWeights(r(e, 32), r(e, 32), r(32), r(32, e), r(e), embed, embed[vocab], vocab)

@@ -14,7 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from conftest import char_tokenizer_json
+from conftest import char_tokenizer_json, make_f16_model, random_text_head
 from cuda_standin import StandIn
 
 import edgespec
@@ -30,30 +30,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-def _f16_model(cfg, path, seed):
-    from conftest import MODEL_CLASSES
-    torch.manual_seed(seed)
-    model = getattr(transformers, MODEL_CLASSES[cfg.model_type])(cfg).eval()
-    with torch.no_grad():  # exactly float16 values: the export writes native.npz
-        for p in model.parameters():
-            p.copy_(p.normal_(0, 0.2).half().float())
-        if getattr(cfg, "tie_word_embeddings", False):
-            model.tie_weights()
-    model.save_pretrained(path, safe_serialization=True)
-    char_tokenizer_json(path / "tokenizer.json")
-
-
 SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=95)
-
-
-def _random_text_head(e: int, v: int, seed: int = 0):
-    from edgespec.text_head import TextHeadWeights
-    rng = np.random.default_rng(seed)
-    r = lambda *shape: (rng.normal(0, 0.3, shape)).astype(np.float32)  # noqa: E731
-    embed = r(v, e)
-    vocab = np.arange(0, v, 2)
-    return TextHeadWeights(r(e, 32), r(e, 32), r(32), r(32, e), r(e), embed, embed[vocab], vocab)
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +54,9 @@ def folders(tmp_path_factory):
     }
     out = {}
     for i, (name, cfg) in enumerate(cfgs.items()):
-        _f16_model(cfg, root / f"ck-{name}", 30 + i)
+        make_f16_model(cfg, root / f"ck-{name}", 30 + i)
         if name == "llama":  # a text head over its hidden state travels into the --hidden folder
-            _random_text_head(64, 96).save(root / f"ck-{name}" / "text_head.npz")
+            random_text_head(64, 96).save(root / f"ck-{name}" / "text_head.npz")
         out[name] = root / name
         export_engine(root / f"ck-{name}", out[name], max_context=256, progress=False, hidden=name == "llama")
     # a draft of float16 values near the target's: noise rounded to float16

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import MODEL_CLASSES, char_tokenizer_json
+from conftest import make_f16_model
 
 if shutil.which("cc") is None and shutil.which("gcc") is None:
     pytest.skip("provider cpu-native compiles its step with a C compiler; none here (apt-get install gcc)",
@@ -63,17 +63,7 @@ PROMPTS = [[5, 17, 3, 60, 42, 9, 11], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], list(range
 NEW = 24
 
 
-def _make(cfg, path, seed):
-    torch.manual_seed(seed)
-    model = getattr(transformers, MODEL_CLASSES[cfg.model_type])(cfg).eval()
-    with torch.no_grad():  # wide enough that differences show, and exactly float16 values
-        for p in model.parameters():
-            p.copy_(p.normal_(0, 0.2).half().float())
-        if getattr(cfg, "tie_word_embeddings", False):
-            model.tie_weights()
-    model.save_pretrained(path, safe_serialization=True)
-    char_tokenizer_json(path / "tokenizer.json")
-    return model
+_make = make_f16_model  # test_native_quant.py imports it by this name
 
 
 @pytest.fixture(scope="module")

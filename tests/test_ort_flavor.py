@@ -19,7 +19,7 @@ from edgespec.kvcache import KVCache
 from edgespec.export.onnx_export import export_engine
 from edgespec.export.reference import ReferenceDecoder
 
-from tests.conftest import _noisy_copy, assert_a_failed_call_is_scrubbed, char_tokenizer_json
+from tests.conftest import _noisy_copy, assert_a_failed_call_is_scrubbed, char_tokenizer_json, random_text_head
 
 H16 = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=256)  # head_dim 16: GroupQueryAttention runs it
@@ -225,22 +225,13 @@ def test_hidden_output_is_the_reference_final_hidden_state(engines, tmp_path, fl
         OrtEngine(engines["llama", flavor]).decoder(1).hidden_at(0, 0)
 
 
-def _random_text_head(e: int, v: int, seed: int = 0):
-    from edgespec.text_head import TextHeadWeights
-    rng = np.random.default_rng(seed)
-    r = lambda *shape: (rng.normal(0, 0.3, shape)).astype(np.float32)  # noqa: E731
-    embed = r(v, e)
-    vocab = np.arange(0, v, 2)
-    return TextHeadWeights(r(e, 32), r(e, 32), r(32), r(32, e), r(e), embed, embed[vocab], vocab)
-
-
 @pytest.mark.parametrize("gamma", [3, "auto"])
 def test_text_head_drafts_from_the_engines_hidden_state_and_greedy_output_is_plain(engines, tmp_path, gamma):
     """The head saved beside the checkpoint travels into the --hidden engine folder, where draft="head" finds it."""
     ckpt, eng = tmp_path / "ckpt", tmp_path / "h"
     shutil.copytree(engines["llama", "ckpt"], ckpt)
     spec = json.loads((ckpt / "config.json").read_text())
-    _random_text_head(spec["hidden_size"], spec["vocab_size"]).save(ckpt / "text_head.npz")
+    random_text_head(spec["hidden_size"], spec["vocab_size"]).save(ckpt / "text_head.npz")
     export_engine(ckpt, tmp_path / "no-hidden", max_context=96, progress=False)
     assert not (tmp_path / "no-hidden" / "text_head.npz").exists()  # only an engine with the hidden output
     export_engine(ckpt, eng, max_context=96, hidden=True, progress=False)
@@ -277,7 +268,7 @@ def test_text_head_drafts_from_the_engines_hidden_state_and_greedy_output_is_pla
 def test_text_head_needs_a_hidden_output_and_one_greedy_sequence(engines, tmp_path):
     eng = tmp_path / "h"
     m = export_engine(engines["llama", "ckpt"], eng, max_context=96, hidden=True, progress=False)
-    _random_text_head(m.hidden_size, m.vocab_size).save(tmp_path / "head.npz")
+    random_text_head(m.hidden_size, m.vocab_size).save(tmp_path / "head.npz")
     with pytest.raises(EngineError, match="re-export it with .*--hidden"):
         edgespec.load(engines["llama", "ort"], draft=tmp_path / "head.npz", gamma=2)
     gen = edgespec.load(eng, draft=tmp_path / "head.npz", gamma=2)

@@ -135,6 +135,29 @@ class Decoder(ABC):
             raise ValueError(f"this decoder runs batches of {self.batch}, got {first.shape[0]} sequences")
         return first
 
+    def _ids_or_rows(self, tokens, valid, embeds, provider: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """A native step's inputs (cpu-native, cuda-native): -> (ids (B, S) int64, in range; rows (B, S, E)
+        float32 or None). An inputs_embeds engine gives its rows (the caller's, or its table's rows of the ids,
+        checked) and zero ids; an ids engine its ids, padding (valid False) as id 0 (computed, never committed)."""
+        if self.m.input_mode == "embeds":
+            if tokens is not None and embeds is None:
+                self._check_ids(np.asarray(tokens))
+            rows = np.ascontiguousarray(self._first(tokens, embeds), np.float32)
+            return np.zeros(rows.shape[:2], np.int64), rows
+        if embeds is not None:
+            raise ValueError(f"provider {provider!r} takes embeds on inputs_embeds engines only; this one reads ids")
+        ids = self._first(tokens, None)  # (B, S) int64, checked
+        if valid is not None:
+            ids = np.where(valid, ids, 0)
+        ids = np.ascontiguousarray(ids, np.int64)
+        self._check_ids(ids)
+        return ids, None
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        flat = ids.ravel().tolist()  # a call's few ids: Python's min and max are quicker than numpy's here
+        if flat and (min(flat) < 0 or max(flat) >= self.m.vocab_size):
+            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {min(flat)}..{max(flat)}")
+
     def _prepare(self, tokens, valid, embeds) -> tuple[np.ndarray, dict]:
         """-> (first input, the flavour's small inputs by name: masks.step_inputs) on the host, cache reserved."""
         first = self._first(tokens, embeds)

@@ -188,20 +188,7 @@ class CudaNativeDecoder(Decoder):
     def run(self, tokens, valid=None, embeds=None) -> None:
         """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
         (valid False) are computed like any token; their rows are never committed."""
-        rows = None  # an inputs_embeds engine: (B, S, E) float32, the ids' rows of its table or the caller's
-        if self.m.input_mode == "embeds":
-            if tokens is not None and embeds is None:
-                tokens = np.asarray(tokens)
-                self._check_ids(tokens)
-            rows = self._first(tokens, embeds)
-            ids = np.zeros(rows.shape[:2], np.int64)
-        elif embeds is not None:
-            raise ValueError("provider 'cuda-native' takes embeds on inputs_embeds engines only; this one reads ids")
-        else:
-            ids = self._first(tokens, None)  # (B, S) int64, checked
-            if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
-                ids = np.where(valid, ids, 0)
-            self._check_ids(ids)
+        ids, rows = self._ids_or_rows(tokens, valid, embeds, "cuda-native")  # rows: an inputs_embeds engine's
         b, s = ids.shape
         if s < 1:
             raise ValueError(f"a call needs at least one token per sequence, got shape {ids.shape}")
@@ -254,11 +241,6 @@ class CudaNativeDecoder(Decoder):
             return self._profile
         finally:
             self._profile = None
-
-    def _check_ids(self, ids: np.ndarray) -> None:
-        flat = ids.ravel().tolist()  # a call's few ids: Python's min and max are quicker than numpy's here
-        if flat and (min(flat) < 0 or max(flat) >= self.m.vocab_size):
-            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {min(flat)}..{max(flat)}")
 
     def _fetch_ids(self) -> np.ndarray:
         return self._last.ids

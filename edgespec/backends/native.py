@@ -91,20 +91,7 @@ class NativeDecoder(Decoder):
     def run(self, tokens, valid=None, embeds=None) -> None:
         """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
         (valid False) are computed like any token; their rows are never committed."""
-        x_in = None  # an inputs_embeds engine: (B, S, E) float32, the ids' rows of its table or the caller's
-        if self.m.input_mode == "embeds":
-            if tokens is not None and embeds is None:
-                self._check_ids(np.asarray(tokens))
-            x_in = np.ascontiguousarray(self._first(tokens, embeds), np.float32)
-            ids = np.zeros(x_in.shape[:2], np.int64)
-        elif embeds is not None:
-            raise ValueError("provider 'cpu-native' takes embeds on inputs_embeds engines only; this one reads ids")
-        else:
-            ids = self._first(tokens, None)  # (B, S) int64, checked
-            if valid is not None:  # a padding token means nothing: any in-range id computes its (unused) row
-                ids = np.where(valid, ids, 0)
-            ids = np.ascontiguousarray(ids, np.int64)
-            self._check_ids(ids)
+        ids, x_in = self._ids_or_rows(tokens, valid, embeds, "cpu-native")  # x_in: an inputs_embeds engine's rows
         b, s = ids.shape
         cache = self.cache
         e = self.engine
@@ -140,10 +127,6 @@ class NativeDecoder(Decoder):
         if rc != 0:
             raise MemoryError("native step: could not allocate its scratch")
         self._called(s, out, t0, time.perf_counter(), start, valid)
-
-    def _check_ids(self, ids: np.ndarray) -> None:
-        if ids.size and (ids.min() < 0 or ids.max() >= self.m.vocab_size):
-            raise ValueError(f"token ids must be in 0..{self.m.vocab_size - 1}, got {int(ids.min())}..{int(ids.max())}")
 
     def __del__(self):
         try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)
