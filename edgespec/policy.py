@@ -38,7 +38,8 @@ from .draft_head import HeadDraft
 from .drafts import DraftModel, Drafter
 from .loop import LeanRounds, Loop, Sequence
 from .masks import step_inputs
-from .policy_folder import check_inputs, checked_file, instruction_ids, load_head, read_folder
+from .policy_folder import (check_inputs, checked_file, instruction_ids, load_head, load_prompt_tokenizer,
+                            prompt_ids, read_folder)
 from .remote import RemoteConfig
 from .speculation import DRAFT_DEFAULTS, PolicyConfig, SpeculationConfig  # noqa: F401 (this API's names)
 from .speculative import RelaxedRule, greedy_rule
@@ -54,7 +55,9 @@ class Policy:
         self.meta, self.manifest, self.tok = read_folder(self.dir, check_hashes)
         m = self.manifest
         self.horizon, self.dims, self.image_size, self.state_dim = m.horizon, m.dims, m.image_size, m.state_dim
-        self.words, self.instr_len, self.prefix_len = list(m.words), m.instr_len, m.prefix_len
+        self.words, self.instr_len, self.prefix_len = list(m.words or []), m.instr_len, m.prefix_len
+        self.prompt = m.prompt  # None: word ids; else the text prompt (OpenVLA) and its tokenizer
+        self.tokenizer = load_prompt_tokenizer(self.dir, m, check_hashes) if self.prompt else None
         # what the state and the actions mean (robots/ read these)
         self.embodiment, self.action_kind = m.embodiment, m.action_kind
         self.state_names, self.state_units = list(m.state_names), list(m.state_units)
@@ -73,6 +76,9 @@ class Policy:
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head, self._head_draft = None, None, None
         if draft == "head":
+            if self.prompt is not None:
+                raise ValueError(f"{self.dir}: the draft head reads a prefix of fixed length {self.prefix_len}; this "
+                                 f"policy's prefix grows with its prompt, so draft with its decoder (draft=True)")
             self.head = load_head(self.dir, m, self.tok, check_hashes)
             self._head_draft = HeadDraft(self.head, self.prefix_len, cfg.stop_below)
         elif kind == "decoder":
@@ -108,7 +114,11 @@ class Policy:
 
     # -- inputs ------------------------------------------------------------------------------------
     def instruction_ids(self, instruction: str) -> np.ndarray:
-        return instruction_ids(instruction, self.words, self.instr_len)[None]  # (1, L)
+        """-> (1, L): the word ids (right-padded to instr_len), or the prompt's token ids (BOS first)."""
+        if self.prompt is not None:
+            p = self.prompt
+            return prompt_ids(self.tokenizer, p["template"], instruction, p["append_id"])[None]
+        return instruction_ids(instruction, self.words, self.instr_len)[None]
 
     def __call__(self, obs: dict) -> np.ndarray:
         """obs {"image", "state", "instruction"} -> (H, D): the callable the control loop and node take."""
@@ -121,9 +131,22 @@ class Policy:
     def encode(self, image, state, instruction: str) -> np.ndarray:
         """-> prefix embeddings (1, P, E), all finite."""
         img, st = self.check_inputs(image, state)
-        feeds = {PC.ENC_IMAGE: img, PC.ENC_STATE: st, PC.ENC_INSTRUCTION: self.instruction_ids(instruction)}
-        with self._lock:  # one run at a time, like the decoders
-            prefix = self.encoder.run([PC.ENC_PREFIX], feeds)[0]
+        ids = self.instruction_ids(instruction)  # (1, L)
+        if self.prompt is not None:
+            n = self.horizon * self.dims
+            p = ids.shape[1] - 1 + self.prefix_len
+            if p + n > self.target.m.max_context:
+                raise ValueError(f"the prompt has {ids.shape[1]} tokens: with {self.prefix_len - 1} image rows and "
+                                 f"{n} action tokens that is {p + n} positions, over the decoder's context "
+                                 f"{self.target.m.max_context}")
+            with self._lock:
+                rows = self.encoder.run([PC.ENC_IMAGE_EMBEDS], {PC.ENC_IMAGE: img})[0]  # (1, N, E)
+            emb = self.target.embedding[ids[0]].astype(np.float32)[None]  # (1, L, E)
+            prefix = np.concatenate([emb[:, :1], rows, emb[:, 1:]], 1)  # the image right after BOS
+        else:
+            feeds = {PC.ENC_IMAGE: img, PC.ENC_STATE: st, PC.ENC_INSTRUCTION: ids}
+            with self._lock:  # one run at a time, like the decoders
+                prefix = self.encoder.run([PC.ENC_PREFIX], feeds)[0]
         if not np.isfinite(prefix).all():
             bad = int((~np.isfinite(prefix)).sum())
             raise FloatingPointError(f"the encoder produced {bad} NaN/inf prefix values for this observation; "

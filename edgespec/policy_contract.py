@@ -28,11 +28,30 @@ POLICY_FILE = "policy.json"
 HEAD_FILE = "draft_head.npz"
 STATS_FILE = "action_stats.json"
 POLICY_FORMAT = "edgespec-vla"  # policy.json "format" starts with this ("edgespec-vla/1")
-ACTION_KINDS = ("cartesian_position", "joint_position")  # what an action row commands
+ACTION_KINDS = ("cartesian_position", "joint_position", "cartesian_delta")  # what an action row commands
+# (cartesian_delta: OpenVLA's end-effector displacement per step + gripper; no bundled embodiment executes it)
 CONTENT_HASH = "content_sha256"  # policy.json's own hash field (export writes it)
 SEMANTICS = ("embodiment", "state_names", "state_units", "action_kind", "action_names", "action_units")
 REEXPORT = "re-export it with `edgespec export-policy MODEL --out DIR --force`"
 ENCODER_FILE = "encoder.onnx"
+
+
+PROMPT_KEYS = ("template", "tokenizer_file", "tokenizer_sha256", "append_id")
+ENC_IMAGE_EMBEDS = "image_embeds"  # a prompt policy's encoder output (1, N, E)
+
+
+def prompt_ok(p) -> bool:
+    """policy.json's "prompt": template (str, "{instruction}" once), tokenizer_file (a name in the folder),
+    tokenizer_sha256, append_id (the id appended unless the prompt ends with it, or null)."""
+    if not isinstance(p, dict) or sorted(p) != sorted(PROMPT_KEYS):
+        return False
+    t, f, a = p["template"], p["tokenizer_file"], p["append_id"]
+    return (isinstance(t, str) and t.count("{instruction}") == 1 and _file_name(f)
+            and _sha256_or_none(p["tokenizer_sha256"]) and (a is None or (_is_int(a) and a >= 0)))
+
+
+def _file_name(v) -> bool:
+    return isinstance(v, str) and bool(v) and not Path(v).is_absolute() and ".." not in Path(v).parts
 
 
 class PolicyFileError(EngineError):
@@ -61,10 +80,8 @@ class PolicyManifest:
     n_bins: int
     vocab_end: int  # action ids: vocab_end - n_bins .. vocab_end - 1
     image_size: int
-    state_dim: int
-    instr_len: int
-    words: list  # the instruction vocabulary, words[0] = "<pad>"
-    prefix_len: int
+    state_dim: int  # 0: the policy reads no state (OpenVLA)
+    prefix_len: int  # words: the whole prefix; prompt: the rows before the prompt's text (BOS + image rows)
     embodiment: str  # the robot the policy was trained for, e.g. "three-target-reacher"
     state_names: list  # (state_dim,) what each state entry is, e.g. "joint0.position"
     state_units: list  # (state_dim,) e.g. "rad"
@@ -72,6 +89,12 @@ class PolicyManifest:
     action_names: list  # (dims,) what each action dimension commands, e.g. "fingertip.x"
     action_units: list  # (dims,) e.g. "m"
     binary_dims: list = field(default_factory=list)  # action dimensions that are open/close (never relaxed)
+    # the instruction, one of two ways: a word vocabulary (the bundled policy's encoder reads word ids) ...
+    instr_len: int = 0
+    words: list | None = None  # words[0] = "<pad>"
+    # ... or a text prompt (OpenVLA): PROMPT_KEYS; the encoder reads the image alone and the runtime builds the
+    # prefix [embed(BOS), image rows, embed(rest of the prompt's ids)] with the target's embedding table
+    prompt: dict | None = None
     encoder_file: str = "encoder.onnx"
     encoder_sha256: str | None = None
     draft_head_sha256: str | None = None
@@ -92,8 +115,10 @@ class PolicyManifest:
         want = self._want
         want(problems, "format", isinstance(self.format, str) and self.format.startswith(POLICY_FORMAT),
              f"a string starting with {POLICY_FORMAT!r}")
-        for name in ("horizon", "dims", "n_bins", "vocab_end", "image_size", "state_dim", "instr_len", "prefix_len"):
+        for name in ("horizon", "dims", "n_bins", "vocab_end", "image_size", "prefix_len"):
             want(problems, name, _is_int(getattr(self, name)) and getattr(self, name) > 0, "an integer > 0")
+        for name in ("state_dim", "instr_len"):
+            want(problems, name, _is_int(getattr(self, name)) and getattr(self, name) >= 0, "an integer >= 0")
         return problems
 
     def _problems(self) -> list[str]:
@@ -101,8 +126,15 @@ class PolicyManifest:
         problems: list[str] = []
         want = self._want
         want(problems, "vocab_end", self.vocab_end >= self.n_bins, f"an integer >= n_bins {self.n_bins}")
-        want(problems, "words", isinstance(self.words, list) and len(self.words) >= 2 and self.words[0] == "<pad>"
-             and _strings(self.words, len(self.words), distinct=True), 'distinct strings, the first "<pad>"')
+        if self.prompt is None:
+            want(problems, "words", isinstance(self.words, list) and len(self.words) >= 2 and self.words[0] == "<pad>"
+                 and _strings(self.words, len(self.words), distinct=True),
+                 'distinct strings, the first "<pad>" (or a prompt)')
+            want(problems, "instr_len", self.instr_len > 0, "an integer > 0 with words")
+        else:
+            want(problems, "words", self.words is None, "null with a prompt")
+            want(problems, "prompt", prompt_ok(self.prompt), f"an object with {PROMPT_KEYS}, the template holding "
+                 "{instruction} once, the tokenizer a file name in the folder")
         want(problems, "embodiment", isinstance(self.embodiment, str) and bool(self.embodiment), "a non-empty string")
         want(problems, "state_names", _strings(self.state_names, self.state_dim, distinct=True),
              f"{self.state_dim} (state_dim) distinct non-empty strings")
@@ -115,9 +147,7 @@ class PolicyManifest:
         b = self.binary_dims
         want(problems, "binary_dims", isinstance(b, list) and all(_is_int(j) and 0 <= j < self.dims for j in b)
              and len(set(b)) == len(b), f"distinct action dimensions in [0, {self.dims})")
-        want(problems, "encoder_file", isinstance(self.encoder_file, str) and bool(self.encoder_file)
-             and not Path(self.encoder_file).is_absolute() and ".." not in Path(self.encoder_file).parts,
-             "a file name inside the policy folder")
+        want(problems, "encoder_file", _file_name(self.encoder_file), "a file name inside the policy folder")
         for name in ("encoder_sha256", "draft_head_sha256", "action_stats_sha256", "content_sha256"):
             want(problems, name, _sha256_or_none(getattr(self, name)), "null or 64 lowercase hex digits")
         return problems

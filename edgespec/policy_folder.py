@@ -73,13 +73,38 @@ def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarr
     return ids
 
 
+def load_prompt_tokenizer(policy_dir: Path, m: PC.PolicyManifest, check_hashes: bool):
+    """The prompt policy's tokenizer (tokenizers' tokenizer.json), checked against its sha256 in policy.json."""
+    from tokenizers import Tokenizer
+    path = checked_file(policy_dir / m.prompt["tokenizer_file"], m.prompt["tokenizer_sha256"], check_hashes,
+                        policy_dir / PC.POLICY_FILE)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {PC.REEXPORT}")
+    return Tokenizer.from_file(str(path))
+
+
+def prompt_ids(tokenizer, template: str, instruction: str, append_id: int | None) -> np.ndarray:
+    """The prompt's ids (L,) as OpenVLA's predict_action builds them: the tokenizer's own special tokens (BOS
+    first), then append_id (the empty piece "▁") unless the prompt already ends with it."""
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise ValueError(f"instruction must be a non-empty string, got {instruction!r}")
+    ids = tokenizer.encode(template.format(instruction=instruction), add_special_tokens=True).ids
+    if append_id is not None and (not ids or ids[-1] != append_id):
+        ids = ids + [append_id]
+    return np.asarray(ids, np.int64)
+
+
 def check_inputs(image, state, m: PC.PolicyManifest) -> tuple[np.ndarray, np.ndarray]:
     """-> image (1, S, S, 3) uint8, state (1, N) float32: checked as the encoder will see them (a state finite
-    in float64 can still overflow to inf in float32)."""
-    image, state = np.asarray(image), np.asarray(state)
+    in float64 can still overflow to inf in float32). A policy without state (state_dim 0) takes None or an
+    empty state."""
+    image = np.asarray(image)
     want = (m.image_size, m.image_size, 3)
     if image.shape != want or image.dtype != np.uint8:
         raise ValueError(f"image must be {want} uint8 RGB, got {image.shape} {image.dtype}")
+    if m.state_dim == 0 and (state is None or np.asarray(state).size == 0):
+        return image[None], np.zeros((1, 0), np.float32)
+    state = np.asarray(state)
     if state.shape != (m.state_dim,) or state.dtype.kind not in "biuf":
         raise ValueError(f"state must have shape ({m.state_dim},), numbers ({', '.join(m.state_names)}); "
                          f"got {state.shape} {state.dtype}")

@@ -52,6 +52,24 @@ def cmd_export(args) -> int:
 
 def cmd_export_policy(args) -> int:
     need_export_extra()
+    from edgespec.export.prismatic import is_openvla_folder
+    if is_openvla_folder(args.model):
+        from edgespec.export.openvla import export_openvla
+        split = (lambda v: None if v is None else [x.strip() for x in v.split(",")])
+        meta = export_openvla(args.model, args.out, unnorm_key=args.unnorm_key, dtype=args.dtype, draft=args.draft,
+                              prompt_template=args.prompt_template, action_names=split(args.action_names),
+                              action_units=split(args.action_units), action_kind=args.action_kind, force=args.force,
+                              progress=not args.quiet, allow_lossy=args.allow_lossy, max_context=args.max_context)
+        print(f"wrote {args.out}: OpenVLA checkpoint, statistics {meta['source']['unnorm_key']!r}, "
+              f"{meta['dims']} action tokens, encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
+              f"end-to-end ids equal to the torch reference on {meta['end_to_end_gate']['cases']} cases")
+        return 0
+    openvla_only = [f"--{k.replace('_', '-')}" for k in ("unnorm_key", "draft", "prompt_template", "action_names",
+                                                          "action_units", "action_kind", "max_context")
+                    if getattr(args, k) is not None]
+    if openvla_only:
+        raise SystemExit(f"{' '.join(openvla_only)}: only for OpenVLA checkpoints; {args.model} is not one (its "
+                         f"config.json names no vision_backbone_id)")
     from edgespec.export.vla import export_policy
     meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
                          allow_lossy=args.allow_lossy)
@@ -90,8 +108,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also build model.plan for this GPU (needs an NVIDIA GPU and the trt extra)")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("export-policy", help="VLA policy model folder -> encoder + decoder engines")
-    p.add_argument("model", type=Path, help="policy folder from edgespec.export.training.train_vla")
+    p = sub.add_parser("export-policy", help="VLA policy model folder or OpenVLA checkpoint -> encoder + decoder "
+                                             "engines")
+    p.add_argument("model", type=Path, help="policy folder from edgespec.export.training.train_vla, or a checkpoint "
+                                            "folder in OpenVLA's layout (config.json with vision_backbone_id)")
+    p.add_argument("--unnorm-key", default=None,
+                   help="OpenVLA: the dataset whose action statistics un-normalise the actions (config.json's "
+                        "norm_stats; needed when it has more than one)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="OpenVLA: a causal LM checkpoint of the target's width and vocabulary, exported as draft/")
+    p.add_argument("--prompt-template", default=None,
+                   help="OpenVLA: the prompt, with {instruction} (default: OpenVLA's for the checkpoint's language "
+                        "model, 'In: What action should the robot take to {instruction}?\\nOut:' for Llama 2)")
+    p.add_argument("--action-names", default=None, help="OpenVLA: comma-separated names of the action dimensions "
+                                                        "(default for 7: ee.dx, ee.dy, ee.dz, ee.droll, ee.dpitch, "
+                                                        "ee.dyaw, gripper)")
+    p.add_argument("--action-units", default=None, help="OpenVLA: comma-separated units of the action dimensions")
+    p.add_argument("--action-kind", default=None, help="OpenVLA: what an action commands (default cartesian_delta)")
+    p.add_argument("--max-context", type=int, default=None, help="OpenVLA: KV capacity of the decoders")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
     p.add_argument("--allow-lossy", action="store_true",

@@ -180,14 +180,18 @@ def native_gate(engine_dir: Path, rows: np.ndarray) -> dict:
 
 
 def native_logits(engine_dir: Path, token_rows: list) -> list[np.ndarray]:
-    """Each row (token ids (S,)) through the folder's native engine from an empty cache: its logits (S, V)."""
+    """Each row (token ids (S,), or an inputs_embeds engine's rows (S, E)) through the folder's native engine from
+    an empty cache: its logits (S, V)."""
     from edgespec.backends.native import NativeEngine
 
     dec = NativeEngine(engine_dir).decoder()
     out = []
-    for row in token_rows:  # a row: ids (S,), or (ids, start) (validate.teacher_forced's rows)
-        ids = np.asarray(row[0] if isinstance(row, tuple) else row, np.int64).reshape(1, -1)
-        out.append(np.array(dec(ids))[0])
+    for row in token_rows:  # a row: ids (S,) or rows (S, E), or (that, start) (validate.teacher_forced's rows)
+        x = np.asarray(row[0] if isinstance(row, tuple) else row)
+        if x.ndim == 2:  # embeddings (the policy calibration's rows)
+            out.append(np.array(dec(None, embeds=x[None].astype(np.float32)))[0])
+        else:
+            out.append(np.array(dec(x.astype(np.int64).reshape(1, -1)))[0])
         dec.cache.rewind_to(0)
     return out
 

@@ -1,0 +1,260 @@
+"""OpenVLA-format import (export/prismatic.py, export/openvla.py, export/openvla_ckpt.py) and prompt policies in
+the runtime: the reference's ViTs against transformers' own DINOv2-with-registers and SigLIP, an export whose
+actions are OpenVLA's formula over the reference's ids, speculative == plain with a draft decoder, and every bad
+input the issue names refused with one line saying what was expected and what was got."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from edgespec.export.openvla import export_openvla  # noqa: E402
+from edgespec.export.openvla_ckpt import TinyOpenVLA, text_config, write_checkpoint  # noqa: E402
+from edgespec.export.prismatic import OpenVLAFormatError, build_reference, read_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("openvla") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def draft_lm(tmp_path_factory):
+    """A one-layer Llama of the target's width and vocabulary: a draft decoder reading the target's prefix."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = {k: v for k, v in text_config(TinyOpenVLA()).items() if k not in ("model_type", "architectures", "torch_dtype")}
+    cfg.update(num_hidden_layers=1, intermediate_size=64)
+    torch.manual_seed(1)
+    out = tmp_path_factory.mktemp("openvla") / "draft"
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt, draft_lm, tmp_path_factory):
+    out = tmp_path_factory.mktemp("openvla") / "engine"
+    export_openvla(ckpt, out, unnorm_key="bridge_orig", draft=draft_lm, progress=False)
+    return out
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+    return {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()}
+
+
+def test_vits_equal_transformers_dinov2_and_siglip(ckpt):
+    """Our ViT (timm's layout, read to its second-to-last block) against transformers' independent classes with
+    the same weights: DINOv2 with registers (cls + 4 registers, LayerScale, patch-only positions) and SigLIP."""
+    from transformers import (Dinov2WithRegistersConfig, Dinov2WithRegistersModel, SiglipVisionConfig,
+                              SiglipVisionModel)
+    ck = read_checkpoint(ckpt)
+    ref, w = build_reference(ck), _weights(ckpt)
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+
+    def block_map(p, i, names):
+        q = f"{p}blocks.{i}."
+        qw, kw, vw = w[q + "attn.qkv.weight"].chunk(3, 0)
+        qb, kb, vb = w[q + "attn.qkv.bias"].chunk(3)
+        out = {names["q"] + ".weight": qw, names["q"] + ".bias": qb, names["k"] + ".weight": kw,
+               names["k"] + ".bias": kb, names["v"] + ".weight": vw, names["v"] + ".bias": vb,
+               names["o"] + ".weight": w[q + "attn.proj.weight"], names["o"] + ".bias": w[q + "attn.proj.bias"]}
+        for ours, theirs in (("norm1", names["n1"]), ("norm2", names["n2"]), ("mlp.fc1", names["mlp"] + ".fc1"),
+                             ("mlp.fc2", names["mlp"] + ".fc2")):
+            out[theirs + ".weight"], out[theirs + ".bias"] = w[q + ours + ".weight"], w[q + ours + ".bias"]
+        return out
+
+    a, p = ck.vits[0], "vision_backbone.featurizer."
+    assert (a.n_cls, a.n_reg, a.layerscale, a.pos_prefix) == (1, 4, True, False)
+    dino = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(
+        hidden_size=a.dim, num_hidden_layers=a.depth, num_attention_heads=a.heads, mlp_ratio=a.mlp // a.dim,
+        image_size=224, patch_size=a.patch, num_register_tokens=4, layer_norm_eps=1e-6, hidden_act="gelu")).eval()
+    sd = {"embeddings.cls_token": w[p + "cls_token"], "embeddings.register_tokens": w[p + "reg_token"],
+          "embeddings.position_embeddings": torch.cat([torch.zeros(1, 1, a.dim), w[p + "pos_embed"]], 1),
+          "embeddings.patch_embeddings.projection.weight": w[p + "patch_embed.proj.weight"],
+          "embeddings.patch_embeddings.projection.bias": w[p + "patch_embed.proj.bias"],
+          "embeddings.mask_token": torch.zeros(1, a.dim), "layernorm.weight": w[p + "norm.weight"],
+          "layernorm.bias": w[p + "norm.bias"]}
+    for i in range(a.depth):
+        h = f"encoder.layer.{i}."
+        sd.update(block_map(p, i, {"q": h + "attention.q_proj", "k": h + "attention.k_proj",
+                                   "v": h + "attention.v_proj", "o": h + "attention.o_proj", "n1": h + "norm1",
+                                   "n2": h + "norm2", "mlp": h + "mlp"}))
+        sd[h + "layer_scale1.lambda1"] = w[f"{p}blocks.{i}.ls1.scale_factor"]
+        sd[h + "layer_scale2.lambda1"] = w[f"{p}blocks.{i}.ls2.scale_factor"]
+    dino.load_state_dict(sd, strict=True)
+
+    a, p = ck.vits[1], "vision_backbone.fused_featurizer."
+    sig = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=a.dim, intermediate_size=a.mlp, num_hidden_layers=a.depth, num_attention_heads=a.heads,
+        image_size=224, patch_size=a.patch, hidden_act="gelu", layer_norm_eps=1e-6, vision_use_head=False)).eval()
+    sd = {"embeddings.patch_embedding.weight": w[p + "patch_embed.proj.weight"],
+          "embeddings.patch_embedding.bias": w[p + "patch_embed.proj.bias"],
+          "embeddings.position_embedding.weight": w[p + "pos_embed"][0],
+          "post_layernorm.weight": w[p + "norm.weight"], "post_layernorm.bias": w[p + "norm.bias"]}
+    for i in range(a.depth):
+        h = f"encoder.layers.{i}."
+        sd.update(block_map(p, i, {"q": h + "self_attn.q_proj", "k": h + "self_attn.k_proj",
+                                   "v": h + "self_attn.v_proj", "o": h + "self_attn.out_proj", "n1": h + "layer_norm1",
+                                   "n2": h + "layer_norm2", "mlp": h + "mlp"}))
+    sig.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        for model, ours, n_prefix in ((dino, ref.vision_backbone.featurizer, 5),
+                                      (sig, ref.vision_backbone.fused_featurizer, 0)):
+            want = model(pixel_values=x, output_hidden_states=True).hidden_states[-2][:, n_prefix:]
+            got = ours(x)
+            assert got.shape == want.shape == (2, 256, ours.a.dim)
+            assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+
+
+def test_export_actions_are_openvlas_formula(engine, ckpt):
+    """act(): 7 actions from the policy's ids by predict_action's formula (vocab_size - id - 1 into 255 bin
+    centres, q01/q99 un-normalisation, the gripper passed through), ids equal to the torch reference's."""
+    from edgespec import load_policy
+    pol = load_policy(engine)
+    assert (pol.horizon, pol.dims, pol.state_dim, pol.prefix_len) == (1, 7, 0, 257)
+    assert pol.action_names[-1] == "gripper" and pol.manifest.binary_dims == [6]
+    ck = read_checkpoint(ckpt)
+    ref = build_reference(ck)
+    rng = np.random.default_rng(5)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    stats = cfg["norm_stats"]["bridge_orig"]["action"]
+    bins = np.linspace(-1, 1, 256)
+    centers = (bins[:-1] + bins[1:]) / 2
+    vocab = cfg["text_config"]["vocab_size"] - cfg["pad_to_multiple_of"]
+    for instr in ("pick up the red cup", "open the drawer"):
+        img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        actions = pol.act(img, None, instr)
+        ids = pol.instruction_ids(instr)
+        assert ids[0, 0] == 1 and ids[0, -1] == pol.prompt["append_id"]  # BOS first, "▁" appended
+        want_ids = ref.action_ids(torch.from_numpy(img[None]), torch.from_numpy(ids), 7, vocab - 256, vocab)
+        x = centers[np.clip(vocab - np.asarray(want_ids) - 1, 0, 254)]
+        lo, hi, mask = (np.asarray(stats[k]) for k in ("q01", "q99", "mask"))
+        want = np.where(mask, 0.5 * (x + 1) * (hi - lo) + lo, x)
+        np.testing.assert_allclose(actions, want[None], rtol=0, atol=1e-12)
+        assert pol.last_info["decode_ms"] > 0
+
+
+def test_speculative_equals_plain_with_a_draft_decoder(engine):
+    from edgespec import load_policy
+    plain, spec = load_policy(engine), load_policy(engine, draft=True)
+    rng = np.random.default_rng(9)
+    drafted = 0
+    for i in range(6):
+        img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        instr = ["put the spoon in the bowl", "close the top drawer", "move the can to the left"][i % 3]
+        np.testing.assert_array_equal(spec.act(img, None, instr), plain.act(img, None, instr))
+        drafted += spec.last_info["drafted"]
+        prefix = plain.encode(img, None, instr)
+        assert plain.decode_ids(prefix)[0] == plain.reference_ids(prefix)  # cached decoding == whole-sequence
+    assert drafted > 0
+
+
+def test_fp16_export_with_its_gates(ckpt, draft_lm, tmp_path):
+    meta = export_openvla(ckpt, tmp_path / "fp16", unnorm_key="fractal20220817_data", dtype="fp16",
+                          draft=draft_lm, progress=False)
+    gate = meta["end_to_end_gate"]
+    assert gate["passed"] and not gate["ids_enforced"] and gate["ids"] == 28
+    eng = json.loads((tmp_path / "fp16" / "target" / "engine.json").read_text())
+    assert eng["precision"] == "fp16"
+    assert json.loads((tmp_path / "fp16" / "action_stats.json").read_text())["q99"][0] == pytest.approx(0.056)
+
+
+def test_prompt_policy_refuses_bad_inputs(engine):
+    from edgespec import load_policy
+    pol = load_policy(engine)
+    ok = np.zeros((224, 224, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"image must be \(224, 224, 3\) uint8 RGB, got \(64, 64, 3\)"):
+        pol.act(np.zeros((64, 64, 3), np.uint8), None, "open the drawer")
+    with pytest.raises(ValueError, match=r"image must be \(224, 224, 3\) uint8 RGB, got \(224, 224, 4\)"):
+        pol.act(np.zeros((224, 224, 4), np.uint8), None, "open the drawer")
+    with pytest.raises(ValueError, match=r"state must have shape \(0,\)"):
+        pol.act(ok, np.zeros(6), "open the drawer")
+    with pytest.raises(ValueError, match="instruction must be a non-empty string"):
+        pol.act(ok, None, "  ")
+    with pytest.raises(ValueError, match=r"prompt has \d+ tokens.*over the decoder's context 2048"):
+        pol.act(ok, None, "open the drawer " * 700)
+    with pytest.raises(ValueError, match="the draft head reads a prefix of fixed length"):
+        load_policy(engine, draft="head")
+
+
+def _broken(ckpt, tmp_path, name, edit_config=None, drop=()):
+    out = tmp_path / name
+    shutil.copytree(ckpt, out)
+    if edit_config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        edit_config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        from safetensors.torch import load_file, save_file
+        w = load_file(str(out / "model.safetensors"))
+        save_file({k: v for k, v in w.items() if k not in drop}, str(out / "model.safetensors"))
+    return out
+
+
+def test_bad_checkpoints_are_refused_by_name(ckpt, tmp_path):
+    cases = [
+        ("no-backbone", lambda c: c.pop("vision_backbone_id"), (), "no vision_backbone_id; not an OpenVLA checkpoint"),
+        ("unknown", lambda c: c.update(vision_backbone_id="dinosiglip-vit-xl-999px"), (),
+         "vision_backbone_id 'dinosiglip-vit-xl-999px' is not one OpenVLA defines; known: .*dinosiglip-vit-so-224px"),
+        ("timm", lambda c: c.update(timm_model_ids=["vit_huge_patch99", "vit_so400m_patch14_siglip_224"]), (),
+         r"timm model ids \['vit_huge_patch99'\] are not supported"),
+        ("names", None, ("vision_backbone.fused_featurizer.blocks.1.mlp.fc2.bias",),
+         r"weight names do not match OpenVLA's layout: missing \['vision_backbone.fused_featurizer.blocks.1.mlp.fc2"),
+        ("projector", None, ("projector.fc3.weight", "projector.fc3.bias"),
+         r"projector weights do not match a fused backbone of width 272"),
+        ("stats", lambda c: c.update(norm_stats={}), (), "norm_stats must map dataset names"),
+    ]
+    for name, edit, drop, msg in cases:
+        with pytest.raises(OpenVLAFormatError, match=msg):
+            export_openvla(_broken(ckpt, tmp_path, name, edit, drop), tmp_path / f"out-{name}",
+                           unnorm_key="bridge_orig", progress=False)
+        assert not (tmp_path / f"out-{name}").exists()
+    with pytest.raises(OpenVLAFormatError, match=r"--unnorm-key 'libero' is not in .*it has \['bridge_orig', "
+                                                 r"'fractal20220817_data'\]"):
+        export_openvla(ckpt, tmp_path / "o1", unnorm_key="libero", progress=False)
+    with pytest.raises(OpenVLAFormatError, match="action statistics for 2 datasets .* choose one with --unnorm-key"):
+        export_openvla(ckpt, tmp_path / "o2", progress=False)
+    no_tok = _broken(ckpt, tmp_path, "no-tok")
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(OpenVLAFormatError, match="tokenizer.json is missing"):
+        export_openvla(no_tok, tmp_path / "o3", unnorm_key="bridge_orig", progress=False)
+    with pytest.raises(ValueError, match="needs width 128 and vocabulary 1024"):
+        export_openvla(ckpt, tmp_path / "o4", unnorm_key="bridge_orig", draft=_wide_draft(tmp_path), progress=False)
+
+
+def _wide_draft(tmp_path):
+    out = tmp_path / "wide-draft"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "vocab_size": 1024}))
+    return out
+
+
+def test_manifest_takes_words_or_a_prompt(engine):
+    from edgespec.policy_contract import PolicyFileError, PolicyManifest
+    meta = json.loads((engine / "policy.json").read_text())
+    PolicyManifest.from_dict(meta, engine / "policy.json")
+    for edit, msg in ((dict(words=["<pad>", "go"], instr_len=2), "words: expected null with a prompt"),
+                      (dict(prompt=None), "words: expected distinct strings"),
+                      (dict(prompt={**meta["prompt"], "template": "no placeholder"}), "prompt: expected an object"),
+                      (dict(prompt={**meta["prompt"], "tokenizer_file": "../t.json"}), "prompt: expected an object")):
+        with pytest.raises(PolicyFileError, match=msg):
+            PolicyManifest.from_dict({**meta, **edit}, engine / "policy.json")
+
+
+def test_cli_export_policy_dispatches_on_the_layout(ckpt, tmp_path):
+    out = tmp_path / "cli"
+    r = subprocess.run([sys.executable, "-m", "edgespec", "export-policy", str(ckpt), "--out", str(out),
+                        "--unnorm-key", "fractal20220817_data", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "OpenVLA checkpoint, statistics 'fractal20220817_data', 7 action tokens" in r.stdout
+    assert json.loads((out / "policy.json").read_text())["source"]["unnorm_key"] == "fractal20220817_data"
+    r = subprocess.run([sys.executable, "-m", "edgespec", "export-policy", "models/vla-reacher", "--out",
+                        str(tmp_path / "x"), "--unnorm-key", "bridge_orig"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--unnorm-key: only for OpenVLA checkpoints" in r.stderr
