@@ -38,8 +38,8 @@ from .draft_head import HeadDraft
 from .drafts import DraftModel, Drafter
 from .loop import LeanRounds, Loop, Sequence
 from .masks import step_inputs
-from .policy_folder import (check_inputs, checked_file, instruction_ids, load_head, load_prompt_tokenizer,
-                            prompt_ids, read_folder)
+from .policy_folder import (check_inputs, checked_file, instruction_ids, load_fast, load_head,
+                            load_prompt_tokenizer, prompt_ids, read_folder)
 from .remote import RemoteConfig
 from .speculation import DRAFT_DEFAULTS, PolicyConfig, SpeculationConfig  # noqa: F401 (this API's names)
 from .speculative import RelaxedRule, greedy_rule
@@ -58,6 +58,13 @@ class Policy:
         self.words, self.instr_len, self.prefix_len = list(m.words or []), m.instr_len, m.prefix_len
         self.prompt = m.prompt  # None: word ids; else the text prompt (OpenVLA) and its tokenizer
         self.tokenizer = load_prompt_tokenizer(self.dir, m, check_hashes) if self.prompt else None
+        self.fast = load_fast(self.dir, m, check_hashes) if m.fast else None  # FAST action tokens, or bins
+        # the most action tokens a chunk takes: H*D bins, or FAST's longest chunk + its END
+        self.max_tokens = int(m.fast["max_tokens"]) if self.fast else m.horizon * m.dims
+        if self.fast is not None and cfg.acceptance != "greedy":
+            raise ValueError("relaxed acceptance keeps a draft id within `radius` bins of the target's; a FAST id is "
+                             "a BPE piece of DCT coefficients, so a near id is not a near action: decode FAST "
+                             "policies with mode='greedy' (exact)")
         # what the state and the actions mean (robots/ read these)
         self.embodiment, self.action_kind = m.embodiment, m.action_kind
         self.state_names, self.state_units = list(m.state_names), list(m.state_units)
@@ -76,6 +83,9 @@ class Policy:
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head, self._head_draft = None, None, None
         if draft == "head":
+            if self.fast is not None:
+                raise ValueError(f"{self.dir}: the draft head proposes per-dimension bins; this policy emits FAST "
+                                 f"tokens, so draft with its decoder (draft=True)")
             if self.prompt is not None:
                 raise ValueError(f"{self.dir}: the draft head reads a prefix of fixed length {self.prefix_len}; this "
                                  f"policy's prefix grows with its prompt, so draft with its decoder (draft=True)")
@@ -94,7 +104,7 @@ class Policy:
                                  f"(an inputs_embeds engine)")
             if dm.vocab_size != self.target.m.vocab_size:
                 raise ValueError(f"draft vocabulary {dm.vocab_size} != target {self.target.m.vocab_size}")
-        n = self.horizon * self.dims
+        n = self.max_tokens
         if self.prefix_len + n > self.target.m.max_context:
             raise ValueError(f"prefix {self.prefix_len} + {n} action tokens exceed the decoder's context "
                              f"{self.target.m.max_context}")
@@ -133,7 +143,7 @@ class Policy:
         img, st = self.check_inputs(image, state)
         ids = self.instruction_ids(instruction)  # (1, L)
         if self.prompt is not None:
-            n = self.horizon * self.dims
+            n = self.max_tokens
             p = ids.shape[1] - 1 + self.prefix_len
             if p + n > self.target.m.max_context:
                 raise ValueError(f"the prompt has {ids.shape[1]} tokens: with {self.prefix_len - 1} image rows and "
@@ -167,11 +177,22 @@ class Policy:
             t1 = time.perf_counter()
             ids, info = self.decode_ids(prefix)
             t2 = time.perf_counter()
-            actions = self.tok.decode_chunk(np.asarray(ids), self.horizon, self.dims)
+            actions = self.ids_to_actions(ids)
             info.update(encode_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3,
                         act_ms=(time.perf_counter() - t0) * 1e3)
             self.last_info = info
             return actions
+
+    def ids_to_actions(self, ids) -> np.ndarray:
+        """A chunk's ids -> (H, D) actions in robot units: bin centres, or FAST's inverse DCT (ids through END),
+        un-normalised; ids that are not a whole chunk raise ValueError saying what was got."""
+        if self.fast is None:
+            return self.tok.decode_chunk(np.asarray(ids), self.horizon, self.dims)
+        ids = [int(i) for i in ids]
+        if not ids or ids[-1] != self.fast.end_id:
+            raise ValueError(f"the policy emitted {len(ids)} FAST tokens without the END token ({self.fast.end_id}); "
+                             f"a chunk takes at most {self.max_tokens} with END")
+        return self.tok.stats.unnormalize(self.fast.decode(ids))
 
     def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None,
                    reference: bool = False) -> tuple[list[int], dict]:
@@ -197,7 +218,8 @@ class Policy:
         return self.draft
 
     def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool) -> tuple[list[int], dict]:
-        n, p, target = self.horizon * self.dims, prefix.shape[1], self.target
+        n, p, target = self.max_tokens, prefix.shape[1], self.target
+        end = self.fast.end_id if self.fast is not None else None
         target.cache.rewind_to(0)
         counter = self.head if self._head_draft is not None else self.draft.decoder if self.draft else None
         calls0 = counter.calls if counter is not None else 0
@@ -214,8 +236,11 @@ class Policy:
             return 0 if drafter is None or (length == p and not fused) else gamma
 
         def append(s: Sequence, ids: list[int]) -> int:
+            if end is not None and end in ids:  # FAST: the chunk ends at END; ids accepted after it are dropped
+                ids = ids[:ids.index(end) + 1]
+                s.finish = "eos"
             s.ctx += ids
-            if len(s.ctx) - p >= n:
+            if s.finish is None and len(s.ctx) - p >= n:
                 s.finish = "length"
             return len(ids)
 
@@ -242,9 +267,9 @@ class Policy:
 
     def reference_ids(self, prefix: np.ndarray) -> list[int]:
         """Plain greedy decoding through whole-sequence engine calls without a cache (slow, obvious): for tests."""
-        n, m, emb = self.horizon * self.dims, self.target.m, self.target.embedding
+        n, m, emb = self.max_tokens, self.target.m, self.target.embedding
         ids: list[int] = []
-        for _ in range(n):  # no cache: the whole sequence every step
+        while len(ids) < n and (self.fast is None or not ids or ids[-1] != self.fast.end_id):  # no cache
             x = np.concatenate([prefix[0], emb[ids]], 0)[None] if ids else prefix
             s = x.shape[1]
             feeds = {m.inputs[0].name: x.astype(np.float32), **step_inputs(m, np.zeros(1, np.int64), s, s)}

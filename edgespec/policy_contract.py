@@ -37,6 +37,7 @@ ENCODER_FILE = "encoder.onnx"
 
 
 PROMPT_KEYS = ("template", "tokenizer_file", "tokenizer_sha256", "append_id")
+FAST_KEYS = ("file", "sha256", "max_tokens")  # the FastTokenizer file, its hash, the most tokens of a chunk + END
 ENC_IMAGE_EMBEDS = "image_embeds"  # a prompt policy's encoder output (1, N, E)
 
 
@@ -95,6 +96,9 @@ class PolicyManifest:
     # ... or a text prompt (OpenVLA): PROMPT_KEYS; the encoder reads the image alone and the runtime builds the
     # prefix [embed(BOS), image rows, embed(rest of the prompt's ids)] with the target's embedding table
     prompt: dict | None = None
+    # the action tokens: OpenVLA's bins (None), or FAST (fast_tokens.py): FAST_KEYS; every decoder id is then a FAST
+    # token (vocab_end = n_bins = the FAST vocabulary) and a chunk ends with its END token
+    fast: dict | None = None
     encoder_file: str = "encoder.onnx"
     encoder_sha256: str | None = None
     draft_head_sha256: str | None = None
@@ -144,6 +148,12 @@ class PolicyManifest:
         want(problems, "action_names", _strings(self.action_names, self.dims, distinct=True),
              f"{self.dims} (dims) distinct non-empty strings")
         want(problems, "action_units", _strings(self.action_units, self.dims), f"{self.dims} (dims) strings")
+        f = self.fast
+        want(problems, "fast", f is None or (isinstance(f, dict) and sorted(f) == sorted(FAST_KEYS)
+                                            and _file_name(f["file"]) and _sha256_or_none(f["sha256"])
+                                            and _is_int(f["max_tokens"]) and f["max_tokens"] > 0
+                                            and self.vocab_end == self.n_bins),
+             f"null, or an object with {FAST_KEYS} (max_tokens > 0) and vocab_end == n_bins")
         b = self.binary_dims
         want(problems, "binary_dims", isinstance(b, list) and all(_is_int(j) and 0 <= j < self.dims for j in b)
              and len(set(b)) == len(b), f"distinct action dimensions in [0, {self.dims})")

@@ -83,6 +83,19 @@ def load_prompt_tokenizer(policy_dir: Path, m: PC.PolicyManifest, check_hashes: 
     return Tokenizer.from_file(str(path))
 
 
+def load_fast(policy_dir: Path, m: PC.PolicyManifest, check_hashes: bool):
+    """The FAST policy's FastTokenizer, checked against its sha256 and against the policy's chunk and ids."""
+    from .fast_tokens import FastTokenizer
+    path = policy_dir / m.fast["file"]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; {PC.REEXPORT}")
+    fast = FastTokenizer.load(checked_file(path, m.fast["sha256"], check_hashes, policy_dir / PC.POLICY_FILE))
+    if (fast.horizon, fast.dims, fast.vocab_size) != (m.horizon, m.dims, m.vocab_end):
+        raise ValueError(f"{path} encodes {fast.horizon}x{fast.dims} chunks in {fast.vocab_size} ids; the policy emits "
+                         f"{m.horizon}x{m.dims} chunks with ids 0..{m.vocab_end - 1}")
+    return fast
+
+
 def prompt_ids(tokenizer, template: str, instruction: str, append_id: int | None) -> np.ndarray:
     """The prompt's ids (L,) as OpenVLA's predict_action builds them: the tokenizer's own special tokens (BOS
     first), then append_id (the empty piece "▁") unless the prompt already ends with it."""

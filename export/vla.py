@@ -24,6 +24,7 @@ import numpy as np
 
 from edgespec import contract as C
 from edgespec import policy_contract as PC
+from edgespec.fast_tokens import FastTokenizer
 from edgespec.policy_contract import (CONTENT_HASH, ENCODER_FILE, HEAD_FILE, STATS_FILE, PolicyManifest,
                                       policy_content_sha256, read_policy_json)
 
@@ -77,7 +78,9 @@ def policy_calibration(model_dir: Path, n_obs: int = 64, seed: int = 7) -> tuple
     target = AutoModelForCausalLM.from_pretrained(model_dir / "target", dtype=torch.float32).eval()
     table = target.get_input_embeddings().weight
     lo, hi = int(policy["vocab_end"]) - int(policy["n_bins"]), int(policy["vocab_end"])
-    n = int(policy["horizon"]) * int(policy["dims"])
+    fast = policy.get("fast")
+    n = int(fast["max_tokens"]) if fast else int(policy["horizon"]) * int(policy["dims"])
+    end = FastTokenizer.load(model_dir / fast["file"]).end_id if fast else None
     rows = []
     with torch.no_grad():
         for img, state, instr in example_inputs(policy, n_obs, seed=seed):
@@ -85,6 +88,8 @@ def policy_calibration(model_dir: Path, n_obs: int = 64, seed: int = 7) -> tuple
             p = x.shape[1]
             for _ in range(n - 1):  # the last action is decoded from the row's last position
                 nxt = target(inputs_embeds=x).logits[0, -1, lo:hi].argmax() + lo
+                if int(nxt) == end:  # FAST: the chunk ended; END is scored from the row's last position
+                    break
                 x = torch.cat([x, table[nxt][None, None]], 1)
             rows.append((x[0].numpy().astype(np.float32), p - 1))
     return rows, f"{n_obs} synthetic observations: encoder prefix + the fp32 target's greedy actions"
@@ -138,6 +143,10 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
                               argmax_ids=actions, calibration=calib, role=name, allow_lossy=allow_lossy)  # the gate binds the target
         shutil.copy2(model_dir / STATS_FILE, stage / STATS_FILE)
         policy = {k: v for k, v in meta.items() if k != CONTENT_HASH}
+        if meta.get("fast"):  # FAST tokens: the tokenizer file travels with its hash
+            FastTokenizer.load(model_dir / meta["fast"]["file"])  # refuses one that does not load
+            shutil.copy2(model_dir / meta["fast"]["file"], stage / meta["fast"]["file"])
+            policy["fast"] = {**meta["fast"], "sha256": C.file_sha256(stage / meta["fast"]["file"])}
         policy.update({"encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),
                        "encoder_gate": gate, "precision": dtype,
                        "action_stats_sha256": C.file_sha256(stage / STATS_FILE)})

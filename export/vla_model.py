@@ -53,6 +53,9 @@ class VLAConfig:
     noise_std: float = 0.01  # metres, on the executed action of the demonstrations' noisy episodes (recorded)
     state_dim: int = 6  # joint angles, joint velocities, fingertip (x, y)
     state_scale: tuple = (math.pi, math.pi, 10.0, 10.0, 0.2, 0.2)
+    actions: str = "bins"  # "bins": n_bins per dimension (OpenVLA's); "fast": FAST tokens (fast_tokens.py)
+    fast_scale: float = 100.0  # FAST: DCT coefficients x scale, rounded
+    max_tokens: int = 0  # FAST: the longest training chunk's tokens + END (set from the data); bins: H*D
 
     def __post_init__(self):
         for k in ("episodes", "horizon", "dims", "epochs", "batch", "hidden", "target_layers", "draft_layers"):
@@ -63,6 +66,8 @@ class VLAConfig:
         if self.state_dim < 6:
             raise ValueError(f"state_dim must be >= 6 (joint angles, velocities, then the fingertip x, y the goal "
                              f"token is relative to), got {self.state_dim}")
+        if self.actions not in ("bins", "fast"):
+            raise ValueError(f"actions must be 'bins' or 'fast', got {self.actions!r}")
         self.state_scale = tuple(float(x) for x in self.state_scale)
         if len(self.state_scale) != self.state_dim or min(self.state_scale) <= 0:
             raise ValueError(f"state_scale needs {self.state_dim} positive values, got {self.state_scale}")
@@ -78,7 +83,7 @@ class VLAConfig:
 
     @property
     def action_len(self) -> int:
-        return self.horizon * self.dims
+        return self.max_tokens if self.actions == "fast" else self.horizon * self.dims
 
 
 def words_to_ids(instruction: str, length: int) -> np.ndarray:
@@ -184,7 +189,11 @@ class Pair:
         return out["target"], out["draft"], goal
 
 
-def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
+FAST_FILE = "fast_tokenizer.json"
+
+
+def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict, fast=None) -> None:
+    """fast: the FastTokenizer of a FAST policy (saved beside; policy.json's "fast" names it)."""
     import torch
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
@@ -199,5 +208,9 @@ def save(pair: Pair, cfg: VLAConfig, stats, out: Path, report: dict) -> None:
               "horizon": cfg.horizon, "dims": cfg.dims, "n_bins": cfg.n_bins, "vocab_end": cfg.n_bins,
               "image_size": cfg.image_size, "state_dim": cfg.state_dim, "instr_len": cfg.instr_len, "words": WORDS,
               "prefix_len": cfg.prefix_len, "binary_dims": [], **REACHER_SEMANTICS, "config": asdict(cfg)}
+    if fast is not None:
+        from edgespec.files import file_sha256
+        fast.save(out / FAST_FILE)
+        policy["fast"] = {"file": FAST_FILE, "sha256": file_sha256(out / FAST_FILE), "max_tokens": cfg.max_tokens}
     (out / "policy.json").write_text(json.dumps(policy, indent=2) + "\n")
     (out / "train.json").write_text(json.dumps(report, indent=2) + "\n")

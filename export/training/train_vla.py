@@ -63,34 +63,57 @@ def to_torch(data: dict, idx: np.ndarray) -> dict:
     return out
 
 
-def losses(pair: Pair, batch, ids):
+IGNORE = -100  # a FAST chunk's positions after its END: no loss
+
+
+def fast_ids(fast, chunks: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Normalised chunks (N, H, D) -> ids (N, max_tokens), each chunk's FAST tokens + END, padded with END, and
+    labels: the same with IGNORE after the END. A chunk longer than max_tokens is an error naming it."""
+    ids = np.full((len(chunks), max_tokens), fast.end_id, np.int64)
+    labels = np.full((len(chunks), max_tokens), IGNORE, np.int64)
+    for i, c in enumerate(chunks):
+        t = fast.encode(c) + [fast.end_id]
+        if len(t) > max_tokens:
+            raise ValueError(f"chunk {i} takes {len(t)} FAST tokens with END; the policy allows {max_tokens}")
+        ids[i, :len(t)] = labels[i, :len(t)] = t
+    return ids, labels
+
+
+def losses(pair: Pair, batch, ids, labels=None):
+    """labels: ids with IGNORE where no loss is taken (FAST padding); None: ids."""
     import torch.nn.functional as F
     lt, ld, goal = pair.logits(batch, ids)
     v = lt.shape[-1]
-    ce_t = F.cross_entropy(lt.reshape(-1, v), ids.reshape(-1))
-    ce_d = F.cross_entropy(ld.reshape(-1, v), ids.reshape(-1))
-    kl = F.kl_div(F.log_softmax(ld, -1), F.log_softmax(lt.detach(), -1), log_target=True, reduction="batchmean")
-    kl = kl / ids.shape[1]
+    labels = ids if labels is None else labels
+    ce_t = F.cross_entropy(lt.reshape(-1, v), labels.reshape(-1), ignore_index=IGNORE)
+    ce_d = F.cross_entropy(ld.reshape(-1, v), labels.reshape(-1), ignore_index=IGNORE)
+    valid = (labels != IGNORE).float()  # (B, T)
+    kl_pos = F.kl_div(F.log_softmax(ld, -1), F.log_softmax(lt.detach(), -1), log_target=True,
+                      reduction="none").sum(-1)  # (B, T)
+    kl = (kl_pos * valid).sum() / valid.sum().clamp(min=1.0)
     aux = F.mse_loss(goal * 5.0, batch["goal"] * 5.0) if "goal" in batch else goal.sum() * 0.0
     return ce_t, ce_d, kl, aux, lt, ld
 
 
-def evaluate(pair: Pair, data: dict, ids_all: np.ndarray) -> dict:
+def evaluate(pair: Pair, data: dict, ids_all: np.ndarray, labels_all: np.ndarray | None = None) -> dict:
+    """Losses and token accuracy (over the positions with a label) on the validation chunks."""
     import torch
     n = len(ids_all)
+    labels_all = ids_all if labels_all is None else labels_all
     tot = {"target_ce": 0.0, "draft_ce": 0.0, "target_acc": 0.0, "draft_acc": 0.0, "agree": 0.0, "goal_err_m": 0.0}
     with torch.no_grad():
         for s in range(0, n, 512):
             idx = np.arange(s, min(n, s + 512))
-            ids = torch.from_numpy(ids_all[idx])
-            ce_t, ce_d, _, aux, lt, ld = losses(pair, to_torch(data, idx), ids)
+            ids, labels = torch.from_numpy(ids_all[idx]), torch.from_numpy(labels_all[idx])
+            ce_t, ce_d, _, aux, lt, ld = losses(pair, to_torch(data, idx), ids, labels)
             w = len(idx) / n
+            valid = labels != IGNORE
             tot["goal_err_m"] += aux.sqrt().item() / 5.0 * w
             tot["target_ce"] += ce_t.item() * w
             tot["draft_ce"] += ce_d.item() * w
-            tot["target_acc"] += (lt.argmax(-1) == ids).float().mean().item() * w
-            tot["draft_acc"] += (ld.argmax(-1) == ids).float().mean().item() * w
-            tot["agree"] += (lt.argmax(-1) == ld.argmax(-1)).float().mean().item() * w
+            tot["target_acc"] += (lt.argmax(-1) == labels)[valid].float().mean().item() * w
+            tot["draft_acc"] += (ld.argmax(-1) == labels)[valid].float().mean().item() * w
+            tot["agree"] += (lt.argmax(-1) == ld.argmax(-1))[valid].float().mean().item() * w
     return {k: round(v, 4) for k, v in tot.items()}
 
 
@@ -104,6 +127,11 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=".cache/vla", help="checkpoints (resume)")
     ap.add_argument("--epochs", type=int, default=VLAConfig.epochs)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--actions", choices=["bins", "fast"], default="bins",
+                    help="action tokens: 256 bins per dimension (OpenVLA's), or FAST (DCT + BPE, variable length)")
+    ap.add_argument("--fast-scale", type=float, default=VLAConfig.fast_scale,
+                    help="FAST: DCT coefficients x scale, rounded (error bound 0.5 sqrt(H) / scale, normalised)")
+    ap.add_argument("--fast-vocab", type=int, default=1024, help="FAST: the BPE vocabulary's size (END included)")
     args = ap.parse_args(argv)
     import torch
     from edgespec.actions import ActionStats, ActionTokenizer
@@ -116,7 +144,8 @@ def main(argv=None) -> int:
     _, horizon, dims = train["chunk"].shape
     cfg = VLAConfig(episodes=len(np.unique(train["episode"])), val_episodes=len(np.unique(val["episode"])),
                     horizon=horizon, dims=dims, image_size=train["image"].shape[1],
-                    noise_std=float(train["noise_std"]), epochs=args.epochs)
+                    noise_std=float(train["noise_std"]), epochs=args.epochs, actions=args.actions,
+                    fast_scale=args.fast_scale)
     if val["chunk"].shape[1:] != train["chunk"].shape[1:] or val["image"].shape[1:] != train["image"].shape[1:]:
         raise ValueError(f"{args.val} has chunks {val['chunk'].shape[1:]} and images {val['image'].shape[1:]}; "
                          f"{args.train} has {train['chunk'].shape[1:]} and {train['image'].shape[1:]}")
@@ -125,9 +154,22 @@ def main(argv=None) -> int:
     t_start = time.time()
     flat = train["chunk"].reshape(-1, cfg.dims)
     stats = ActionStats(np.quantile(flat, 0.01, axis=0), np.quantile(flat, 0.99, axis=0))
-    tok = ActionTokenizer.native(cfg.n_bins, stats)
-    ids_train = tok.encode(train["chunk"]).reshape(len(train["chunk"]), -1)  # (N, H*D) time-major
-    ids_val = tok.encode(val["chunk"]).reshape(len(val["chunk"]), -1)
+    fast = None
+    if cfg.actions == "bins":
+        tok = ActionTokenizer.native(cfg.n_bins, stats)
+        ids_train = tok.encode(train["chunk"]).reshape(len(train["chunk"]), -1)  # (N, H*D) time-major
+        ids_val = tok.encode(val["chunk"]).reshape(len(val["chunk"]), -1)
+        labels_train, labels_val = ids_train, ids_val
+    else:  # FAST: fitted on the training chunks, normalised by the same statistics
+        from edgespec.fast_tokens import FastTokenizer
+        norm_train, norm_val = stats.normalize(train["chunk"]), stats.normalize(val["chunk"])
+        fast, fit = FastTokenizer.fit(norm_train, scale=cfg.fast_scale, vocab_size=args.fast_vocab)
+        cfg.n_bins, cfg.max_tokens = fast.vocab_size, fit.tokens_per_chunk_max + 1
+        print(f"FAST: {fit.tokens_per_chunk_mean:.2f} tokens per chunk (max {fit.tokens_per_chunk_max}), max |error| "
+              f"{fit.max_abs_error:.4f} normalised (bound {fit.error_bound:.4f}), vocabulary {fast.vocab_size}",
+              flush=True)
+        ids_train, labels_train = fast_ids(fast, norm_train, cfg.max_tokens)
+        ids_val, labels_val = fast_ids(fast, norm_val, cfg.max_tokens)
     print(f"train {len(ids_train)} samples, val {len(ids_val)}; stats q01 {stats.q01} q99 {stats.q99}", flush=True)
 
     pair = Pair(cfg)
@@ -155,8 +197,8 @@ def main(argv=None) -> int:
             for g in opt.param_groups:
                 g["lr"] = lr
             idx = np.sort(order[i * cfg.batch:(i + 1) * cfg.batch])
-            ids = torch.from_numpy(ids_train[idx])
-            ce_t, ce_d, kl, aux, _, _ = losses(pair, to_torch(train, idx), ids)
+            ids, labels = torch.from_numpy(ids_train[idx]), torch.from_numpy(labels_train[idx])
+            ce_t, ce_d, kl, aux, _, _ = losses(pair, to_torch(train, idx), ids, labels)
             loss = ce_t + 0.5 * ce_d + 0.5 * kl + 10.0 * aux
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -168,7 +210,7 @@ def main(argv=None) -> int:
                       f"kl {kl.item():.3f} lr {lr:.2e} {time.time() - t0:.0f}s", flush=True)
         for m in pair.modules().values():
             m.eval()
-        ev = evaluate(pair, val, ids_val)
+        ev = evaluate(pair, val, ids_val, labels_val)
         ev["epoch"], ev["epoch_s"] = epoch + 1, round(time.time() - t0, 1)
         history.append(ev)
         print("val", ev, flush=True)
@@ -179,7 +221,7 @@ def main(argv=None) -> int:
               "data": {"train": str(args.train), "val": str(args.val)}, "wall_s": round(time.time() - t_start, 1),
               "command": "python -m edgespec.export.training.train_vla " + " ".join(argv if argv is not None
                                                                             else sys.argv[1:])}
-    save(pair, cfg, stats, out, report)
+    save(pair, cfg, stats, out, report, fast)
     print(f"wrote {out}", flush=True)
     return 0
 
