@@ -143,16 +143,25 @@ class Policy:
         img, st = self.check_inputs(image, state)
         ids = self.instruction_ids(instruction)  # (1, L)
         if self.prompt is not None:
-            n = self.max_tokens
-            p = ids.shape[1] - 1 + self.prefix_len
+            # where the image rows go: right after BOS (OpenVLA), or in place of the one image token (Llava)
+            image_id = self.prompt["image_token_id"]
+            if image_id is None:
+                at, text = 1, ids[0]
+            else:
+                where = np.nonzero(ids[0] == image_id)[0]
+                if len(where) != 1:
+                    raise ValueError(f"the prompt must hold the image token ({image_id}) once, got {len(where)}: "
+                                     f"{self.prompt['template']!r}")
+                at, text = int(where[0]), np.delete(ids[0], where[0])
+            n, p = self.max_tokens, len(text) + self.prefix_len  # prefix_len: the image rows (+ BOS for OpenVLA)
+            p -= 1 if image_id is None else 0  # OpenVLA's BOS is both in the text and in prefix_len
             if p + n > self.target.m.max_context:
-                raise ValueError(f"the prompt has {ids.shape[1]} tokens: with {self.prefix_len - 1} image rows and "
-                                 f"{n} action tokens that is {p + n} positions, over the decoder's context "
-                                 f"{self.target.m.max_context}")
+                raise ValueError(f"the prompt has {ids.shape[1]} tokens: with the image rows and {n} action tokens "
+                                 f"that is {p + n} positions, over the decoder's context {self.target.m.max_context}")
             with self._lock:
                 rows = self.encoder.run([PC.ENC_IMAGE_EMBEDS], {PC.ENC_IMAGE: img})[0]  # (1, N, E)
-            emb = self.target.embedding[ids[0]].astype(np.float32)[None]  # (1, L, E)
-            prefix = np.concatenate([emb[:, :1], rows, emb[:, 1:]], 1)  # the image right after BOS
+            emb = self.target.embedding[text].astype(np.float32)[None]  # (1, L, E)
+            prefix = np.concatenate([emb[:, :at], rows, emb[:, at:]], 1)
         else:
             feeds = {PC.ENC_IMAGE: img, PC.ENC_STATE: st, PC.ENC_INSTRUCTION: ids}
             with self._lock:  # one run at a time, like the decoders

@@ -36,19 +36,21 @@ REEXPORT = "re-export it with `edgespec export-policy MODEL --out DIR --force`"
 ENCODER_FILE = "encoder.onnx"
 
 
-PROMPT_KEYS = ("template", "tokenizer_file", "tokenizer_sha256", "append_id")
+PROMPT_KEYS = ("template", "tokenizer_file", "tokenizer_sha256", "append_id", "image_token_id")
 FAST_KEYS = ("file", "sha256", "max_tokens")  # the FastTokenizer file, its hash, the most tokens of a chunk + END
 ENC_IMAGE_EMBEDS = "image_embeds"  # a prompt policy's encoder output (1, N, E)
 
 
 def prompt_ok(p) -> bool:
     """policy.json's "prompt": template (str, "{instruction}" once), tokenizer_file (a name in the folder),
-    tokenizer_sha256, append_id (the id appended unless the prompt ends with it, or null)."""
+    tokenizer_sha256, append_id (the id appended unless the prompt ends with it, or null), image_token_id (the
+    prompt's one id the image rows replace (Llava), or null: they go right after BOS (OpenVLA))."""
     if not isinstance(p, dict) or sorted(p) != sorted(PROMPT_KEYS):
         return False
-    t, f, a = p["template"], p["tokenizer_file"], p["append_id"]
+    t, f = p["template"], p["tokenizer_file"]
+    ids_ok = all(p[k] is None or (_is_int(p[k]) and p[k] >= 0) for k in ("append_id", "image_token_id"))
     return (isinstance(t, str) and t.count("{instruction}") == 1 and _file_name(f)
-            and _sha256_or_none(p["tokenizer_sha256"]) and (a is None or (_is_int(a) and a >= 0)))
+            and _sha256_or_none(p["tokenizer_sha256"]) and ids_ok)
 
 
 def _file_name(v) -> bool:
@@ -93,8 +95,9 @@ class PolicyManifest:
     # the instruction, one of two ways: a word vocabulary (the bundled policy's encoder reads word ids) ...
     instr_len: int = 0
     words: list | None = None  # words[0] = "<pad>"
-    # ... or a text prompt (OpenVLA): PROMPT_KEYS; the encoder reads the image alone and the runtime builds the
-    # prefix [embed(BOS), image rows, embed(rest of the prompt's ids)] with the target's embedding table
+    # ... or a text prompt (OpenVLA, Llava): PROMPT_KEYS; the encoder reads the image alone and the runtime builds
+    # the prefix with the target's embedding table: [embed(BOS), image rows, embed(the rest)] (OpenVLA), or the
+    # prompt's embeddings with its image token replaced by the image rows (Llava)
     prompt: dict | None = None
     # the action tokens: OpenVLA's bins (None), or FAST (fast_tokens.py): FAST_KEYS; every decoder id is then a FAST
     # token (vocab_end = n_bins = the FAST vocabulary) and a chunk ends with its END token

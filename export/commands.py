@@ -52,24 +52,35 @@ def cmd_export(args) -> int:
 
 def cmd_export_policy(args) -> int:
     need_export_extra()
+    from edgespec.export.llava import is_llava_folder
     from edgespec.export.prismatic import is_openvla_folder
-    if is_openvla_folder(args.model):
-        from edgespec.export.openvla import export_openvla
+    vlm_flags = ("unnorm_key", "draft", "prompt_template", "action_names", "action_units", "action_kind",
+                 "max_context", "horizon", "action_stats", "n_bins")
+    if is_openvla_folder(args.model) or is_llava_folder(args.model):
         split = (lambda v: None if v is None else [x.strip() for x in v.split(",")])
-        meta = export_openvla(args.model, args.out, unnorm_key=args.unnorm_key, dtype=args.dtype, draft=args.draft,
-                              prompt_template=args.prompt_template, action_names=split(args.action_names),
-                              action_units=split(args.action_units), action_kind=args.action_kind, force=args.force,
-                              progress=not args.quiet, allow_lossy=args.allow_lossy, max_context=args.max_context)
-        print(f"wrote {args.out}: OpenVLA checkpoint, statistics {meta['source']['unnorm_key']!r}, "
-              f"{meta['dims']} action tokens, encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
-              f"end-to-end ids equal to the torch reference on {meta['end_to_end_gate']['cases']} cases")
+        kw = dict(unnorm_key=args.unnorm_key, dtype=args.dtype, draft=args.draft, prompt_template=args.prompt_template,
+                  action_names=split(args.action_names), action_units=split(args.action_units),
+                  action_kind=args.action_kind, horizon=args.horizon or 1, force=args.force, progress=not args.quiet,
+                  allow_lossy=args.allow_lossy, max_context=args.max_context)
+        if is_openvla_folder(args.model):
+            if args.action_stats is not None or args.n_bins is not None:
+                raise SystemExit("--action-stats, --n-bins: an OpenVLA checkpoint carries its own (norm_stats, "
+                                 "n_action_bins)")
+            from edgespec.export.openvla import export_openvla
+            meta, kind = export_openvla(args.model, args.out, **kw), "OpenVLA"
+        else:
+            from edgespec.export.llava import export_llava
+            meta, kind = export_llava(args.model, args.out, action_stats=args.action_stats, n_bins=args.n_bins or 256,
+                                      **kw), "Llava"
+        print(f"wrote {args.out}: {kind} checkpoint, statistics {meta['source']['unnorm_key']!r}, "
+              f"{meta['horizon']} x {meta['dims']} action tokens, encoder gate max |diff| "
+              f"{meta['encoder_gate']['max_abs_diff']:.2g}, end-to-end gate passed on "
+              f"{meta['end_to_end_gate']['cases']} cases")
         return 0
-    openvla_only = [f"--{k.replace('_', '-')}" for k in ("unnorm_key", "draft", "prompt_template", "action_names",
-                                                          "action_units", "action_kind", "max_context")
-                    if getattr(args, k) is not None]
-    if openvla_only:
-        raise SystemExit(f"{' '.join(openvla_only)}: only for OpenVLA checkpoints; {args.model} is not one (its "
-                         f"config.json names no vision_backbone_id)")
+    vlm_only = [f"--{k.replace('_', '-')}" for k in vlm_flags if getattr(args, k) is not None]
+    if vlm_only:
+        raise SystemExit(f"{' '.join(vlm_only)}: only for OpenVLA and Llava checkpoints; {args.model} is neither (its "
+                         f"config.json names no vision_backbone_id, and its model_type is not llava)")
     from edgespec.export.vla import export_policy
     meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
                          allow_lossy=args.allow_lossy)
@@ -111,21 +122,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export-policy", help="VLA policy model folder or OpenVLA checkpoint -> encoder + decoder "
                                              "engines")
     p.add_argument("model", type=Path, help="policy folder from edgespec.export.training.train_vla, or a checkpoint "
-                                            "folder in OpenVLA's layout (config.json with vision_backbone_id)")
+                                            "folder in OpenVLA's layout (config.json with vision_backbone_id) or a transformers Llava "
+                                            "checkpoint (model_type llava)")
     p.add_argument("--unnorm-key", default=None,
-                   help="OpenVLA: the dataset whose action statistics un-normalise the actions (config.json's "
+                   help="OpenVLA, Llava: the dataset whose action statistics un-normalise the actions (config.json's "
                         "norm_stats; needed when it has more than one)")
     p.add_argument("--draft", type=Path, default=None,
-                   help="OpenVLA: a causal LM checkpoint of the target's width and vocabulary, exported as draft/")
+                   help="OpenVLA, Llava: a causal LM checkpoint of the target's width and vocabulary, exported as "
+                        "draft/")
     p.add_argument("--prompt-template", default=None,
-                   help="OpenVLA: the prompt, with {instruction} (default: OpenVLA's for the checkpoint's language "
-                        "model, 'In: What action should the robot take to {instruction}?\\nOut:' for Llama 2)")
-    p.add_argument("--action-names", default=None, help="OpenVLA: comma-separated names of the action dimensions "
-                                                        "(default for 7: ee.dx, ee.dy, ee.dz, ee.droll, ee.dpitch, "
-                                                        "ee.dyaw, gripper)")
-    p.add_argument("--action-units", default=None, help="OpenVLA: comma-separated units of the action dimensions")
-    p.add_argument("--action-kind", default=None, help="OpenVLA: what an action commands (default cartesian_delta)")
-    p.add_argument("--max-context", type=int, default=None, help="OpenVLA: KV capacity of the decoders")
+                   help="OpenVLA, Llava: the prompt, with {instruction} (default: OpenVLA's for the checkpoint's "
+                        "language model; Llava: 'USER: <image>\\nWhat action should the robot take to "
+                        "{instruction}? ASSISTANT:', the image token once)")
+    p.add_argument("--action-names", default=None,
+                   help="OpenVLA, Llava: comma-separated names of the action dimensions (default for 7: ee.dx, ee.dy, "
+                        "ee.dz, ee.droll, ee.dpitch, ee.dyaw, gripper)")
+    p.add_argument("--action-units", default=None,
+                   help="OpenVLA, Llava: comma-separated units of the action dimensions")
+    p.add_argument("--action-kind", default=None,
+                   help="OpenVLA, Llava: what an action commands (default cartesian_delta)")
+    p.add_argument("--max-context", type=int, default=None, help="OpenVLA, Llava: KV capacity of the decoders")
+    p.add_argument("--horizon", type=int, default=None,
+                   help="OpenVLA, Llava: action steps the statistics' dimensions hold, time-major (default 1)")
+    p.add_argument("--action-stats", type=Path, default=None,
+                   help="Llava: action statistics JSON ({q01, q99, mask} or OpenVLA's dataset_statistics.json), when "
+                        "config.json has no norm_stats")
+    p.add_argument("--n-bins", type=int, default=None, help="Llava: action bins, the last ids of the text "
+                                                            "vocabulary (default 256)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help=DTYPE_HELP)
     p.add_argument("--allow-lossy", action="store_true",

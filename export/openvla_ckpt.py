@@ -93,10 +93,12 @@ def build_tokenizer(text_vocab: int):
     trainer = trainers.BpeTrainer(vocab_size=text_vocab, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    n = tok.get_vocab_size()
-    if n < text_vocab:
-        tok.add_tokens([f"<extra_{i}>" for i in range(text_vocab - n)])
-    if tok.get_vocab_size() != text_vocab:
+    d = json.loads(tok.to_str())  # filler pieces into the model's own vocabulary (not added tokens), up to text_vocab
+    vocab = d["model"]["vocab"]
+    for i in range(len(vocab), text_vocab):
+        vocab[f"<extra_{i}>"] = i
+    tok = Tokenizer.from_str(json.dumps(d))
+    if tok.get_vocab_size(with_added_tokens=False) != text_vocab:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {text_vocab}")
     tok.add_special_tokens(["<PAD>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",

@@ -84,7 +84,11 @@ PROMPTS = {
 EMPTY_PIECE = "\u2581"  # "▁": the id predict_action appends after the prompt (29871 in Llama 2's vocabulary)
 
 
-class OpenVLAFormatError(ValueError):
+class VLMFormatError(ValueError):
+    """A checkpoint folder that is not the layout it claims, or one the importers do not support."""
+
+
+class OpenVLAFormatError(VLMFormatError):
     """A folder that is not an OpenVLA-layout checkpoint, or one this importer does not support."""
 
 
@@ -136,24 +140,6 @@ class OpenVLACheckpoint:
     @property
     def n_image_tokens(self) -> int:
         return self.vits[0].n_patches
-
-    def action_stats(self, unnorm_key: str | None) -> tuple[str, dict]:
-        """-> (the dataset key, its "action" statistics); OpenVLA's _check_unnorm_key, refusing by name."""
-        keys = list(self.norm_stats)
-        if unnorm_key is None:
-            if len(keys) != 1:
-                raise OpenVLAFormatError(f"{self.path} has action statistics for {len(keys)} datasets {keys}; "
-                                         f"choose one with --unnorm-key")
-            unnorm_key = keys[0]
-        if unnorm_key not in self.norm_stats:
-            raise OpenVLAFormatError(f"--unnorm-key {unnorm_key!r} is not in {self.path}/config.json's norm_stats; "
-                                     f"it has {keys}")
-        entry = self.norm_stats[unnorm_key]
-        action = entry.get("action") if isinstance(entry, dict) else None
-        if not isinstance(action, dict) or "q01" not in action or "q99" not in action:
-            raise OpenVLAFormatError(f"norm_stats[{unnorm_key!r}] needs an 'action' entry with q01 and q99, got "
-                                     f"{sorted(action) if isinstance(action, dict) else type(action).__name__}")
-        return unnorm_key, action
 
 
 def is_openvla_folder(path: Path) -> bool:
@@ -448,7 +434,10 @@ def build_reference(ck: OpenVLACheckpoint, load_weights: bool = True):
                 self.register_buffer(f"std{i}", torch.tensor(v.std, dtype=torch.float32).view(1, 3, 1, 1),
                                      persistent=False)
 
-        def image_embeds(self, image):  # (B, S, S, 3) uint8 -> (B, N, E): what the encoder engine computes
+        def forward(self, image):  # (B, S, S, 3) uint8 -> (B, N, E): what the encoder engine computes
+            return self.image_embeds(image)
+
+        def image_embeds(self, image):
             x = image.permute(0, 3, 1, 2).to(torch.float32) / 255.0
             feats = [vit((x - getattr(self, f"mean{i}")) / getattr(self, f"std{i}")) for i, vit in enumerate(self.vits)]
             return self.projector(torch.cat(feats, 2))

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from edgespec.export.openvla import export_openvla  # noqa: E402
 from edgespec.export.openvla_ckpt import TinyOpenVLA, text_config, write_checkpoint  # noqa: E402
-from edgespec.export.prismatic import OpenVLAFormatError, build_reference, read_checkpoint  # noqa: E402
+from edgespec.export.prismatic import OpenVLAFormatError, VLMFormatError, build_reference, read_checkpoint  # noqa: E402,E501
 
 
 @pytest.fixture(scope="module")
@@ -216,14 +216,14 @@ def test_bad_checkpoints_are_refused_by_name(ckpt, tmp_path):
             export_openvla(_broken(ckpt, tmp_path, name, edit, drop), tmp_path / f"out-{name}",
                            unnorm_key="bridge_orig", progress=False)
         assert not (tmp_path / f"out-{name}").exists()
-    with pytest.raises(OpenVLAFormatError, match=r"--unnorm-key 'libero' is not in .*it has \['bridge_orig', "
+    with pytest.raises(VLMFormatError, match=r"--unnorm-key 'libero' is not in .*it has \['bridge_orig', "
                                                  r"'fractal20220817_data'\]"):
         export_openvla(ckpt, tmp_path / "o1", unnorm_key="libero", progress=False)
-    with pytest.raises(OpenVLAFormatError, match="action statistics for 2 datasets .* choose one with --unnorm-key"):
+    with pytest.raises(VLMFormatError, match="action statistics for 2 datasets .* choose one with --unnorm-key"):
         export_openvla(ckpt, tmp_path / "o2", progress=False)
     no_tok = _broken(ckpt, tmp_path, "no-tok")
     (no_tok / "tokenizer.json").unlink()
-    with pytest.raises(OpenVLAFormatError, match="tokenizer.json is missing"):
+    with pytest.raises(VLMFormatError, match="tokenizer.json is missing"):
         export_openvla(no_tok, tmp_path / "o3", unnorm_key="bridge_orig", progress=False)
     with pytest.raises(ValueError, match="needs width 128 and vocabulary 1024"):
         export_openvla(ckpt, tmp_path / "o4", unnorm_key="bridge_orig", draft=_wide_draft(tmp_path), progress=False)
@@ -253,8 +253,8 @@ def test_cli_export_policy_dispatches_on_the_layout(ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgespec", "export-policy", str(ckpt), "--out", str(out),
                         "--unnorm-key", "fractal20220817_data", "--quiet"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "OpenVLA checkpoint, statistics 'fractal20220817_data', 7 action tokens" in r.stdout
+    assert "OpenVLA checkpoint, statistics 'fractal20220817_data', 1 x 7 action tokens" in r.stdout
     assert json.loads((out / "policy.json").read_text())["source"]["unnorm_key"] == "fractal20220817_data"
     r = subprocess.run([sys.executable, "-m", "edgespec", "export-policy", "models/vla-reacher", "--out",
                         str(tmp_path / "x"), "--unnorm-key", "bridge_orig"], capture_output=True, text=True)
-    assert r.returncode != 0 and "--unnorm-key: only for OpenVLA checkpoints" in r.stderr
+    assert r.returncode != 0 and "--unnorm-key: only for OpenVLA and Llava checkpoints" in r.stderr

@@ -1,0 +1,150 @@
+"""FAST-token reacher policy against the 256-bin one, closed loop on the three-target MuJoCo reacher.
+
+    MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast --out bench/results/fast-policy.json
+
+Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
+bins plain, bins exact with the draft decoder, FAST plain, FAST exact with the draft decoder (each policy's own
+1-layer draft, trained beside its target). Per mode: success rate, mean return, action tokens per chunk, action-decode
+ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
+accepted tokens per target call, and the speedup of each exact mode over its own plain mode from the same run. Exact
+modes must produce actions identical to their plain mode on every step (checked: same episode, same actions, same
+observations). Writes JSON and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+import edgespec  # noqa: E402
+from host import machine  # noqa: E402
+from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
+
+
+class Mode:
+    def __init__(self, name: str, policy, repeats: int):
+        self.name, self.policy, self.repeats = name, policy, repeats
+        self.env = ThreeTargetReacher()
+        self.success, self.returns, self.decode_ms, self.decode_min_ms, self.tokens = [], [], [], [], []
+        self.rounds = self.accepted = self.drafted = 0
+        self.chunks: list[list[np.ndarray]] = []  # per episode, every chunk
+
+    def episode(self, seed: int, execute: int) -> None:
+        obs, done, ret, info, p, chunks = self.env.reset(seed=seed), False, 0.0, {}, self.policy, []
+        while not done:
+            chunk = p.act(obs["image"], obs["state"], obs["instruction"])
+            li = p.last_info
+            prefix = p.encode(obs["image"], obs["state"], obs["instruction"])
+            best, ids = li["decode_ms"], None
+            for _ in range(self.repeats - 1):  # the same decode again (same ids): filters the machine's noise
+                t = time.perf_counter()
+                ids, _ = p.decode_ids(prefix)
+                best = min(best, (time.perf_counter() - t) * 1e3)
+            if ids is None:
+                ids, _ = p.decode_ids(prefix)
+            self.decode_ms.append(li["decode_ms"])
+            self.decode_min_ms.append(best)
+            self.tokens.append(len(ids))
+            self.rounds += li["rounds"]
+            self.accepted += li["accepted"]
+            self.drafted += li["drafted"]
+            chunks.append(chunk)
+            for a in chunk[:execute]:
+                obs, r, done, info = self.env.step(a)
+                ret += r
+                if done:
+                    break
+        self.success.append(bool(info["success"]))
+        self.returns.append(ret)
+        self.chunks.append(chunks)
+
+    def report(self, plain: "Mode | None") -> dict:
+        out = {"episodes": len(self.success), "success_rate": float(np.mean(self.success)),
+               "mean_return": float(np.mean(self.returns)), "calls": len(self.decode_ms),
+               "tokens_per_chunk_mean": float(np.mean(self.tokens)), "tokens_per_chunk_max": int(max(self.tokens)),
+               "decode_ms_mean": float(np.mean(self.decode_ms)), "decode_ms_p50": float(np.median(self.decode_ms)),
+               "decode_min_of_repeats_ms_mean": float(np.mean(self.decode_min_ms)),
+               "tokens_per_target_call": float(np.sum(self.tokens) / self.rounds),
+               "acceptance_rate": self.accepted / self.drafted if self.drafted else None}
+        if plain is not None:
+            out["speedup_decode_min_of_repeats"] = float(np.sum(plain.decode_min_ms) / np.sum(self.decode_min_ms))
+            out["speedup_decode_mean"] = float(np.mean(plain.decode_ms) / np.mean(self.decode_ms))
+            same = len(self.chunks) == len(plain.chunks) and all(
+                len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+                for a, b in zip(self.chunks, plain.chunks))
+            out["actions_identical_to_plain"] = bool(same)
+            out["chunks_compared"] = int(sum(len(a) for a in plain.chunks))
+        return out
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, r in res["modes"].items():
+        ax.scatter(r["decode_min_of_repeats_ms_mean"], 100 * r["success_rate"], s=60)
+        ax.annotate(f"{name}\n{r['tokens_per_chunk_mean']:.1f} tok/chunk", (r["decode_min_of_repeats_ms_mean"],
+                    100 * r["success_rate"]), textcoords="offset points", xytext=(6, 2), fontsize=8)
+    ax.set_xlabel("action decode per chunk, ms (mean of the fastest of 3 per call)")
+    ax.set_ylabel("success rate (%)")
+    ax.set_title(f"three-target reacher: FAST vs 256 bins, {res['episodes']} episodes per mode")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bins", type=Path, default=Path("engines/vla-reacher"), help="the 256-bin policy (exported)")
+    ap.add_argument("--fast", type=Path, required=True, help="the FAST policy (exported)")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/fast-policy.json"))
+    ap.add_argument("--episodes", type=int, default=100)
+    ap.add_argument("--execute", type=int, default=4, help="chunk steps executed before replanning")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not (args.bins / "policy.json").is_file():
+        from edgespec.export.bundled import ensure_policy_engines
+        ensure_policy_engines()
+    modes = {"bins plain": Mode("bins plain", edgespec.load_policy(args.bins), args.repeats),
+             "bins exact (draft decoder)": Mode("bins exact", edgespec.load_policy(args.bins, draft=True,
+                                                                                   gamma=args.gamma), args.repeats),
+             "FAST plain": Mode("FAST plain", edgespec.load_policy(args.fast), args.repeats),
+             "FAST exact (draft decoder)": Mode("FAST exact", edgespec.load_policy(args.fast, draft=True,
+                                                                                   gamma=args.gamma), args.repeats)}
+    t0 = time.time()
+    for ep in range(args.episodes):
+        for m in modes.values():
+            m.episode(900_000 + ep, args.execute)
+        if ep % 10 == 9:
+            print(f"{ep + 1}/{args.episodes} episodes, {time.time() - t0:.0f}s: " + ", ".join(
+                f"{k} {np.mean(m.success):.2f}" for k, m in modes.items()), flush=True)
+    plain_of = {"bins exact (draft decoder)": modes["bins plain"], "FAST exact (draft decoder)": modes["FAST plain"]}
+    res = {"command": "MUJOCO_GL=osmesa python bench/bench_fast_policy.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine(), "episodes": args.episodes,
+        "execute": args.execute, "gamma": args.gamma, "policies": {"bins": str(args.bins), "fast": str(args.fast)},
+        "fast_tokenizer": {k: v for k, v in json.loads((args.fast / "policy.json").read_text())["fast"].items()
+                           if k != "sha256"},
+        "modes": {k: m.report(plain_of.get(k)) for k, m in modes.items()}, "wall_s": round(time.time() - t0, 1)}
+    for m in modes.values():
+        m.env.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, args.out.with_suffix(".png"))
+    for k, r in res["modes"].items():
+        print(f"{k:28s} success {r['success_rate']:.2f}  tokens/chunk {r['tokens_per_chunk_mean']:.2f}  decode "
+              f"{r['decode_min_of_repeats_ms_mean']:.2f} ms" + (f"  speedup {r['speedup_decode_min_of_repeats']:.2f}x "
+                                                              f"identical {r['actions_identical_to_plain']}"
+                                                              if "speedup_decode_min_of_repeats" in r else ""))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
