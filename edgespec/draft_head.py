@@ -191,11 +191,48 @@ class HeadDraft(OneSequenceDrafter):
     def start(self, prefix: np.ndarray) -> None:
         self.head.start(prefix)
 
+    def begin(self, prefix: np.ndarray) -> None:
+        """A new chunk after prefix (1, P, E)."""
+        self.head.start(prefix)
+
     def draft(self, ctx, gamma, out) -> int:
         work = ctx[self.offset:]  # the chunk's ids so far (a copy: proposals are appended)
         for j in range(gamma):
             tok, p = self.head.next(work)
             out[j] = tok
+            if p < self.stop_below:
+                return j + 1
+            work.append(tok)
+        return gamma
+
+
+class HiddenHeadDraft(OneSequenceDrafter):
+    """The head as a Drafter for a prompt policy, whose prefix length varies with its prompt: its context is the
+    target's final hidden state at the prefix's last position (a (1, E) "prefix", so ctx_w is (E, H)), read through
+    `features(position)` (the target's hidden_at) from the chunk's prefill. It cannot draft before that prefill, so
+    a chunk's first round is a plain prefill (from_prefix False) and the head starts at its first draft. The head
+    proposes bins 0..n-1; the policy's ids are those + first_id (OpenVLA's are the vocabulary's last n)."""
+    from_prefix = False
+
+    def __init__(self, head: DraftHead, features, first_id: int, stop_below: float = 0.0):
+        self.head, self.features, self.first_id, self.stop_below = head, features, first_id, stop_below
+        self.offset, self._started = 0, False
+
+    def begin(self, prefix: np.ndarray) -> None:
+        """A new chunk after prefix (1, P, E): the head starts at its first draft, from the prefill's hidden state."""
+        self.offset, self._started = prefix.shape[1], False
+
+    def draft(self, ctx, gamma, out) -> int:
+        if not gamma:
+            return 0
+        if not self._started:  # the last target call was this chunk's prefill
+            self.head.start(np.asarray(self.features(self.offset - 1), np.float32)[None, None])
+            self._started = True
+        lo = self.first_id
+        work = [i - lo for i in ctx[self.offset:]]
+        for j in range(gamma):
+            tok, p = self.head.next(work)
+            out[j] = tok + lo
             if p < self.stop_below:
                 return j + 1
             work.append(tok)

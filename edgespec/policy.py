@@ -34,7 +34,7 @@ from .backends import default_provider, open_engine
 from .backends.base import Decoder
 from .backends.ort import plain_session
 from .backends.remote import RemoteTarget
-from .draft_head import HeadDraft
+from .draft_head import HeadDraft, HiddenHeadDraft
 from .drafts import DraftModel, Drafter
 from .loop import LeanRounds, Loop, Sequence
 from .masks import step_inputs
@@ -86,11 +86,15 @@ class Policy:
             if self.fast is not None:
                 raise ValueError(f"{self.dir}: the draft head proposes per-dimension bins; this policy emits FAST "
                                  f"tokens, so draft with its decoder (draft=True)")
-            if self.prompt is not None:
-                raise ValueError(f"{self.dir}: the draft head reads a prefix of fixed length {self.prefix_len}; this "
-                                 f"policy's prefix grows with its prompt, so draft with its decoder (draft=True)")
-            self.head = load_head(self.dir, m, self.tok, check_hashes)
-            self._head_draft = HeadDraft(self.head, self.prefix_len, cfg.stop_below)
+            self.head = load_head(self.dir, m, self.tok, check_hashes, self.target.m.hidden_size)
+            if self.prompt is not None:  # its prefix varies: the head reads the target's hidden state instead
+                if not self.target.caps.hidden:
+                    raise C.EngineError(f"{self.dir}/target does not output its hidden state, which this policy's "
+                                        f"draft head reads; re-export the policy with its draft head")
+                self._head_draft = HiddenHeadDraft(self.head, lambda pos: self.target.hidden_at(0, pos),
+                                                   self.tok.first_id, cfg.stop_below)
+            else:
+                self._head_draft = HeadDraft(self.head, self.prefix_len, cfg.stop_below)
         elif kind == "decoder":
             ddir = self.dir / "draft" if draft is True else Path(draft)
             if not ddir.is_dir():
@@ -217,7 +221,7 @@ class Policy:
         if use_draft is False:
             return None
         if self._head_draft is not None:
-            self._head_draft.start(prefix)
+            self._head_draft.begin(prefix)  # the prefix head projects it; the hidden-state head waits for the prefill
             return self._head_draft
         if self.draft is not None:
             dd = self.draft.decoder

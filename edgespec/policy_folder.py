@@ -40,17 +40,22 @@ def checked_file(path: Path, sha256: str | None, check_hashes: bool, manifest_pa
     return path
 
 
-def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, check_hashes: bool) -> DraftHead:
-    """The folder's numpy draft head, checked against the policy's action ids and chunk shape."""
+def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, check_hashes: bool,
+              ctx_size: int | None = None) -> DraftHead:
+    """The folder's numpy draft head, checked against the policy's action ids and chunk shape; a prompt policy's
+    head reads the target's hidden state, of ctx_size values."""
     hpath = policy_dir / PC.HEAD_FILE
     if not hpath.is_file():
         raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (collect its data with "
                                 f"`python -m edgespec.robots.demos on-policy`, then train it with "
                                 f"`python -m edgespec.export.training.train_draft_head`)")
     head = DraftHead.load(checked_file(hpath, m.draft_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))
-    if tok.first_id != 0 or head.n_ids != tok.vocab_end:
-        raise ValueError(f"the draft head proposes ids 0..{head.n_ids - 1}; this policy's action ids are "
-                         f"{tok.first_id}..{tok.vocab_end - 1}")
+    if head.n_ids != tok.n_bins or (tok.first_id != 0 and m.prompt is None):
+        raise ValueError(f"the draft head proposes {head.n_ids} bins (ids 0..{head.n_ids - 1}); this policy's action "
+                         f"ids are {tok.first_id}..{tok.vocab_end - 1}")
+    if m.prompt is not None and head.w.ctx_w.shape[0] != ctx_size:
+        raise ValueError(f"the draft head reads a context of {head.w.ctx_w.shape[0]} values; this prompt policy's "
+                         f"head reads the target's hidden state ({ctx_size})")
     if (head.dims, head.w.horizon) != (m.dims, m.horizon):
         raise ValueError(f"draft head is for {head.w.horizon}x{head.dims} chunks, the policy emits "
                          f"{m.horizon}x{m.dims}")

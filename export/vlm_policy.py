@@ -167,6 +167,17 @@ def calibration(src: VLMSource, tok, n_tokens: int, n_obs: int = 16):
     return rows, f"{n_obs} random images and instructions: prompt prefix + the fp32 reference's greedy actions"
 
 
+def check_draft_head(path: Path, src: VLMSource, horizon: int, dims: int) -> None:
+    """A draft head for a prompt policy: bins over the action ids, its context the target's hidden state."""
+    from edgespec.draft_head import DraftHeadWeights
+    w = DraftHeadWeights.load(path)  # refuses weights that do not fit together
+    got = (w.ctx_w.shape[0], w.n_ids, w.horizon, w.dims)
+    if got != (src.width, src.n_bins, horizon, dims):
+        raise ValueError(f"--draft-head {path} reads {got[0]} values and proposes {got[1]} bins for {got[2]}x{got[3]} "
+                         f"chunks; this policy needs the target's hidden state ({src.width}), {src.n_bins} bins, "
+                         f"{horizon}x{dims}")
+
+
 def check_draft(src: VLMSource, draft: Path) -> None:
     cfg_path = Path(draft) / "config.json"
     if not cfg_path.is_file():
@@ -180,10 +191,12 @@ def check_draft(src: VLMSource, draft: Path) -> None:
 def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | None = None, dtype: str = "fp32",
                       draft: str | Path | None = None, action_names=None, action_units=None,
                       action_kind: str | None = None, horizon: int = 1, force: bool = False, progress: bool = True,
-                      allow_lossy: bool = False, max_context: int | None = None) -> dict:
+                      allow_lossy: bool = False, max_context: int | None = None,
+                      draft_head: str | Path | None = None) -> dict:
     """src -> a prompt policy folder at out_dir (module docstring). horizon: the action steps the statistics'
     dimensions hold, time-major (OpenVLA: 1 step of len(q01); a chunked fine-tune H steps of len(q01) / H, whose
-    statistics must repeat every step)."""
+    statistics must repeat every step). draft_head: a draft_head.npz whose context is the target's final hidden
+    state (train_openvla.py writes one); the target is then exported with its hidden-state output."""
     from tokenizers import Tokenizer
 
     out_dir = Path(out_dir)
@@ -200,6 +213,8 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
     tok = Tokenizer.from_file(str(src.tokenizer_path))
     if draft is not None:
         check_draft(src, Path(draft))
+    if draft_head is not None:
+        check_draft_head(Path(draft_head), src, horizon, dims)
     check_out_dir(out_dir, [src.path], force)
     stage = prepare(out_dir, [src.path], force)
     lo, hi = src.vocab_end - src.n_bins, src.vocab_end
@@ -210,7 +225,7 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
         calib = calibration(src, tok, horizon * dims) if dtype != "fp32" else None
         export_engine(lm_dir, stage / "target", dtype=dtype, input_mode="embeds", progress=progress,
                       argmax_ids=(lo, hi), calibration=calib, role="target", allow_lossy=allow_lossy,
-                      max_context=max_context)
+                      max_context=max_context, hidden=draft_head is not None)
         shutil.rmtree(lm_dir)
         if draft is not None:
             export_engine(Path(draft), stage / "draft", dtype=dtype, input_mode="embeds", progress=progress,
@@ -230,9 +245,13 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
                   "encoder_file": ENCODER_FILE, "encoder_sha256": C.file_sha256(stage / ENCODER_FILE),
                   "encoder_gate": gate, "precision": dtype,
                   "action_stats_sha256": C.file_sha256(stage / STATS_FILE)}
+        if draft_head is not None:
+            shutil.copy2(draft_head, stage / PC.HEAD_FILE)
+            policy["draft_head_sha256"] = C.file_sha256(stage / PC.HEAD_FILE)
         policy[CONTENT_HASH] = policy_content_sha256(policy)
         (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
-        policy["end_to_end_gate"] = end_to_end_gate(src, stage, horizon * dims, draft is not None, dtype == "fp32")
+        policy["end_to_end_gate"] = end_to_end_gate(src, stage, horizon * dims, draft is not None, dtype == "fp32",
+                                                    draft_head is not None)
         policy[CONTENT_HASH] = policy_content_sha256(policy)
         (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         publish(stage, out_dir)
@@ -241,7 +260,7 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
     return policy
 
 
-def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact: bool) -> dict:
+def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact: bool, with_head: bool) -> dict:
     """On GATE_CASES random observations: the staged policy's prefix (tokenizer, prompt, image rows) equals the
     reference's; with a draft, its speculative ids equal its plain ones; and, for an fp32 export (exact), its greedy
     ids equal the reference's (a lossy one's agreement was judged by the precision gate; here it is recorded)."""
@@ -250,6 +269,7 @@ def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact
     from edgespec.policy import Policy
 
     pol = Policy(stage, draft=with_draft)
+    head = Policy(stage, draft="head") if with_head else None
     rng = np.random.default_rng(11)
     lo, hi = src.vocab_end - src.n_bins, src.vocab_end
     worst_prefix, equal = 0.0, 0
@@ -270,12 +290,11 @@ def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact
         if exact and list(got) != want:
             raise ValueError(f"end-to-end gate failed on case {i} ({instr!r}): the exported policy decodes {list(got)}, "
                              f"the torch reference {want}")
-        if with_draft:
-            spec, _ = pol.decode_ids(prefix)
-            if list(spec) != list(got):
-                raise ValueError(f"end-to-end gate failed on case {i}: speculative decoding gives {list(spec)}, plain "
-                                 f"{list(got)}")
+        for name, p in (("the draft decoder", pol if with_draft else None), ("the draft head", head)):
+            if p is not None and list(p.decode_ids(prefix)[0]) != list(got):
+                raise ValueError(f"end-to-end gate failed on case {i}: speculative decoding with {name} gives "
+                                 f"{list(p.decode_ids(prefix)[0])}, plain {list(got)}")
     return {"gate": "prefix and greedy action ids vs the torch reference" + (", speculative == plain" if with_draft
-                                                                           else ""),
+                                                                           or with_head else ""),
             "cases": GATE_CASES, "ids_equal": equal, "ids": GATE_CASES * n, "ids_enforced": exact, "passed": True,
             "max_abs_prefix_diff": worst_prefix}

@@ -258,3 +258,30 @@ def test_cli_export_policy_dispatches_on_the_layout(ckpt, tmp_path):
     r = subprocess.run([sys.executable, "-m", "edgespec", "export-policy", "models/vla-reacher", "--out",
                         str(tmp_path / "x"), "--unnorm-key", "bridge_orig"], capture_output=True, text=True)
     assert r.returncode != 0 and "--unnorm-key: only for OpenVLA and Llava checkpoints" in r.stderr
+
+
+def test_hidden_state_draft_head_is_exact(ckpt, tmp_path):
+    """A prompt policy's draft head reads the target's final hidden state at the prefix's last position (its
+    prefix length varies with the prompt): exported with --draft-head, the target then outputs its hidden state;
+    speculative ids equal plain ones; a head of another context size or bin count is refused by name."""
+    from conftest import random_draft_head
+
+    from edgespec import load_policy
+    head = tmp_path / "draft_head.npz"
+    random_draft_head(1, 128, 256, 1, 7, seed=3).save(head)
+    export_openvla(ckpt, tmp_path / "eng", unnorm_key="bridge_orig", draft_head=head, progress=False)
+    plain = load_policy(tmp_path / "eng")
+    spec = load_policy(tmp_path / "eng", draft="head", gamma=6, stop_below=0.0)
+    assert spec.target.caps.hidden and type(spec._head_draft).from_prefix is False
+    rng = np.random.default_rng(2)
+    drafted = 0
+    for instr in ("open the drawer", "put the spoon in the bowl", "pick up the red cup"):
+        img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        np.testing.assert_array_equal(spec.act(img, None, instr), plain.act(img, None, instr))
+        drafted += spec.last_info["drafted"]
+    assert drafted > 0
+    for bad, msg in ((random_draft_head(1, 64, 256, 1, 7), r"reads 64 values and proposes 256 bins for 1x7"),
+                     (random_draft_head(1, 128, 128, 1, 7), r"proposes 128 bins")):
+        bad.save(head)
+        with pytest.raises(ValueError, match=msg):
+            export_openvla(ckpt, tmp_path / "bad", unnorm_key="bridge_orig", draft_head=head, progress=False)
