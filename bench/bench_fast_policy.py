@@ -37,9 +37,10 @@ class Mode:
     def episode(self, seed: int, execute: int) -> None:
         obs, done, ret, info, p, chunks = self.env.reset(seed=seed), False, 0.0, {}, self.policy, []
         while not done:
-            chunk = p.act(obs["image"], obs["state"], obs["instruction"])
+            state = obs["state"] if p.state_dim else None  # an OpenVLA-format policy reads no state
+            chunk = p.act(obs["image"], state, obs["instruction"])
             li = p.last_info
-            prefix = p.encode(obs["image"], obs["state"], obs["instruction"])
+            prefix = p.encode(obs["image"], state, obs["instruction"])
             best, ids = li["decode_ms"], None
             for _ in range(self.repeats - 1):  # the same decode again (same ids): filters the machine's noise
                 t = time.perf_counter()

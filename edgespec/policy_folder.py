@@ -45,6 +45,10 @@ def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, chec
     """The folder's numpy draft head, checked against the policy's action ids and chunk shape; a prompt policy's
     head reads the target's hidden state, of ctx_size values."""
     hpath = policy_dir / PC.HEAD_FILE
+    if not hpath.is_file() and m.prompt is not None:
+        raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (re-export it with `edgespec "
+                                f"export-policy ... --draft-head FILE`, a head reading the target's hidden state as "
+                                f"export/training/train_openvla.py writes)")
     if not hpath.is_file():
         raise FileNotFoundError(f"{hpath}: this policy folder has no draft head (collect its data with "
                                 f"`python -m edgespec.robots.demos on-policy`, then train it with "

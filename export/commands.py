@@ -84,8 +84,10 @@ def cmd_export_policy(args) -> int:
     from edgespec.export.vla import export_policy
     meta = export_policy(args.model, args.out, dtype=args.dtype, force=args.force, progress=not args.quiet,
                          allow_lossy=args.allow_lossy)
+    tokens = (f"FAST tokens (vocabulary {meta['n_bins']}, at most {meta['fast']['max_tokens']} per chunk with END)"
+              if meta.get("fast") else f"action tokens, {meta['n_bins']} bins")
     print(f"wrote {args.out}: encoder gate max |diff| {meta['encoder_gate']['max_abs_diff']:.2g}, "
-          f"H={meta['horizon']} x D={meta['dims']} action tokens, {meta['n_bins']} bins")
+          f"H={meta['horizon']} x D={meta['dims']} {tokens}")
     return 0
 
 

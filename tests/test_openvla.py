@@ -180,7 +180,7 @@ def test_prompt_policy_refuses_bad_inputs(engine):
         pol.act(ok, None, "  ")
     with pytest.raises(ValueError, match=r"prompt has \d+ tokens.*over the decoder's context 2048"):
         pol.act(ok, None, "open the drawer " * 700)
-    with pytest.raises(ValueError, match="the draft head reads a prefix of fixed length"):
+    with pytest.raises(FileNotFoundError, match="no draft head .*--draft-head FILE"):
         load_policy(engine, draft="head")
 
 
@@ -285,3 +285,33 @@ def test_hidden_state_draft_head_is_exact(ckpt, tmp_path):
         bad.save(head)
         with pytest.raises(ValueError, match=msg):
             export_openvla(ckpt, tmp_path / "bad", unnorm_key="bridge_orig", draft_head=head, progress=False)
+
+
+def test_real_size_standin_computes_the_same_policy(ckpt, draft_lm, tmp_path):
+    """export/openvla_standin.py at a small shape: the inflated policy (wider stream, more heads, layers and MLP
+    channels) decodes the source policy's ids, plain and with its widened draft decoder and draft head."""
+    from conftest import random_draft_head
+
+    from edgespec import load_policy
+    from edgespec.export.openvla_standin import make_openvla_standin
+    from edgespec.export.standin import Shape
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "target").symlink_to(ckpt)
+    (src / "draft").symlink_to(draft_lm)
+    random_draft_head(1, 128, 256, 1, 7, seed=5).save(src / "draft_head.npz")
+    make_openvla_standin(src, tmp_path / "big", shape=Shape(256, 8, 4, 64, 512, 3), progress=False)
+    kw = dict(unnorm_key="bridge_orig", progress=False)
+    export_openvla(src / "target", tmp_path / "e-small", **kw)
+    export_openvla(tmp_path / "big" / "target", tmp_path / "e-big", draft=tmp_path / "big" / "draft",
+                   draft_head=tmp_path / "big" / "draft_head.npz", **kw)
+    small = load_policy(tmp_path / "e-small")
+    bigs = [load_policy(tmp_path / "e-big"), load_policy(tmp_path / "e-big", draft=True),
+            load_policy(tmp_path / "e-big", draft="head")]
+    assert bigs[0].target.m.hidden_size == 256 and bigs[0].target.m.num_layers == 3
+    rng = np.random.default_rng(8)
+    for instr in ("open the drawer", "put the spoon in the bowl"):
+        img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        want = small.act(img, None, instr)
+        for p in bigs:
+            np.testing.assert_array_equal(p.act(img, None, instr), want)

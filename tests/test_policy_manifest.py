@@ -52,12 +52,13 @@ def _drop(key):
 
 @pytest.mark.parametrize("change, match", [
     (_set("horizon", "eight"), r"horizon: expected an integer > 0, got 'eight'"),
-    (_drop("words"), r"missing fields \['words'\]"),
+    (_drop("words"), r"words: expected distinct strings, the first \"<pad>\" \(or a prompt\), got None"),
     (_set("words", ["<pad>", "reach", "reach"]), r"words: expected distinct strings"),
     (_set("state_names", ["a", "b"]), r"state_names: expected 6 \(state_dim\) distinct non-empty strings"),
     (_set("action_names", ["fingertip.x", "fingertip.x"]), r"action_names: expected 2 \(dims\) distinct"),
     (_set("action_units", "m"), r"action_units: expected 2 \(dims\) strings, got 'm'"),
-    (_set("action_kind", "torque"), r"action_kind: expected one of \('cartesian_position', 'joint_position'\)"),
+    (_set("action_kind", "torque"), r"action_kind: expected one of \('cartesian_position', 'joint_position', "
+                                    r"'cartesian_delta'\)"),
     (_drop("embodiment"), r"missing fields \['embodiment'\] \(an export older than policy.json's state/action"),
     (_set("binary_dims", [5]), r"binary_dims: expected distinct action dimensions in \[0, 2\)"),
     (_set("binary_dims", [[0]]), r"binary_dims: expected distinct action dimensions in \[0, 2\), got \[\[0\]\]"),
