@@ -3,8 +3,8 @@
     MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast --out bench/results/fast-policy.json
 
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
-bins plain, bins exact with the draft decoder, FAST plain, FAST exact with the draft decoder (each policy's own
-1-layer draft, trained beside its target). Per mode: success rate, mean return, action tokens per chunk, action-decode
+bins plain, bins exact with the draft decoder (--gamma), FAST plain, FAST exact with the draft decoder at each
+--fast-gammas (each policy's own 1-layer draft, trained beside its target). Per mode: success rate, mean return, action tokens per chunk, action-decode
 ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
 accepted tokens per target call, and the speedup of each exact mode over its own plain mode from the same run. Exact
 modes must produce actions identical to their plain mode on every step (checked: same episode, same actions, same
@@ -33,12 +33,20 @@ class Mode:
         self.success, self.returns, self.decode_ms, self.decode_min_ms, self.tokens = [], [], [], [], []
         self.rounds = self.accepted = self.drafted = 0
         self.chunks: list[list[np.ndarray]] = []  # per episode, every chunk
+        self.invalid: list[str] = []  # FAST chunks that did not decode (each ends its episode as a failure)
 
     def episode(self, seed: int, execute: int) -> None:
         obs, done, ret, info, p, chunks = self.env.reset(seed=seed), False, 0.0, {}, self.policy, []
         while not done:
             state = obs["state"] if p.state_dim else None  # an OpenVLA-format policy reads no state
-            chunk = p.act(obs["image"], state, obs["instruction"])
+            try:
+                chunk = p.act(obs["image"], state, obs["instruction"])
+            except ValueError as e:  # FAST ids that are not a whole chunk: the robot would hold; the episode fails
+                if "FAST" not in str(e):
+                    raise
+                self.invalid.append(str(e))
+                info = {"success": False}
+                break
             li = p.last_info
             prefix = p.encode(obs["image"], state, obs["instruction"])
             best, ids = li["decode_ms"], None
@@ -51,7 +59,7 @@ class Mode:
             self.decode_ms.append(li["decode_ms"])
             self.decode_min_ms.append(best)
             self.tokens.append(len(ids))
-            self.rounds += li["rounds"]
+            self.rounds += li["target_calls"]
             self.accepted += li["accepted"]
             self.drafted += li["drafted"]
             chunks.append(chunk)
@@ -71,7 +79,8 @@ class Mode:
                "decode_ms_mean": float(np.mean(self.decode_ms)), "decode_ms_p50": float(np.median(self.decode_ms)),
                "decode_min_of_repeats_ms_mean": float(np.mean(self.decode_min_ms)),
                "tokens_per_target_call": float(np.sum(self.tokens) / self.rounds),
-               "acceptance_rate": self.accepted / self.drafted if self.drafted else None}
+               "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+               "invalid_chunks": len(self.invalid), "invalid_examples": sorted(set(self.invalid))[:3]}
         if plain is not None:
             out["speedup_decode_min_of_repeats"] = float(np.sum(plain.decode_min_ms) / np.sum(self.decode_min_ms))
             out["speedup_decode_mean"] = float(np.mean(plain.decode_ms) / np.mean(self.decode_ms))
@@ -108,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--execute", type=int, default=4, help="chunk steps executed before replanning")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--fast-gammas", default="2,4", help="the FAST exact modes' draft lengths (one mode each)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if not (args.bins / "policy.json").is_file():
@@ -116,9 +126,10 @@ def main(argv=None) -> int:
     modes = {"bins plain": Mode("bins plain", edgespec.load_policy(args.bins), args.repeats),
              "bins exact (draft decoder)": Mode("bins exact", edgespec.load_policy(args.bins, draft=True,
                                                                                    gamma=args.gamma), args.repeats),
-             "FAST plain": Mode("FAST plain", edgespec.load_policy(args.fast), args.repeats),
-             "FAST exact (draft decoder)": Mode("FAST exact", edgespec.load_policy(args.fast, draft=True,
-                                                                                   gamma=args.gamma), args.repeats)}
+             "FAST plain": Mode("FAST plain", edgespec.load_policy(args.fast), args.repeats)}
+    for g in (int(x) for x in args.fast_gammas.split(",")):
+        modes[f"FAST exact (draft decoder, gamma {g})"] = Mode(f"FAST exact {g}", edgespec.load_policy(
+            args.fast, draft=True, gamma=g), args.repeats)
     t0 = time.time()
     for ep in range(args.episodes):
         for m in modes.values():
@@ -126,7 +137,8 @@ def main(argv=None) -> int:
         if ep % 10 == 9:
             print(f"{ep + 1}/{args.episodes} episodes, {time.time() - t0:.0f}s: " + ", ".join(
                 f"{k} {np.mean(m.success):.2f}" for k, m in modes.items()), flush=True)
-    plain_of = {"bins exact (draft decoder)": modes["bins plain"], "FAST exact (draft decoder)": modes["FAST plain"]}
+    plain_of = {k: modes["bins plain"] if k.startswith("bins") else modes["FAST plain"] for k in modes
+                if "exact" in k}
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_fast_policy.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": machine(), "episodes": args.episodes,
         "execute": args.execute, "gamma": args.gamma, "policies": {"bins": str(args.bins), "fast": str(args.fast)},
@@ -139,7 +151,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(res, indent=2) + "\n")
     plot(res, args.out.with_suffix(".png"))
     for k, r in res["modes"].items():
-        print(f"{k:28s} success {r['success_rate']:.2f}  tokens/chunk {r['tokens_per_chunk_mean']:.2f}  decode "
+        print(f"{k:36s} success {r['success_rate']:.2f}  tokens/chunk {r['tokens_per_chunk_mean']:.2f}  decode "
               f"{r['decode_min_of_repeats_ms_mean']:.2f} ms" + (f"  speedup {r['speedup_decode_min_of_repeats']:.2f}x "
                                                               f"identical {r['actions_identical_to_plain']}"
                                                               if "speedup_decode_min_of_repeats" in r else ""))

@@ -51,7 +51,7 @@ def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repea
                 ids, info = p.decode_ids(prefix)
                 best = min(best, (time.perf_counter() - t) * 1e3)
             ms[k].append(best)
-            rounds[k] += info["rounds"]
+            rounds[k] += info["target_calls"]
             same &= list(ids) == list(want)
     t = modes["plain"].target.m
     out = {"provider": provider, "observations": n_obs, "gamma": gamma,
