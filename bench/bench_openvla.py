@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", type=Path, default=Path("engines/openvla-reacher"))
     ap.add_argument("--standin", type=Path, default=None)
     ap.add_argument("--standin-provider", default="cpu-native")
-    ap.add_argument("--standin-obs", type=int, default=20)
+    ap.add_argument("--standin-obs", type=int, default=12)
+    ap.add_argument("--standin-repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/openvla-reacher.json"))
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--execute", type=int, default=4)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     if args.standin is not None:
         t1 = time.time()
         res["real_size"] = real_size(args.standin, modes["plain"].policy, args.standin_provider, args.standin_obs,
-                                     args.gamma, args.repeats)
+                                     args.gamma, args.standin_repeats)
         res["real_size"]["wall_s"] = round(time.time() - t1, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")

@@ -16,7 +16,8 @@ target's size (4 layers, width 256). A chunk (H=8 steps x D=2 fingertip targets)
 the per-dimension q01/q99 repeated per step (16 values), so OpenVLA's predict_action would decode the same 16 tokens,
 and `--horizon 8` exports them as 8 x 2. Training only: an auxiliary linear head regresses the state and the named
 target's position from the mean image row (not saved). A 1-layer draft decoder of the same width reads the same
-(detached) prefix, trained with cross-entropy + KL to the target (like train_vla.py), saved as draft/.
+(detached) prefix and the target's embeddings of the action ids, trained with cross-entropy + KL to the target (like
+train_vla.py), saved as draft/ with the target's embedding table (what it was trained to read).
 
 Writes OUT/target (the OpenVLA-layout checkpoint: config.json, model.safetensors, preprocessor_config.json,
 tokenizer.json), OUT/draft (an HF Llama folder) and OUT/train.json. Checkpoints go to --work; rerunning resumes.
@@ -253,6 +254,8 @@ def main(argv=None) -> int:
     trained = model.state_dict()
     weights.update({k: v.detach().to(torch.float32).contiguous() for k, v in trained.items() if k in weights})
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():  # the draft read the target's embeddings in training (its prefix is the target's too)
+        draft.get_input_embeddings().weight.copy_(model.language_model.get_input_embeddings().weight)
     draft.save_pretrained(args.out / "draft", safe_serialization=True)
     from edgespec.draft_head import DraftHeadWeights
     DraftHeadWeights.from_torch(head, dims=dims, horizon=horizon, radius=HEAD_RADIUS).save(args.out / "draft_head.npz")
