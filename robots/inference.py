@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -144,11 +145,13 @@ class InferenceProcess:
             except (BrokenPipeError, OSError):
                 pass
             self._proc.join(timeout_s)
-        if self._proc.is_alive():  # hung in a call: it cannot answer "quit"
+        # hung in a call, it cannot answer "quit": SIGKILL cannot be refused, but a loaded machine may take a moment
+        # to reap the child (and a join can return before is_alive() turns false): kill and wait until it is gone,
+        # rather than return with it alive
+        deadline = time.monotonic() + max(timeout_s, 10.0)
+        while self._proc.is_alive() and time.monotonic() < deadline:
             self._proc.kill()
-            # SIGKILL cannot be refused, but a loaded machine may take a moment
-            # to reap the child: wait for it rather than return with it alive.
-            self._proc.join(max(timeout_s, 10.0))
+            self._proc.join(0.1)
         self._conn.close()
 
     def __enter__(self) -> "InferenceProcess":
