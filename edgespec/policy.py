@@ -13,10 +13,13 @@ finite, and NaN/inf logits raise FloatingPointError without leaving anything beh
 
 A policy folder (export/vla.py; read by policy_folder.py) holds encoder.onnx (image, state, instruction ->
 prefix embeddings), a target decoder, optionally a draft decoder and a draft head (draft_head.py),
-policy.json and action_stats.json. A chunk is decoded, constrained to the action ids, through the decode loop
-(loop.py, LeanRounds). Drafts: draft="head" (from the prefix alone: the first round is the target's
-prefill), draft=True (the draft decoder) or a draft engine folder; both stop early after an unsure proposal
-(stop_below). Acceptance (docs/vla.md): "greedy", exact; "relaxed", opt-in and lossy: a draft action token
+policy.json and action_stats.json. A prompt policy (export/vlm_policy.py: OpenVLA, Llava) has no state: its
+encoder maps the image to image rows, and the prefix is its tokenized prompt's embeddings (the target's table)
+with those rows after BOS or in place of the image token. A chunk is decoded, constrained to the action ids,
+through the decode loop (loop.py, LeanRounds): H*D bins, or FAST tokens until END (then FAST's inverse DCT).
+Drafts: draft="head" (from the prefix alone: the first round is the target's prefill; a prompt policy's head
+reads the target's hidden state after the prefill instead), draft=True (the draft decoder) or a draft engine
+folder; both stop early after an unsure proposal (stop_below). Acceptance (docs/vla.md): "greedy", exact; "relaxed", opt-in and lossy: a draft action token
 within `radius` bins of the target's choice is kept (never on binary dimensions); `worst_case_deviation()`
 bounds it in action units, last_info["max_dev_bins"] says what was accepted.
 """
