@@ -92,6 +92,17 @@ class Mode:
         return out
 
 
+def run_interleaved(modes: dict, episodes: int, execute: int) -> None:
+    """Every mode runs episode i (seed 900000 + i) before any runs episode i + 1, so machine noise hits them alike."""
+    t0 = time.time()
+    for ep in range(episodes):
+        for m in modes.values():
+            m.episode(900_000 + ep, execute)
+        if ep % 10 == 9:
+            print(f"{ep + 1}/{episodes} episodes, {time.time() - t0:.0f}s: " + ", ".join(
+                f"{k} {np.mean(m.success):.2f}" for k, m in modes.items()), flush=True)
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -131,12 +142,7 @@ def main(argv=None) -> int:
         modes[f"FAST exact (draft decoder, gamma {g})"] = Mode(f"FAST exact {g}", edgespec.load_policy(
             args.fast, draft=True, gamma=g), args.repeats)
     t0 = time.time()
-    for ep in range(args.episodes):
-        for m in modes.values():
-            m.episode(900_000 + ep, args.execute)
-        if ep % 10 == 9:
-            print(f"{ep + 1}/{args.episodes} episodes, {time.time() - t0:.0f}s: " + ", ".join(
-                f"{k} {np.mean(m.success):.2f}" for k, m in modes.items()), flush=True)
+    run_interleaved(modes, args.episodes, args.execute)
     plain_of = {k: modes["bins plain"] if k.startswith("bins") else modes["FAST plain"] for k in modes
                 if "exact" in k}
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_fast_policy.py " + " ".join(

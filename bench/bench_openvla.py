@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import edgespec  # noqa: E402
-from bench_fast_policy import Mode  # noqa: E402
+from bench_fast_policy import Mode, run_interleaved  # noqa: E402
 from host import machine  # noqa: E402
 from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
 
@@ -84,12 +84,7 @@ def main(argv=None) -> int:
              "exact (draft decoder)": Mode("decoder", edgespec.load_policy(args.policy, draft=True, gamma=8),
                                            args.repeats)}
     t0 = time.time()
-    for ep in range(args.episodes):
-        for m in modes.values():
-            m.episode(900_000 + ep, args.execute)
-        if ep % 10 == 9:
-            print(f"{ep + 1}/{args.episodes} episodes, {time.time() - t0:.0f}s: " + ", ".join(
-                f"{k} {np.mean(m.success):.2f}" for k, m in modes.items()), flush=True)
+    run_interleaved(modes, args.episodes, args.execute)
     plain = modes["plain"]
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_openvla.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": machine(), "episodes": args.episodes,

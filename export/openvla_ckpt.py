@@ -3,7 +3,7 @@ tokenizer.json) with seeded random weights and a tokenizer made here: what the O
 no published weights can be downloaded. The weight names and shapes follow timm's ViTs and Prismatic's projector
 (export/prismatic.py's docstring); the sizes are small by default.
 
-    python -m edgespec.export.openvla_ckpt --out /tmp/openvla-tiny [--backbone dinosiglip-vit-so-224px]
+    python -m edgespec.export.openvla_ckpt --out .cache/openvla-tiny [--backbone dinosiglip-vit-so-224px]
 
 The text vocabulary is trained here (a BPE over robot instructions, Metaspace pieces like Llama 2's) and padded
 with filler tokens to `text_vocab` ids; "<PAD>" follows, and the language model's vocabulary is that rounded up
