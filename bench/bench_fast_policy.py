@@ -4,7 +4,8 @@
 
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
 bins plain, bins exact with the draft decoder (--gamma), FAST plain, FAST exact with the draft decoder at each
---fast-gammas (each policy's own 1-layer draft, trained beside its target). Per mode: success rate, mean return, action tokens per chunk, action-decode
+--fast-gammas (each policy's own 1-layer draft, trained beside its target), and FAST exact with its feature head
+(train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one. Per mode: success rate, mean return, action tokens per chunk, action-decode
 ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
 accepted tokens per target call, and the speedup of each exact mode over its own plain mode from the same run. Exact
 modes must produce actions identical to their plain mode on every step (checked: same episode, same actions, same
@@ -129,6 +130,10 @@ def main(argv=None) -> int:
     ap.add_argument("--execute", type=int, default=4, help="chunk steps executed before replanning")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--fast-gammas", default="2,4", help="the FAST exact modes' draft lengths (one mode each)")
+    ap.add_argument("--head-gammas", default="2,4",
+                    help="the FAST exact modes with its feature head (draft='head'; when the folder has one)")
+    ap.add_argument("--head-stop-below", type=float, default=0.0,
+                    help="the feature head modes' dynamic stop (0: always their gamma)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     if not (args.bins / "policy.json").is_file():
@@ -141,6 +146,10 @@ def main(argv=None) -> int:
     for g in (int(x) for x in args.fast_gammas.split(",")):
         modes[f"FAST exact (draft decoder, gamma {g})"] = Mode(f"FAST exact {g}", edgespec.load_policy(
             args.fast, draft=True, gamma=g), args.repeats)
+    if (args.fast / "feature_head.npz").is_file():
+        for g in (int(x) for x in args.head_gammas.split(",")):
+            modes[f"FAST exact (feature head, gamma {g})"] = Mode(f"FAST head {g}", edgespec.load_policy(
+                args.fast, draft="head", gamma=g, stop_below=args.head_stop_below), args.repeats)
     t0 = time.time()
     run_interleaved(modes, args.episodes, args.execute)
     plain_of = {k: modes["bins plain"] if k.startswith("bins") else modes["FAST plain"] for k in modes

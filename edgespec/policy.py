@@ -18,7 +18,8 @@ encoder maps the image to image rows, and the prefix is its tokenized prompt's e
 with those rows after BOS or in place of the image token. A chunk is decoded, constrained to the action ids,
 through the decode loop (loop.py, LeanRounds): H*D bins, or FAST tokens until END (then FAST's inverse DCT).
 Drafts: draft="head" (from the prefix alone: the first round is the target's prefill; a prompt policy's head
-reads the target's hidden state after the prefill instead), draft=True (the draft decoder) or a draft engine
+reads the target's hidden state after the prefill instead; a FAST policy's is the feature-level head of
+text_head.py, over the target's hidden state each round), draft=True (the draft decoder) or a draft engine
 folder; both stop early after an unsure proposal (stop_below). Acceptance (docs/vla.md): "greedy", exact; "relaxed", opt-in and lossy: a draft action token
 within `radius` bins of the target's choice is kept (never on binary dimensions); `worst_case_deviation()`
 bounds it in action units, last_info["max_dev_bins"] says what was accepted.
@@ -41,12 +42,13 @@ from .draft_head import HeadDraft, HiddenHeadDraft
 from .drafts import DraftModel, Drafter
 from .loop import LeanRounds, Loop, Sequence
 from .masks import step_inputs
-from .policy_folder import (check_inputs, checked_file, instruction_ids, load_fast, load_head,
+from .policy_folder import (check_inputs, checked_file, instruction_ids, load_fast, load_feature_head, load_head,
                             load_prompt_tokenizer, prompt_ids, read_folder)
 from .remote import RemoteConfig
 from .speculation import DRAFT_DEFAULTS, PolicyConfig, SpeculationConfig  # noqa: F401 (this API's names)
 from .speculative import RelaxedRule, greedy_rule
 from .stats import RoundStats
+from .text_head import TextHeadDraft
 
 class Policy:
     def __init__(self, policy_dir: str | Path, draft: bool | str | Path = False, cfg: SpeculationConfig | None = None,
@@ -85,10 +87,16 @@ class Policy:
         self.target: Decoder = (self.remote or local).decoder(1)
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head, self._head_draft = None, None, None
-        if draft == "head":
-            if self.fast is not None:
-                raise ValueError(f"{self.dir}: the draft head proposes per-dimension bins; this policy emits FAST "
-                                 f"tokens, so draft with its decoder (draft=True)")
+        if draft == "head" and self.fast is not None:  # FAST: the feature-level head, over the target's hidden state
+            tm = self.target.m
+            self.head = load_feature_head(self.dir, m, self.tok, check_hashes, tm.vocab_size, tm.hidden_size)
+            if not self.target.caps.hidden:
+                raise C.EngineError(f"{self.dir}/target does not output its hidden state, which this policy's "
+                                    f"draft head reads; re-export the policy with its feature head")
+            # ctx: the prefix's placeholder ids, then the chunk's; the row that emitted ctx[-1] is len(ctx) - 2
+            self._head_draft = TextHeadDraft(self.head, lambda ctx: self.target.hidden_at(0, len(ctx) - 2),
+                                             cfg.stop_below)
+        elif draft == "head":
             self.head = load_head(self.dir, m, self.tok, check_hashes, self.target.m.hidden_size)
             if self.prompt is not None:  # its prefix varies: the head reads the target's hidden state instead
                 if not self.target.caps.hidden:

@@ -25,7 +25,8 @@ from .files import file_sha256, read_json_object
 ENC_IMAGE, ENC_STATE, ENC_INSTRUCTION, ENC_PREFIX = "image", "state", "instruction", "prefix_embeds"
 POLICY_FILE = "policy.json"
 
-HEAD_FILE = "draft_head.npz"
+HEAD_FILE = "draft_head.npz"  # the per-dimension numpy head (draft_head.py): bins policies
+FEATURE_HEAD_FILE = "feature_head.npz"  # the feature-level head (text_head.py) over the target's hidden state: FAST
 STATS_FILE = "action_stats.json"
 POLICY_FORMAT = "edgespec-vla"  # policy.json "format" starts with this ("edgespec-vla/1")
 ACTION_KINDS = ("cartesian_position", "joint_position", "cartesian_delta")  # what an action row commands
@@ -105,6 +106,7 @@ class PolicyManifest:
     encoder_file: str = "encoder.onnx"
     encoder_sha256: str | None = None
     draft_head_sha256: str | None = None
+    feature_head_sha256: str | None = None  # FEATURE_HEAD_FILE's hash: a FAST policy's draft head
     action_stats_sha256: str | None = None  # action_stats.json's file hash (covered by content_sha256)
     content_sha256: str | None = None  # policy_content_sha256 of this file
 
@@ -161,8 +163,11 @@ class PolicyManifest:
         want(problems, "binary_dims", isinstance(b, list) and all(_is_int(j) and 0 <= j < self.dims for j in b)
              and len(set(b)) == len(b), f"distinct action dimensions in [0, {self.dims})")
         want(problems, "encoder_file", _file_name(self.encoder_file), "a file name inside the policy folder")
-        for name in ("encoder_sha256", "draft_head_sha256", "action_stats_sha256", "content_sha256"):
+        for name in ("encoder_sha256", "draft_head_sha256", "feature_head_sha256", "action_stats_sha256",
+                     "content_sha256"):
             want(problems, name, _sha256_or_none(getattr(self, name)), "null or 64 lowercase hex digits")
+        want(problems, "feature_head_sha256", self.feature_head_sha256 is None or f is not None,
+             "null for a bins policy (its draft head is draft_head.npz; the feature head drafts FAST tokens)")
         return problems
 
     @classmethod

@@ -66,6 +66,27 @@ def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, chec
     return head
 
 
+def load_feature_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, check_hashes: bool,
+                      vocab_size: int, hidden_size: int):
+    """A FAST policy's feature-level draft head (text_head.py), checked against the target's embedding table
+    (vocab_size, hidden_size) and the policy's action ids."""
+    from .text_head import TextHead
+    hpath = policy_dir / PC.FEATURE_HEAD_FILE
+    if m.feature_head_sha256 is None or not hpath.is_file():
+        raise FileNotFoundError(f"{hpath}: this FAST policy folder has no draft head (train one with `python -m "
+                                f"edgespec.export.training.train_feature_head --model MODEL`, then re-export the "
+                                f"policy; or draft with its decoder, draft=True)")
+    head = TextHead.load(checked_file(hpath, m.feature_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))
+    if head.w.embed.shape != (vocab_size, hidden_size):
+        raise ValueError(f"{hpath} was trained on a target with a {head.w.embed.shape} embedding table; this "
+                         f"policy's target has ({vocab_size}, {hidden_size})")
+    v = head.vocab
+    if v.min() < tok.first_id or v.max() >= tok.vocab_end:
+        raise ValueError(f"{hpath} proposes ids {int(v.min())}..{int(v.max())}; this policy's action ids are "
+                         f"{tok.first_id}..{tok.vocab_end - 1}")
+    return head
+
+
 def instruction_ids(instruction: str, words: list[str], length: int) -> np.ndarray:
     """The instruction's word ids (L,), right-padded with 0 (<pad>); unknown words are an error."""
     if not isinstance(instruction, str) or not instruction.strip():

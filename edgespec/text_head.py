@@ -132,6 +132,10 @@ class TextHeadDraft(OneSequenceDrafter):
             raise ValueError(f"stop_below must be in [0, 1), got {stop_below!r}")
         self.head, self.features, self.stop_below = head, features, stop_below
 
+    def begin(self, prefix: np.ndarray) -> None:
+        """A policy's new chunk: nothing to prime (the head reads the target's hidden state each round, so it
+        cannot draft before the chunk's prefill: from_prefix False)."""
+
     def draft(self, ctx, gamma, out) -> int:
         if not gamma:
             return 0

@@ -7,6 +7,8 @@ Writes, into a staging folder renamed into place only when every gate passed:
   target/, draft/       inputs_embeds decoder engines (export_engine: parity and verify gates, manifest)
   action_stats.json     q01 / q99 / mask of the action dimensions
   draft_head.npz        the numpy draft head, when the model folder has one (train_draft_head.py)
+  feature_head.npz      a FAST policy's feature-level draft head (train_feature_head.py), when the model folder has
+                        one: the target engine then also outputs its hidden state, which the head reads
   policy.json           the model folder's policy.json (checked: PolicyManifest) + the encoder, draft head
                         and action_stats.json hashes + the encoder gate report, then content_sha256 over
                         all of it (the runtime refuses a policy.json or action_stats.json edited afterwards)
@@ -25,8 +27,8 @@ import numpy as np
 from edgespec import contract as C
 from edgespec import policy_contract as PC
 from edgespec.fast_tokens import FastTokenizer
-from edgespec.policy_contract import (CONTENT_HASH, ENCODER_FILE, HEAD_FILE, STATS_FILE, PolicyManifest,
-                                      policy_content_sha256, read_policy_json)
+from edgespec.policy_contract import (CONTENT_HASH, ENCODER_FILE, FEATURE_HEAD_FILE, HEAD_FILE, STATS_FILE,
+                                      PolicyManifest, policy_content_sha256, read_policy_json)
 
 from .onnx_export import export_engine
 from .staging import check_out_dir, prepare, publish
@@ -122,6 +124,24 @@ def export_encoder(model_dir: Path, path: Path) -> dict:
     return report
 
 
+def check_feature_head(path: Path, meta: dict, target_config: Path) -> None:
+    """A feature head (train_feature_head.py) must be a FAST policy's and fit its target: refused by name."""
+    from edgespec.text_head import TextHeadWeights
+    if not meta.get("fast"):
+        raise ValueError(f"{path}: a feature head drafts FAST tokens, and this policy emits bins (its draft head is "
+                         f"{HEAD_FILE}, train_draft_head.py); remove the file or export a FAST policy")
+    w = TextHeadWeights.load(path)  # refuses weights that do not fit together
+    cfg = json.loads(target_config.read_text())
+    want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
+    if w.embed.shape != want:
+        raise ValueError(f"{path} was trained on a target with a {w.embed.shape} embedding table; "
+                         f"{target_config} says {want}")
+    lo, hi = int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"])
+    if w.vocab.min() < lo or w.vocab.max() >= hi:
+        raise ValueError(f"{path} proposes ids {int(w.vocab.min())}..{int(w.vocab.max())}; the policy's action ids "
+                         f"are {lo}..{hi - 1}")
+
+
 def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,
                   progress: bool = True, allow_lossy: bool = False) -> dict:
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -137,10 +157,14 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
         gate = export_encoder(model_dir, stage / ENCODER_FILE)
         actions = (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"]))  # next_ids picks among these
         calib = policy_calibration(model_dir) if dtype != "fp32" else None
+        feature_head = model_dir / FEATURE_HEAD_FILE
+        if feature_head.is_file():  # a FAST policy's feature head reads the target's hidden state
+            check_feature_head(feature_head, meta, model_dir / "target" / "config.json")
         for name in ("target", "draft"):
             if (model_dir / name / "config.json").is_file():
                 export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress,
-                              argmax_ids=actions, calibration=calib, role=name, allow_lossy=allow_lossy)  # the gate binds the target
+                              argmax_ids=actions, calibration=calib, role=name, allow_lossy=allow_lossy,  # the gate binds the target
+                              hidden=name == "target" and feature_head.is_file())
         shutil.copy2(model_dir / STATS_FILE, stage / STATS_FILE)
         policy = {k: v for k, v in meta.items() if k != CONTENT_HASH}
         if meta.get("fast"):  # FAST tokens: the tokenizer file travels with its hash
@@ -155,6 +179,9 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
             DraftHeadWeights.load(model_dir / HEAD_FILE)  # refuses weights that do not fit together
             shutil.copy2(model_dir / HEAD_FILE, stage / HEAD_FILE)
             policy["draft_head_sha256"] = C.file_sha256(stage / HEAD_FILE)
+        if feature_head.is_file():
+            shutil.copy2(feature_head, stage / FEATURE_HEAD_FILE)
+            policy["feature_head_sha256"] = C.file_sha256(stage / FEATURE_HEAD_FILE)
         policy[CONTENT_HASH] = policy_content_sha256(policy)  # last: covers every field above
         (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         publish(stage, out_dir)

@@ -40,10 +40,35 @@ def make_tiny_fast_policy(model_dir, seed: int = 0):
     return fast
 
 
+def observations(policy: dict, n: int, seed: int) -> dict:
+    """n synthetic observations as batched arrays: image (n, S, S, 3), state (n, N), instr (n, L)."""
+    from edgespec.export.vla import example_inputs
+    obs = example_inputs(policy, n, seed=seed)
+    return {k: np.concatenate([o[i] for o in obs]) for i, k in enumerate(("image", "state", "instr"))}
+
+
+def train_tiny_feature_head(model_dir):
+    """A feature head distilled (train_feature_head's data and train_text_head's training) from the tiny policy's
+    own greedy chunks on synthetic observations."""
+    from edgespec.export.training.train_feature_head import greedy_chunks, load_policy_model, report_for
+    from edgespec.export.training.train_text_head import HeadConfig, train
+    model = load_policy_model(model_dir)
+    enc, target, policy, ids_range, end, n = model
+    data = greedy_chunks(enc, target, observations(policy, 400, seed=5), ids_range, end, n)
+    embed = target.get_input_embeddings().weight.detach().numpy()
+    lm = target.lm_head.weight.detach().numpy()
+    cfg = HeadConfig(hidden=64, seq_len=n + 1, unroll=3, epochs=12, batch=128, lr=5e-3)
+    vocab = np.unique(data["greedy"][data["valid"]])
+    w, report = train(data, data, embed, lm, cfg, progress=False, vocab=vocab, report=report_for((3,)))
+    w.save(model_dir / "feature_head.npz")
+    return model
+
+
 @pytest.fixture(scope="module")
 def fast_policies(tmp_path_factory):
-    """'plain' (random target + random draft) and 'self' (the target as its own draft: every draft accepted, so
-    a round runs past END)."""
+    """'plain' (random target + random draft), 'self' (the target as its own draft: every draft accepted, so
+    a round runs past END) and 'head' (a feature head distilled from the target; the target outputs its hidden
+    state)."""
     from edgespec.export.vla import export_policy
     root = tmp_path_factory.mktemp("fast")
     fast = make_tiny_fast_policy(root / "model")
@@ -51,7 +76,10 @@ def fast_policies(tmp_path_factory):
     shutil.rmtree(root / "model" / "draft")
     shutil.copytree(root / "model" / "target", root / "model" / "draft")
     export_policy(root / "model", root / "self", progress=False)
-    return {"plain": root / "plain", "self": root / "self", "fast": fast}
+    model = train_tiny_feature_head(root / "model")
+    export_policy(root / "model", root / "head", progress=False)
+    return {"plain": root / "plain", "self": root / "self", "head": root / "head", "fast": fast, "model": model,
+            "model_dir": root / "model"}
 
 
 def _obs(rng, pol):
@@ -106,12 +134,46 @@ def test_actions_are_the_inverse_dct_unnormalised(fast_policies):
             assert a.shape == (4, 2) and np.isfinite(a).all()
 
 
-def test_relaxed_and_the_draft_head_are_refused(fast_policies):
+def test_relaxed_and_a_missing_feature_head_are_refused(fast_policies):
     from edgespec import load_policy
     with pytest.raises(ValueError, match="a FAST id is a BPE piece of DCT coefficients"):
         load_policy(fast_policies["plain"], draft=True, mode="relaxed")
-    with pytest.raises(ValueError, match="emits FAST tokens, so draft with its decoder"):
+    with pytest.raises(ValueError, match="a FAST id is a BPE piece of DCT coefficients"):
+        load_policy(fast_policies["head"], draft="head", mode="relaxed")
+    with pytest.raises(FileNotFoundError, match="this FAST policy folder has no draft head .*train_feature_head"):
         load_policy(fast_policies["plain"], draft="head")
+
+
+def test_feature_head_drafts_from_the_targets_hidden_state_exactly(fast_policies):
+    """draft="head" on a FAST policy: the feature head reads the target engine's hidden state at the row that
+    emitted the chunk's last id. Its ids equal plain decoding's, and its drafted and accepted counts equal a
+    replay of the same rounds on the torch target's hidden states (train_feature_head.replay_rounds): a head fed
+    another row's hidden state proposes other tokens."""
+    from edgespec import load_policy
+    from edgespec import policy_contract as PC
+    from edgespec.export.training.train_feature_head import greedy_chunks, replay_rounds
+    from edgespec.text_head import TextHead
+    enc, target, meta, ids_range, end, n = fast_policies["model"]
+    plain = load_policy(fast_policies["head"])
+    assert plain.target.caps.hidden  # exported --hidden for its head
+    obs = observations(meta, 12, seed=9)
+    want = greedy_chunks(enc, target, obs, ids_range, end, n)
+    head = TextHead.load(fast_policies["head"] / "feature_head.npz")
+    for gamma in (1, 3):
+        spec = load_policy(fast_policies["head"], draft="head", gamma=gamma, stop_below=0.0)
+        drafted = accepted = 0
+        for i in range(12):
+            # the encoder engine on the observation's word ids (synthetic: not always a sentence)
+            feeds = {PC.ENC_IMAGE: obs["image"][i:i + 1], PC.ENC_STATE: obs["state"][i:i + 1].astype(np.float32),
+                     PC.ENC_INSTRUCTION: obs["instr"][i:i + 1]}
+            prefix = plain.encoder.run([PC.ENC_PREFIX], feeds)[0]
+            ids, _ = plain.decode_ids(prefix)
+            got, info = spec.decode_ids(prefix)
+            assert got == ids == want["ids"][i, 1:1 + want["valid"][i].sum()].tolist()
+            drafted, accepted = drafted + info["drafted"], accepted + info["accepted"]
+        replay = replay_rounds(head, want, gamma)
+        assert (drafted, accepted) == (replay["drafted"], replay["accepted"])
+        assert accepted > 0.3 * drafted  # the head is trained: the comparison above is not 0 == 0
 
 
 def test_policy_json_checks_the_fast_tokenizer(fast_policies, tmp_path):
@@ -140,3 +202,24 @@ def test_training_ids_and_labels():
         assert (ids[i, len(t):] == fast.end_id).all()
     with pytest.raises(ValueError, match="takes .* FAST tokens with END; the policy allows 1"):
         fast_ids(fast, chunks[:1], 1)
+
+
+def test_a_feature_head_that_does_not_fit_is_refused_at_export(fast_policies, tmp_path):
+    """export-policy refuses a feature head in a bins policy's folder, and one trained on another target, by name."""
+    from conftest import random_text_head
+
+    from edgespec.actions import ActionStats
+    from edgespec.export.vla import export_policy
+    from edgespec.export.vla_model import Pair, VLAConfig, save
+    cfg = VLAConfig(hidden=64, heads=2, target_layers=1, target_inter=128, draft_layers=1, draft_inter=64,
+                    keypoints=8, horizon=4, dims=2, n_bins=32)
+    save(Pair(cfg), cfg, ActionStats([-0.5, -1.0], [0.5, 1.0]), tmp_path / "bins", {"note": "random init"})
+    random_text_head(64, 32).save(tmp_path / "bins" / "feature_head.npz")
+    with pytest.raises(ValueError, match="a feature head drafts FAST tokens, and this policy emits bins"):
+        export_policy(tmp_path / "bins", tmp_path / "out-bins", progress=False)
+    fast_model = tmp_path / "fast"
+    shutil.copytree(fast_policies["model_dir"], fast_model)
+    random_text_head(64, 40).save(fast_model / "feature_head.npz")  # the target's table is (24, 64)
+    with pytest.raises(ValueError, match=r"trained on a target with a \(40, 64\) embedding table"):
+        export_policy(fast_model, tmp_path / "out-fast", progress=False)
+    assert not (tmp_path / "out-bins").exists() and not (tmp_path / "out-fast").exists()

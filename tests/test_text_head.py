@@ -105,3 +105,36 @@ def test_distillation_learns_a_simple_target_and_validation_counts_by_position()
     acc = report["acceptance_by_position"]
     assert acc[0] > 0.9 and acc[1] > 0.8, report
     assert report["tried_by_position"][0] >= report["tried_by_position"][-1] > 0
+
+
+def test_distillation_ignores_positions_past_a_sequence_end():
+    """data["valid"] (a FAST chunk ends at END): what lies past a row's end is neither a label nor a regression
+    target, so filling it with different garbage trains the same head, and the language is still learnt."""
+    pytest.importorskip("torch", reason="the distillation needs the export extra (torch)")
+    from edgespec.export.training.train_text_head import HeadConfig, train
+
+    rng = np.random.default_rng(1)
+    embed = rng.normal(0, 1, (V, E)).astype(np.float32)
+    n, t = 24, 16
+    ids = np.zeros((n, t), np.int64)
+    ids[:, 0] = rng.integers(0, V, n)
+    for j in range(1, t):
+        ids[:, j] = (3 * ids[:, j - 1] + 1) % V
+    valid = np.arange(t)[None] < rng.integers(4, t, n)[:, None]  # (n, t): each row ends somewhere
+    cfg = HeadConfig(hidden=32, vocab=V, seq_len=t, train_seqs=n, val_seqs=n, block=8, unroll=2, epochs=20,
+                     batch=32, lr=1e-2)
+    heads = []
+    for seed in (2, 3):
+        junk = np.random.default_rng(seed)
+        data = {"ids": np.where(valid, ids, junk.integers(0, V, ids.shape)),
+                "hidden": np.where(valid[..., None], embed[ids], junk.normal(0, 5, (n, t, E))).astype(np.float16),
+                "greedy": np.where(valid, (3 * ids + 1) % V, junk.integers(0, V, ids.shape)), "valid": valid}
+        heads.append(train(data, data, embed, embed, cfg, progress=False, vocab=np.arange(V),
+                           report=lambda w, val: {})[0])
+    for name in ("w_h", "w_e", "b_in", "w_out", "b_out"):
+        np.testing.assert_array_equal(getattr(heads[0], name), getattr(heads[1], name))
+    from edgespec.text_head import TextHead
+    head = TextHead(heads[0])
+    x = 5
+    tok, _ = head.first(embed[x], (3 * x + 1) % V)  # from h reading x, fed its successor
+    assert tok == (3 * ((3 * x + 1) % V) + 1) % V

@@ -110,26 +110,35 @@ def build_head(embed: np.ndarray, lm: np.ndarray, vocab: np.ndarray, cfg: HeadCo
     return Head()
 
 
-def train(data: dict, val: dict, embed: np.ndarray, lm: np.ndarray, cfg: HeadConfig, progress: bool):
-    """-> (TextHeadWeights, validation report)."""
+def train(data: dict, val: dict, embed: np.ndarray, lm: np.ndarray, cfg: HeadConfig, progress: bool,
+          vocab: np.ndarray | None = None, report=None):
+    """-> (TextHeadWeights, validation report). vocab: the ids the head may propose (None: the cfg.vocab ids the
+    target chose most often); report(weights, val) -> the report (None: validate, text windows)."""
     import torch
     from tqdm import tqdm
 
     from edgespec.text_head import TextHeadWeights
 
     torch.manual_seed(SEED)
-    counts = np.bincount(data["greedy"].reshape(-1), minlength=embed.shape[0])
-    vocab = np.sort(np.argsort(-counts, kind="stable")[:cfg.vocab])
+    if vocab is None:
+        counts = np.bincount(data["greedy"].reshape(-1), minlength=embed.shape[0])
+        vocab = np.sort(np.argsort(-counts, kind="stable")[:cfg.vocab])
     slot = np.full(embed.shape[0], -100, np.int64)  # id -> index in vocab (-100: ignored by the loss)
     slot[vocab] = np.arange(len(vocab))
     head = build_head(embed, lm, vocab, cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
     ids = torch.from_numpy(data["ids"])  # (N, T)
     hid = torch.from_numpy(data["hidden"].astype(np.float32))  # (N, T, E)
-    lab = torch.from_numpy(slot[data["greedy"]])  # (N, T) index of the target's choice after t, or -100
+    # valid (N, T): position t holds a real hidden state and greedy choice (all of a text window; a FAST chunk's
+    # positions up to its END); an invalid position is neither a label nor a regression target
+    valid = data.get("valid", np.ones(data["ids"].shape, bool))
+    labels = np.where(valid, slot[np.where(valid, data["greedy"], 0)], -100)
+    lab = torch.from_numpy(labels)  # (N, T) index of the target's choice after t, or -100
+    keep = torch.from_numpy(valid.astype(np.float32))  # (N, T)
     n, t = ids.shape
     u = cfg.unroll
-    starts = [(i, j) for i in range(n) for j in range(t - u - 1)]  # the head starts from h_j, fed x_{j+1}
+    # the head starts from h_j, fed x_{j+1}: where the first guess has a label
+    starts = [(i, j) for i in range(n) for j in range(t - u - 1) if valid[i, j + 1]]
     steps = cfg.epochs * (len(starts) // cfg.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.lr, total_steps=max(steps, 1), pct_start=0.05)
     rng = np.random.default_rng(SEED)
@@ -143,8 +152,11 @@ def train(data: dict, val: dict, embed: np.ndarray, lm: np.ndarray, cfg: HeadCon
             for k in range(u):  # from h_{j+k} (own guess for k > 0), fed x_{j+k+1}: guess h_{j+k+1}
                 g = head.step(g, ids[si, sj + k + 1])
                 logits = g @ head.lm_f.T
-                loss = loss + torch.nn.functional.cross_entropy(logits, lab[si, sj + k + 1], ignore_index=-100)
-                loss = loss + cfg.feature_weight * torch.nn.functional.smooth_l1_loss(g, hid[si, sj + k + 1])
+                y, w = lab[si, sj + k + 1], keep[si, sj + k + 1]  # (b,), (b,)
+                ce = torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+                loss = loss + ce / (y != -100).sum().clamp(min=1)
+                reg = torch.nn.functional.smooth_l1_loss(g, hid[si, sj + k + 1], reduction="none").mean(-1)
+                loss = loss + cfg.feature_weight * (reg * w).sum() / w.sum().clamp(min=1)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -155,10 +167,10 @@ def train(data: dict, val: dict, embed: np.ndarray, lm: np.ndarray, cfg: HeadCon
     sd = {k: v.detach().numpy() for k, v in head.state_dict().items()}
     w = TextHeadWeights(sd["w_h.weight"].T.copy(), sd["w_e.weight"].T.copy(), sd["w_e.bias"].copy(),
                         sd["w_out.weight"].T.copy(), sd["w_out.bias"].copy(), embed, lm[vocab], vocab)
-    return w, validate(w, val, cfg)
+    return w, (report or validate)(w, val)
 
 
-def validate(w, val: dict, cfg: HeadConfig, steps: int = 6) -> dict:
+def validate(w, val: dict, steps: int = 6) -> dict:
     """Chained proposals of the folded numpy head on held-out text: from each position, step k's proposal
     is tried when steps 0..k-1 were kept and the text itself followed the target's greedy choices (so the
     context is the one greedy decoding would have), and kept when it equals the target's greedy choice:
