@@ -3,7 +3,7 @@
     MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast --out bench/results/fast-policy.json
 
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
-bins plain, bins exact with the draft decoder (--gamma), FAST plain, FAST exact with the draft decoder at each
+bins plain, bins exact with the draft decoder (--gamma) and with its draft head (its defaults), FAST plain, FAST exact with the draft decoder at each
 --fast-gammas (each policy's own 1-layer draft, trained beside its target), and FAST exact with its feature head
 (train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one. Per mode: success rate, mean return, action tokens per chunk, action-decode
 ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
@@ -105,18 +105,25 @@ def run_interleaved(modes: dict, episodes: int, execute: int) -> None:
 
 
 def plot(res: dict, path: Path) -> None:
+    """One bar per mode: decode ms per chunk, labelled with success, tokens per chunk and the speedup over its plain."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, r in res["modes"].items():
-        ax.scatter(r["decode_min_of_repeats_ms_mean"], 100 * r["success_rate"], s=60)
-        ax.annotate(f"{name}\n{r['tokens_per_chunk_mean']:.1f} tok/chunk", (r["decode_min_of_repeats_ms_mean"],
-                    100 * r["success_rate"]), textcoords="offset points", xytext=(6, 2), fontsize=8)
+    names = list(res["modes"])
+    ms = [res["modes"][k]["decode_min_of_repeats_ms_mean"] for k in names]
+    fig, ax = plt.subplots(figsize=(8.0, 0.45 * len(names) + 1.4))
+    ax.barh(range(len(names)), ms, color=["tab:blue" if k.startswith("bins") else "tab:orange" for k in names])
+    for i, k in enumerate(names):
+        r = res["modes"][k]
+        sp = r.get("speedup_decode_min_of_repeats")
+        ax.text(ms[i], i, f"  {ms[i]:.2f} ms, {r['tokens_per_chunk_mean']:.1f} tok, success {r['success_rate']:.2f}"
+                + (f", {sp:.2f}x its plain" if sp else ""), va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(ms) * 1.9)
     ax.set_xlabel("action decode per chunk, ms (mean of the fastest of 3 per call)")
-    ax.set_ylabel("success rate (%)")
-    ax.set_title(f"three-target reacher: FAST vs 256 bins, {res['episodes']} episodes per mode")
-    ax.grid(alpha=0.3)
+    ax.set_title(f"three-target reacher: FAST vs 256 bins, {res['episodes']} episodes per mode", fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -143,6 +150,9 @@ def main(argv=None) -> int:
              "bins exact (draft decoder)": Mode("bins exact", edgespec.load_policy(args.bins, draft=True,
                                                                                    gamma=args.gamma), args.repeats),
              "FAST plain": Mode("FAST plain", edgespec.load_policy(args.fast), args.repeats)}
+    if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
+        modes["bins exact (draft head)"] = Mode("bins head", edgespec.load_policy(args.bins, draft="head"),
+                                                args.repeats)
     for g in (int(x) for x in args.fast_gammas.split(",")):
         modes[f"FAST exact (draft decoder, gamma {g})"] = Mode(f"FAST exact {g}", edgespec.load_policy(
             args.fast, draft=True, gamma=g), args.repeats)

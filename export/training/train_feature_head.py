@@ -40,7 +40,7 @@ SEED = 23
 
 @dataclass
 class DataConfig:
-    train_obs: int = 24000  # observations drawn from --demos
+    train_obs: int = 48000  # observations drawn from --demos
     val_obs: int = 1000  # from --val-demos
     block: int = 500  # observations per cached block
 
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path(".cache/feature-head"), help="cached chunk blocks")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quiet", action="store_true")
-    head_args = {"hidden": 256, "unroll": 4, "epochs": 4, "batch": 512, "lr": 2e-3, "feature_weight": 0.1}
+    head_args = {"hidden": 256, "unroll": 4, "epochs": 60, "batch": 512, "lr": 4e-3, "feature_weight": 0.1}
     for f, v in {**asdict(DataConfig()), **head_args}.items():
         ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
     args = ap.parse_args(argv)
