@@ -182,6 +182,8 @@ def test_policy_json_checks_the_fast_tokenizer(fast_policies, tmp_path):
     meta = json.loads((fast_policies["plain"] / "policy.json").read_text())
     with pytest.raises(PolicyFileError, match="fast: expected null, or an object"):
         PolicyManifest.from_dict({**meta, "vocab_end": meta["vocab_end"] + 1}, tmp_path / "policy.json")
+    with pytest.raises(PolicyFileError, match="feature_head_sha256: expected null for a bins policy"):
+        PolicyManifest.from_dict({**meta, "fast": None, "feature_head_sha256": "0" * 64}, tmp_path / "policy.json")
     bad = tmp_path / "edited"
     shutil.copytree(fast_policies["plain"], bad)
     f = bad / "fast_tokenizer.json"
