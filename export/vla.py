@@ -151,15 +151,15 @@ def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32
         raise FileNotFoundError(f"{model_dir} is not a VLA policy folder: missing {missing}")
     meta = read_policy_json(model_dir / PC.POLICY_FILE)
     PolicyManifest.from_dict(meta, model_dir / PC.POLICY_FILE)  # refuse a malformed one before any work
+    feature_head = model_dir / FEATURE_HEAD_FILE
+    if feature_head.is_file():  # a FAST policy's feature head reads the target's hidden state
+        check_feature_head(feature_head, meta, model_dir / "target" / "config.json")
     check_out_dir(out_dir, [model_dir], force)
     stage = prepare(out_dir, [model_dir], force)  # .NAME.partial-PID beside OUT; dead ones there removed
     try:
         gate = export_encoder(model_dir, stage / ENCODER_FILE)
         actions = (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"]))  # next_ids picks among these
         calib = policy_calibration(model_dir) if dtype != "fp32" else None
-        feature_head = model_dir / FEATURE_HEAD_FILE
-        if feature_head.is_file():  # a FAST policy's feature head reads the target's hidden state
-            check_feature_head(feature_head, meta, model_dir / "target" / "config.json")
         for name in ("target", "draft"):
             if (model_dir / name / "config.json").is_file():
                 export_engine(model_dir / name, stage / name, dtype=dtype, input_mode="embeds", progress=progress,
