@@ -206,8 +206,9 @@ def test_training_ids_and_labels():
         fast_ids(fast, chunks[:1], 1)
 
 
-def test_a_feature_head_that_does_not_fit_is_refused_at_export(fast_policies, tmp_path):
-    """export-policy refuses a feature head in a bins policy's folder, and one trained on another target, by name."""
+def test_a_feature_head_that_does_not_fit_is_refused_at_export(fast_policies, tmp_path, capsys):
+    """export-policy refuses a feature head in a bins policy's folder, and one trained on another target, by name;
+    train_feature_head refuses a bins policy's folder."""
     from conftest import random_text_head
 
     from edgespec.actions import ActionStats
@@ -216,6 +217,9 @@ def test_a_feature_head_that_does_not_fit_is_refused_at_export(fast_policies, tm
     cfg = VLAConfig(hidden=64, heads=2, target_layers=1, target_inter=128, draft_layers=1, draft_inter=64,
                     keypoints=8, horizon=4, dims=2, n_bins=32)
     save(Pair(cfg), cfg, ActionStats([-0.5, -1.0], [0.5, 1.0]), tmp_path / "bins", {"note": "random init"})
+    from edgespec.export.training.train_feature_head import main as train_feature_head
+    assert train_feature_head(["--model", str(tmp_path / "bins"), "--quiet"]) == 2
+    assert 'policy.json has no "fast": a feature head drafts FAST tokens' in capsys.readouterr().err
     random_text_head(64, 32).save(tmp_path / "bins" / "feature_head.npz")
     with pytest.raises(ValueError, match="a feature head drafts FAST tokens, and this policy emits bins"):
         export_policy(tmp_path / "bins", tmp_path / "out-bins", progress=False)
