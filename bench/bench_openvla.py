@@ -4,7 +4,8 @@
         [--standin engines/openvla-reacher-1b] --out bench/results/openvla-reacher.json
 
 Closed loop (seeds 900000+i, never seen in training; modes interleaved episode by episode): plain, exact with the
-hidden-state draft head, exact with the draft decoder. Per mode: success, decode ms per chunk (the fastest of
+hidden-state draft head, exact with the draft decoder, and exact with the feature head (text_head.py, reading the
+target's hidden state every round; --feature-gamma) when the folder has one. Per mode: success, decode ms per chunk (the fastest of
 --repeats decodes of the same prefix per call, and single-shot), tokens per target call, and, for the exact modes,
 whether every action equals plain's (same episodes, so same observations while they agree) and the speedup over
 plain from the same run. Real size (--standin, the policy inflated by export/openvla_standin.py): decode ms plain vs
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--execute", type=int, default=4)
     ap.add_argument("--gamma", type=int, default=15)
+    ap.add_argument("--feature-gamma", type=int, default=4,
+                    help="γ of the exact mode with the policy's feature head (when its folder has one)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     modes = {"plain": Mode("plain", edgespec.load_policy(args.policy), args.repeats),
@@ -83,6 +86,9 @@ def main(argv=None) -> int:
                                         args.repeats),
              "exact (draft decoder)": Mode("decoder", edgespec.load_policy(args.policy, draft=True, gamma=8),
                                            args.repeats)}
+    if json.loads((args.policy / "policy.json").read_text()).get("feature_head_sha256"):
+        modes["exact (feature head)"] = Mode("feature", edgespec.load_policy(
+            args.policy, draft="feature-head", gamma=args.feature_gamma, stop_below=0.0), args.repeats)
     t0 = time.time()
     run_interleaved(modes, args.episodes, args.execute)
     plain = modes["plain"]

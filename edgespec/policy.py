@@ -18,10 +18,11 @@ encoder maps the image to image rows, and the prefix is its tokenized prompt's e
 with those rows after BOS or in place of the image token. A chunk is decoded, constrained to the action ids,
 through the decode loop (loop.py, LeanRounds): H*D bins, or FAST tokens until END (then FAST's inverse DCT).
 Drafts: draft="head" (from the prefix alone: the first round is the target's prefill; a prompt policy's head
-reads the target's hidden state after the prefill instead; a FAST policy's is the feature-level head of
-text_head.py, over the target's hidden state each round), draft=True (the draft decoder) or a draft engine
-folder; both stop early after an unsure proposal (stop_below). Acceptance (docs/vla.md): "greedy", exact; "relaxed", opt-in and lossy: a draft action token
-within `radius` bins of the target's choice is kept (never on binary dimensions); `worst_case_deviation()`
+reads the target's hidden state after the prefill instead; a FAST policy's, or draft="feature-head", is the
+feature-level head of text_head.py, over the target's hidden state each round), draft=True (the draft decoder)
+or a draft engine folder; both stop early after an unsure proposal (stop_below). Acceptance (docs/vla.md):
+"greedy", exact; "relaxed", opt-in and lossy: a draft action token within `radius` bins of the target's choice
+is kept (never on binary dimensions); `worst_case_deviation()`
 bounds it in action units, last_info["max_dev_bins"] says what was accepted.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Policy:
                  provider: str | None = None, threads: int | None = 1, check_hashes: bool = True,
                  remote: "str | RemoteConfig | None" = None):
         self.dir = Path(policy_dir)
-        kind = "head" if draft == "head" else None if draft is False or draft is None else "decoder"
+        kind = "head" if draft in ("head", "feature-head") else None if draft is False or draft is None else "decoder"
         self.cfg = cfg = (cfg or PolicyConfig()).resolved(*DRAFT_DEFAULTS[kind])
         self.meta, self.manifest, self.tok = read_folder(self.dir, check_hashes)
         m = self.manifest
@@ -87,7 +88,11 @@ class Policy:
         self.target: Decoder = (self.remote or local).decoder(1)
         self._check_argmax(self.target.m, self.dir / "target")
         self.draft, self.head, self._head_draft = None, None, None
-        if draft == "head" and self.fast is not None:  # FAST: the feature-level head, over the target's hidden state
+        # "head": the folder's per-dimension head, or its feature head when it has no per-dimension one (FAST never
+        # does); "feature-head": the feature head
+        feature = draft == "feature-head" or (draft == "head" and (
+            self.fast is not None or (m.draft_head_sha256 is None and m.feature_head_sha256 is not None)))
+        if feature:  # the feature-level head, over the target's hidden state each round
             tm = self.target.m
             self.head = load_feature_head(self.dir, m, self.tok, check_hashes, tm.vocab_size, tm.hidden_size)
             if not self.target.caps.hidden:
@@ -308,7 +313,8 @@ def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: 
                 threads: int | None = 1, remote: str | RemoteConfig | None = None,
                 spec: SpeculationConfig | None = None) -> Policy:
     """Load an exported VLA policy folder. draft="head" decodes speculatively with the folder's numpy draft
-    head (the fastest here), draft=True with its draft/ decoder engine, a path with that draft engine folder.
+    head (the fastest here; its feature head when it has no per-dimension one), draft="feature-head" with its
+    feature head, draft=True with its draft/ decoder engine, a path with that draft engine folder.
     gamma / stop_below default per draft kind (DRAFT_DEFAULTS); spec: a SpeculationConfig (kind "policy") in
     place of mode, radius, gamma and stop_below. provider: as edgespec.load (None: cuda where it exists).
 

@@ -26,7 +26,7 @@ ENC_IMAGE, ENC_STATE, ENC_INSTRUCTION, ENC_PREFIX = "image", "state", "instructi
 POLICY_FILE = "policy.json"
 
 HEAD_FILE = "draft_head.npz"  # the per-dimension numpy head (draft_head.py): bins policies
-FEATURE_HEAD_FILE = "feature_head.npz"  # the feature-level head (text_head.py) over the target's hidden state: FAST
+FEATURE_HEAD_FILE = "feature_head.npz"  # the feature-level head (text_head.py) over the target's hidden state
 STATS_FILE = "action_stats.json"
 POLICY_FORMAT = "edgespec-vla"  # policy.json "format" starts with this ("edgespec-vla/1")
 ACTION_KINDS = ("cartesian_position", "joint_position", "cartesian_delta")  # what an action row commands
@@ -106,7 +106,7 @@ class PolicyManifest:
     encoder_file: str = "encoder.onnx"
     encoder_sha256: str | None = None
     draft_head_sha256: str | None = None
-    feature_head_sha256: str | None = None  # FEATURE_HEAD_FILE's hash: a FAST policy's draft head
+    feature_head_sha256: str | None = None  # FEATURE_HEAD_FILE's hash: a FAST or prompt policy's feature head
     action_stats_sha256: str | None = None  # action_stats.json's file hash (covered by content_sha256)
     content_sha256: str | None = None  # policy_content_sha256 of this file
 
@@ -166,8 +166,9 @@ class PolicyManifest:
         for name in ("encoder_sha256", "draft_head_sha256", "feature_head_sha256", "action_stats_sha256",
                      "content_sha256"):
             want(problems, name, _sha256_or_none(getattr(self, name)), "null or 64 lowercase hex digits")
-        want(problems, "feature_head_sha256", self.feature_head_sha256 is None or f is not None,
-             "null for a bins policy (its draft head is draft_head.npz; the feature head drafts FAST tokens)")
+        want(problems, "feature_head_sha256", self.feature_head_sha256 is None or f is not None
+             or self.prompt is not None, "null unless the policy emits FAST tokens or reads a prompt (a bins policy "
+             "with a word vocabulary drafts with draft_head.npz)")
         return problems
 
     @classmethod

@@ -68,12 +68,13 @@ def load_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, chec
 
 def load_feature_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokenizer, check_hashes: bool,
                       vocab_size: int, hidden_size: int):
-    """A FAST policy's feature-level draft head (text_head.py), checked against the target's embedding table
+    """The policy's feature-level draft head (text_head.py), checked against the target's embedding table
     (vocab_size, hidden_size) and the policy's action ids."""
     from .text_head import TextHead
     hpath = policy_dir / PC.FEATURE_HEAD_FILE
     if m.feature_head_sha256 is None or not hpath.is_file():
-        raise FileNotFoundError(f"{hpath}: this FAST policy folder has no draft head (train one with `python -m "
+        what = "FAST policy folder" if m.fast is not None else "policy folder"
+        raise FileNotFoundError(f"{hpath}: this {what} has no feature head (train one with `python -m "
                                 f"edgespec.export.training.train_feature_head --model MODEL`, then re-export the "
                                 f"policy; or draft with its decoder, draft=True)")
     head = TextHead.load(checked_file(hpath, m.feature_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))

@@ -54,14 +54,15 @@ def cmd_export_policy(args) -> int:
     need_export_extra()
     from edgespec.export.llava import is_llava_folder
     from edgespec.export.prismatic import is_openvla_folder
-    vlm_flags = ("unnorm_key", "draft", "draft_head", "prompt_template", "action_names", "action_units", "action_kind",
-                 "max_context", "horizon", "action_stats", "n_bins")
+    vlm_flags = ("unnorm_key", "draft", "draft_head", "feature_head", "prompt_template", "action_names", "action_units",
+                 "action_kind", "max_context", "horizon", "action_stats", "n_bins")
     if is_openvla_folder(args.model) or is_llava_folder(args.model):
         split = (lambda v: None if v is None else [x.strip() for x in v.split(",")])
         kw = dict(unnorm_key=args.unnorm_key, dtype=args.dtype, draft=args.draft, prompt_template=args.prompt_template,
                   action_names=split(args.action_names), action_units=split(args.action_units),
                   action_kind=args.action_kind, horizon=args.horizon or 1, force=args.force, progress=not args.quiet,
-                  allow_lossy=args.allow_lossy, max_context=args.max_context, draft_head=args.draft_head)
+                  allow_lossy=args.allow_lossy, max_context=args.max_context, draft_head=args.draft_head,
+                  feature_head=args.feature_head)
         if is_openvla_folder(args.model):
             if args.action_stats is not None or args.n_bins is not None:
                 raise SystemExit("--action-stats, --n-bins: an OpenVLA checkpoint carries its own (norm_stats, "
@@ -135,6 +136,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-head", type=Path, default=None,
                    help="OpenVLA, Llava: a draft_head.npz reading the target's hidden state (train_openvla.py writes "
                         "one); the target is exported with its hidden-state output")
+    p.add_argument("--feature-head", type=Path, default=None,
+                   help="OpenVLA, Llava: a feature_head.npz (train_feature_head.py), drafting from the target's hidden "
+                        "state each round (draft='feature-head'; draft='head' when there is no --draft-head); the "
+                        "target is exported with its hidden-state output")
     p.add_argument("--prompt-template", default=None,
                    help="OpenVLA, Llava: the prompt, with {instruction} (default: OpenVLA's for the checkpoint's "
                         "language model; Llava: 'USER: <image>\\nWhat action should the robot take to "

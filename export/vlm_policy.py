@@ -178,6 +178,19 @@ def check_draft_head(path: Path, src: VLMSource, horizon: int, dims: int) -> Non
                          f"{horizon}x{dims}")
 
 
+def check_feature_head(path: Path, src: VLMSource) -> None:
+    """A feature head (train_feature_head.py) for a prompt policy: the target's embedding table, the action ids."""
+    from edgespec.text_head import TextHeadWeights
+    w = TextHeadWeights.load(path)  # refuses weights that do not fit together
+    if w.embed.shape != (src.vocab_size, src.width):
+        raise ValueError(f"--feature-head {path} was trained on a target with a {w.embed.shape} embedding table; this "
+                         f"checkpoint's is ({src.vocab_size}, {src.width})")
+    lo, hi = src.vocab_end - src.n_bins, src.vocab_end
+    if w.vocab.min() < lo or w.vocab.max() >= hi:
+        raise ValueError(f"--feature-head {path} proposes ids {int(w.vocab.min())}..{int(w.vocab.max())}; the action "
+                         f"ids are {lo}..{hi - 1}")
+
+
 def check_draft(src: VLMSource, draft: Path) -> None:
     cfg_path = Path(draft) / "config.json"
     if not cfg_path.is_file():
@@ -192,11 +205,12 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
                       draft: str | Path | None = None, action_names=None, action_units=None,
                       action_kind: str | None = None, horizon: int = 1, force: bool = False, progress: bool = True,
                       allow_lossy: bool = False, max_context: int | None = None,
-                      draft_head: str | Path | None = None) -> dict:
+                      draft_head: str | Path | None = None, feature_head: str | Path | None = None) -> dict:
     """src -> a prompt policy folder at out_dir (module docstring). horizon: the action steps the statistics'
     dimensions hold, time-major (OpenVLA: 1 step of len(q01); a chunked fine-tune H steps of len(q01) / H, whose
     statistics must repeat every step). draft_head: a draft_head.npz whose context is the target's final hidden
-    state (train_openvla.py writes one); the target is then exported with its hidden-state output."""
+    state (train_openvla.py writes one); feature_head: a feature_head.npz (train_feature_head.py); with either, the
+    target is exported with its hidden-state output."""
     from tokenizers import Tokenizer
 
     out_dir = Path(out_dir)
@@ -215,6 +229,8 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
         check_draft(src, Path(draft))
     if draft_head is not None:
         check_draft_head(Path(draft_head), src, horizon, dims)
+    if feature_head is not None:
+        check_feature_head(Path(feature_head), src)
     check_out_dir(out_dir, [src.path], force)
     stage = prepare(out_dir, [src.path], force)
     lo, hi = src.vocab_end - src.n_bins, src.vocab_end
@@ -225,7 +241,7 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
         calib = calibration(src, tok, horizon * dims) if dtype != "fp32" else None
         export_engine(lm_dir, stage / "target", dtype=dtype, input_mode="embeds", progress=progress,
                       argmax_ids=(lo, hi), calibration=calib, role="target", allow_lossy=allow_lossy,
-                      max_context=max_context, hidden=draft_head is not None)
+                      max_context=max_context, hidden=draft_head is not None or feature_head is not None)
         shutil.rmtree(lm_dir)
         if draft is not None:
             export_engine(Path(draft), stage / "draft", dtype=dtype, input_mode="embeds", progress=progress,
@@ -248,10 +264,13 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
         if draft_head is not None:
             shutil.copy2(draft_head, stage / PC.HEAD_FILE)
             policy["draft_head_sha256"] = C.file_sha256(stage / PC.HEAD_FILE)
+        if feature_head is not None:
+            shutil.copy2(feature_head, stage / PC.FEATURE_HEAD_FILE)
+            policy["feature_head_sha256"] = C.file_sha256(stage / PC.FEATURE_HEAD_FILE)
         policy[CONTENT_HASH] = policy_content_sha256(policy)
         (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         policy["end_to_end_gate"] = end_to_end_gate(src, stage, horizon * dims, draft is not None, dtype == "fp32",
-                                                    draft_head is not None)
+                                                    draft_head is not None, feature_head is not None)
         policy[CONTENT_HASH] = policy_content_sha256(policy)
         (stage / PC.POLICY_FILE).write_text(json.dumps(policy, indent=2) + "\n")
         publish(stage, out_dir)
@@ -260,7 +279,8 @@ def export_vlm_policy(src: VLMSource, out_dir: str | Path, unnorm_key: str | Non
     return policy
 
 
-def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact: bool, with_head: bool) -> dict:
+def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact: bool, with_head: bool,
+                    with_feature_head: bool = False) -> dict:
     """On GATE_CASES random observations: the staged policy's prefix (tokenizer, prompt, image rows) equals the
     reference's; with a draft, its speculative ids equal its plain ones; and, for an fp32 export (exact), its greedy
     ids equal the reference's (a lossy one's agreement was judged by the precision gate; here it is recorded)."""
@@ -270,6 +290,7 @@ def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact
 
     pol = Policy(stage, draft=with_draft)
     head = Policy(stage, draft="head") if with_head else None
+    feature = Policy(stage, draft="feature-head") if with_feature_head else None
     rng = np.random.default_rng(11)
     lo, hi = src.vocab_end - src.n_bins, src.vocab_end
     worst_prefix, equal = 0.0, 0
@@ -290,11 +311,12 @@ def end_to_end_gate(src: VLMSource, stage: Path, n: int, with_draft: bool, exact
         if exact and list(got) != want:
             raise ValueError(f"end-to-end gate failed on case {i} ({instr!r}): the exported policy decodes {list(got)}, "
                              f"the torch reference {want}")
-        for name, p in (("the draft decoder", pol if with_draft else None), ("the draft head", head)):
+        for name, p in (("the draft decoder", pol if with_draft else None), ("the draft head", head),
+                        ("the feature head", feature)):
             if p is not None and list(p.decode_ids(prefix)[0]) != list(got):
                 raise ValueError(f"end-to-end gate failed on case {i}: speculative decoding with {name} gives "
                                  f"{list(p.decode_ids(prefix)[0])}, plain {list(got)}")
     return {"gate": "prefix and greedy action ids vs the torch reference" + (", speculative == plain" if with_draft
-                                                                           or with_head else ""),
+                                                                           or with_head or with_feature_head else ""),
             "cases": GATE_CASES, "ids_equal": equal, "ids": GATE_CASES * n, "ids_enforced": exact, "passed": True,
             "max_abs_prefix_diff": worst_prefix}

@@ -53,8 +53,9 @@ def train_tiny_feature_head(model_dir):
     from edgespec.export.training.train_feature_head import greedy_chunks, load_policy_model, report_for
     from edgespec.export.training.train_text_head import HeadConfig, train
     model = load_policy_model(model_dir)
-    enc, target, policy, ids_range, end, n = model
-    data = greedy_chunks(enc, target, observations(policy, 400, seed=5), ids_range, end, n)
+    groups, target, _, ids_range, end, n = model
+    policy = json.loads((model_dir / "policy.json").read_text())
+    data = greedy_chunks(groups, target, observations(policy, 400, seed=5), ids_range, end, n)
     embed = target.get_input_embeddings().weight.detach().numpy()
     lm = target.lm_head.weight.detach().numpy()
     cfg = HeadConfig(hidden=64, seq_len=n + 1, unroll=3, epochs=12, batch=128, lr=5e-3)
@@ -140,7 +141,7 @@ def test_relaxed_and_a_missing_feature_head_are_refused(fast_policies):
         load_policy(fast_policies["plain"], draft=True, mode="relaxed")
     with pytest.raises(ValueError, match="a FAST id is a BPE piece of DCT coefficients"):
         load_policy(fast_policies["head"], draft="head", mode="relaxed")
-    with pytest.raises(FileNotFoundError, match="this FAST policy folder has no draft head .*train_feature_head"):
+    with pytest.raises(FileNotFoundError, match="this FAST policy folder has no feature head .*train_feature_head"):
         load_policy(fast_policies["plain"], draft="head")
 
 
@@ -153,11 +154,12 @@ def test_feature_head_drafts_from_the_targets_hidden_state_exactly(fast_policies
     from edgespec import policy_contract as PC
     from edgespec.export.training.train_feature_head import greedy_chunks, replay_rounds
     from edgespec.text_head import TextHead
-    enc, target, meta, ids_range, end, n = fast_policies["model"]
+    groups, target, _, ids_range, end, n = fast_policies["model"]
+    meta = json.loads((fast_policies["model_dir"] / "policy.json").read_text())
     plain = load_policy(fast_policies["head"])
     assert plain.target.caps.hidden  # exported --hidden for its head
     obs = observations(meta, 12, seed=9)
-    want = greedy_chunks(enc, target, obs, ids_range, end, n)
+    want = greedy_chunks(groups, target, obs, ids_range, end, n)
     head = TextHead.load(fast_policies["head"] / "feature_head.npz")
     for gamma in (1, 3):
         spec = load_policy(fast_policies["head"], draft="head", gamma=gamma, stop_below=0.0)
@@ -182,7 +184,7 @@ def test_policy_json_checks_the_fast_tokenizer(fast_policies, tmp_path):
     meta = json.loads((fast_policies["plain"] / "policy.json").read_text())
     with pytest.raises(PolicyFileError, match="fast: expected null, or an object"):
         PolicyManifest.from_dict({**meta, "vocab_end": meta["vocab_end"] + 1}, tmp_path / "policy.json")
-    with pytest.raises(PolicyFileError, match="feature_head_sha256: expected null for a bins policy"):
+    with pytest.raises(PolicyFileError, match="feature_head_sha256: expected null unless the policy emits FAST tokens or reads a prompt"):
         PolicyManifest.from_dict({**meta, "fast": None, "feature_head_sha256": "0" * 64}, tmp_path / "policy.json")
     bad = tmp_path / "edited"
     shutil.copytree(fast_policies["plain"], bad)

@@ -315,3 +315,51 @@ def test_real_size_standin_computes_the_same_policy(ckpt, draft_lm, tmp_path):
         want = small.act(img, None, instr)
         for p in bigs:
             np.testing.assert_array_equal(p.act(img, None, instr), want)
+
+
+def test_feature_head_for_a_prompt_policy_is_exact(ckpt, tmp_path):
+    """A feature head (train_feature_head.py: the target's greedy chunks and hidden states, as the runtime builds the
+    prompt's prefix) exported with --feature-head: draft='head' uses it when there is no per-dimension head; its ids
+    equal plain ones, and its drafted and accepted counts equal a replay of the rounds on the torch target's hidden
+    states. A head of another target is refused by name."""
+    from conftest import random_text_head
+
+    from edgespec import load_policy
+    from edgespec.export.training.train_feature_head import greedy_chunks, load_policy_model, replay_rounds
+    from edgespec.export.training.train_text_head import HeadConfig, train
+    from edgespec.export.vlm_policy import INSTRUCTIONS
+    from edgespec.text_head import TextHead
+    groups, lm, _, ids_range, end, n = load_policy_model(ckpt)
+    assert end is None and n == 7
+    rng = np.random.default_rng(4)
+
+    def obs(k):
+        s = read_checkpoint(ckpt).image_size
+        return {"image": rng.integers(0, 256, (k, s, s, 3), dtype=np.uint8),
+                "instruction": np.array([INSTRUCTIONS[i % 3] for i in range(k)])}
+    data = greedy_chunks(groups, lm, obs(96), ids_range, end, n)
+    assert data["valid"][:, :n].all()  # no END: every chunk has n ids
+    embed, lm_w = lm.get_input_embeddings().weight.detach().numpy(), lm.lm_head.weight.detach().numpy()
+    w, _ = train(data, data, embed, lm_w, HeadConfig(hidden=64, seq_len=n + 1, unroll=3, epochs=20, batch=64, lr=5e-3),
+                 progress=False, vocab=np.unique(data["greedy"][data["valid"]]), report=lambda w, v: {})
+    head = tmp_path / "feature_head.npz"
+    w.save(head)
+    meta = export_openvla(ckpt, tmp_path / "eng", unnorm_key="bridge_orig", feature_head=head, progress=False)
+    assert meta["end_to_end_gate"]["passed"] and meta["feature_head_sha256"]
+    plain = load_policy(tmp_path / "eng")
+    spec = load_policy(tmp_path / "eng", draft="head", gamma=3, stop_below=0.0)
+    assert spec.target.caps.hidden and spec.head.w.embed.shape == embed.shape
+    test = obs(9)
+    want = greedy_chunks(groups, lm, test, ids_range, end, n)
+    drafted = accepted = 0
+    for i in range(9):
+        prefix = plain.encode(test["image"][i], None, str(test["instruction"][i]))
+        ids, _ = plain.decode_ids(prefix)
+        got, info = spec.decode_ids(prefix)
+        assert got == ids == want["ids"][i, 1:].tolist()
+        drafted, accepted = drafted + info["drafted"], accepted + info["accepted"]
+    replay = replay_rounds(TextHead.load(head), want, 3)
+    assert (drafted, accepted) == (replay["drafted"], replay["accepted"]) and accepted > 0
+    random_text_head(64, embed.shape[0]).save(head)
+    with pytest.raises(ValueError, match=r"--feature-head .* was trained on a target with a \(\d+, 64\) embedding"):
+        export_openvla(ckpt, tmp_path / "bad", unnorm_key="bridge_orig", feature_head=head, progress=False)

@@ -51,48 +51,85 @@ class DataConfig:
 
 
 def load_policy_model(model_dir: Path):
-    """-> (encoder, target (fp32, eval), policy.json, (lo, hi) action ids, END id or None, tokens per chunk)."""
+    """-> (prefix_groups, target LM (fp32, eval), instr_len, (lo, hi) action ids, END id or None, tokens per chunk).
+    prefix_groups(obs) -> [(indices, prefix (b, P, E))]: the observations in groups of one prefix length. A FAST
+    policy model folder (train_vla.py), or an OpenVLA- or Llava-layout checkpoint (a prompt policy: bins, its prefix
+    the prompt's embeddings with the image rows)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from edgespec.fast_tokens import FastTokenizer
 
+    from ..llava import is_llava_folder
+    from ..prismatic import is_openvla_folder
+    if is_openvla_folder(model_dir) or is_llava_folder(model_dir):
+        return load_prompt_model(model_dir)
     from ..vla import load_encoder
     enc, policy, _ = load_encoder(model_dir)
     fast = policy.get("fast")
     if not fast:
-        raise ValueError(f"{model_dir}/policy.json has no \"fast\": a feature head drafts FAST tokens; a bins "
-                         f"policy's head is train_draft_head.py's")
+        raise ValueError(f"{model_dir}/policy.json has no \"fast\": a feature head drafts FAST tokens (or a prompt "
+                         f"policy's bins); this policy's head is train_draft_head.py's")
     target = AutoModelForCausalLM.from_pretrained(model_dir / "target", dtype=torch.float32).eval()
     lo, hi = int(policy["vocab_end"]) - int(policy["n_bins"]), int(policy["vocab_end"])
     end = FastTokenizer.load(model_dir / fast["file"]).end_id
-    return enc, target, policy, (lo, hi), end, int(fast["max_tokens"])
+
+    def groups(obs):
+        x = enc(torch.from_numpy(obs["image"]), torch.from_numpy(obs["state"]), torch.from_numpy(obs["instr"]))
+        return [(np.arange(len(obs["image"])), x)]
+    return groups, target, int(policy["instr_len"]), (lo, hi), end, int(fast["max_tokens"])
 
 
-def greedy_chunks(enc, target, obs: dict, ids_range: tuple[int, int], end: int, n: int) -> dict:
+def load_prompt_model(ckpt_dir: Path):
+    """load_policy_model for an OpenVLA- or Llava-layout checkpoint: the prefix as the runtime builds it (the
+    prompt's embeddings, the image rows after BOS or in place of the image token), grouped by instruction."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from ..llava import is_llava_folder, llava_source
+    from ..openvla import openvla_source
+    src = llava_source(ckpt_dir) if is_llava_folder(ckpt_dir) else openvla_source(ckpt_dir)
+    _, stats = src.action_stats(next(iter(src.norm_stats)))  # a chunk's length (every dataset's is the same)
+    tok = Tokenizer.from_file(str(src.tokenizer_path))
+    lm = src.language_model.eval()
+    table = lm.get_input_embeddings()
+
+    def groups(obs):
+        out = []
+        for text in np.unique(obs["instruction"]):
+            idx = np.nonzero(obs["instruction"] == text)[0]
+            ids = src.prompt(tok, str(text))  # (L,)
+            emb = table(torch.from_numpy(ids))[None].expand(len(idx), -1, -1)  # (b, L, E)
+            rows = src.image_encoder(torch.from_numpy(obs["image"][idx]))  # (b, N, E)
+            at = 1 if src.image_token_id is None else int(np.nonzero(ids == src.image_token_id)[0][0])
+            skip = 0 if src.image_token_id is None else 1  # Llava: the image token itself is replaced
+            out.append((idx, torch.cat([emb[:, :at], rows, emb[:, at + skip:]], 1)))
+        return out
+    return groups, lm, 6, (src.vocab_end - src.n_bins, src.vocab_end), None, stats.dims
+
+
+def greedy_chunks(groups, target, obs: dict, ids_range: tuple[int, int], end: int | None, n: int) -> dict:
     """One block of observations -> the target's greedy chunks and hidden states, laid out for train():
     ids (B, n+1): a placeholder, then the chunk's ids c_0..c_{n-1}; hidden (B, n+1, E) fp16: row k is the final
     hidden state that emitted c_k (the prefix's last row for c_0); greedy (B, n+1): c_{k} at row k; valid
-    (B, n+1): row k < the chunk's length (through END)."""
+    (B, n+1): row k < the chunk's length (through END; all n without an END)."""
     import torch
     lo, hi = ids_range
     table = target.get_input_embeddings().weight
+    # the KV cache's argument: `cache` in transformers 5.x, `past_key_values` before
+    key = "cache" if "cache" in inspect.signature(target.model.forward).parameters else "past_key_values"
+    b, e = len(obs["image"]), table.shape[1]
+    c, hid = np.zeros((b, n), np.int64), np.zeros((b, n, e), np.float32)
     with torch.no_grad():
-        x = enc(torch.from_numpy(obs["image"]), torch.from_numpy(obs["state"]), torch.from_numpy(obs["instr"]))
-        # the KV cache's argument: `cache` in transformers 5.x, `past_key_values` before
-        key = "cache" if "cache" in inspect.signature(target.model.forward).parameters else "past_key_values"
-        out = target.model(inputs_embeds=x, use_cache=True)  # the prefill
-        chunk, rows = [], []
-        for _ in range(n):
-            h = out.last_hidden_state[:, -1]  # (B, E), after the final norm: the row that emits the next id
-            nxt = target.lm_head(h)[:, lo:hi].argmax(-1) + lo  # (B,)
-            chunk.append(nxt)
-            rows.append(h)
-            out = target.model(inputs_embeds=table[nxt][:, None], use_cache=True, **{key: getattr(out, key)})
-        c = torch.stack(chunk, 1).numpy()  # (B, n)
-        hid = torch.stack(rows, 1).numpy()  # (B, n, E)
-    b, e = hid.shape[0], hid.shape[2]
-    is_end = c == end
+        for idx, x in groups(obs):
+            out = target.model(inputs_embeds=x, use_cache=True)  # the prefill
+            for k in range(n):
+                h = out.last_hidden_state[:, -1]  # (b, E), after the final norm: the row that emits the next id
+                nxt = target.lm_head(h)[:, lo:hi].argmax(-1) + lo  # (b,)
+                c[idx, k], hid[idx, k] = nxt.numpy(), h.numpy()
+                if k + 1 < n:
+                    out = target.model(inputs_embeds=table[nxt][:, None], use_cache=True, **{key: getattr(out, key)})
+    is_end = (c == end) if end is not None else np.zeros_like(c, bool)
     length = np.where(is_end.any(1), is_end.argmax(1) + 1, n)  # (B,) ids through END
     ids = np.zeros((b, n + 1), np.int64)
     ids[:, 1:] = c
@@ -110,11 +147,11 @@ def collect(model, demos: Path, count: int, seed: int, work: Path, name: str, cf
     from tqdm import tqdm
 
     from .train_vla import load_demos
-    enc, target, policy, ids_range, end, n = model
+    groups, target, instr_len, ids_range, end, n = model
     work.mkdir(parents=True, exist_ok=True)
     paths = [work / f"{name}-{i:04d}.npz" for i in range(-(-count // cfg.block))]
     if not all(p.is_file() for p in paths):
-        data = load_demos(demos, int(policy["instr_len"]))
+        data = load_demos(demos, instr_len)
         if count > len(data["image"]):
             raise ValueError(f"{demos} has {len(data['image'])} observations, {count} were asked for")
         pick = np.sort(np.random.default_rng(seed).choice(len(data["image"]), count, replace=False))
@@ -122,8 +159,8 @@ def collect(model, demos: Path, count: int, seed: int, work: Path, name: str, cf
             if path.is_file():
                 continue
             idx = pick[i * cfg.block:(i + 1) * cfg.block]
-            block = greedy_chunks(enc, target, {k: data[k][idx] for k in ("image", "state", "instr")},
-                                  ids_range, end, n)
+            obs = {k: data[k][idx] for k in ("image", "state", "instr", "instruction")}
+            block = greedy_chunks(groups, target, obs, ids_range, end, n)
             tmp = path.with_suffix(".partial.npz")
             np.savez(tmp, **block)
             tmp.replace(path)
@@ -204,7 +241,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     out = args.out or args.model / FEATURE_HEAD_FILE
     progress = not args.quiet
-    key = f"{json.loads((args.model / 'policy.json').read_text())['fast']['sha256'][:12]}-{SEED}"
+    from edgespec.files import file_sha256
+    weights = sorted(args.model.glob("target/model*.safetensors")) or sorted(args.model.glob("model*.safetensors"))
+    key = f"{file_sha256(weights[0])[:12]}-{SEED}"  # the target's weights name the cached blocks
     data = collect(model, args.demos, dcfg.train_obs, SEED, args.work, f"train-{key}-{dcfg.train_obs}", dcfg,
                    progress)
     val = collect(model, args.val_demos, dcfg.val_obs, SEED + 1, args.work, f"val-{key}-{dcfg.val_obs}", dcfg,
