@@ -5,12 +5,12 @@
 
 Closed loop (seeds 900000+i, never seen in training; modes interleaved episode by episode): plain, exact with the
 hidden-state draft head, exact with the draft decoder, and exact with the feature head (text_head.py, reading the
-target's hidden state every round; --feature-gamma) when the folder has one. Per mode: success, decode ms per chunk (the fastest of
---repeats decodes of the same prefix per call, and single-shot), tokens per target call, and, for the exact modes,
-whether every action equals plain's (same episodes, so same observations while they agree) and the speedup over
-plain from the same run. Real size (--standin, the policy inflated by export/openvla_standin.py): decode ms plain vs
-exact on --standin-obs observations from those episodes' starts, interleaved, on --standin-provider (cpu-native:
-fp16 weights read from DRAM), ids checked equal to the small policy's.
+target's hidden state every round; --feature-gamma) when the folder has one. Per mode: success, decode ms per chunk
+(the fastest of --repeats decodes of the same prefix per call, and single-shot), tokens per target call, and, for the
+exact modes, whether every action equals plain's (same episodes, so same observations while they agree) and the
+speedup over plain from the same run. Real size (--standin, the policy inflated by export/openvla_standin.py): decode
+ms plain vs exact on --standin-obs observations from those episodes' starts, interleaved, on --standin-provider (cpu-
+native: fp16 weights read from DRAM), ids checked equal to the small policy's.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=100)
     ap.add_argument("--execute", type=int, default=4)
     ap.add_argument("--gamma", type=int, default=15)
-    ap.add_argument("--feature-gamma", type=int, default=4,
+    ap.add_argument("--feature-gamma", type=int, default=15,
                     help="γ of the exact mode with the policy's feature head (when its folder has one)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
