@@ -9,8 +9,8 @@ target's hidden state every round; --feature-gamma) when the folder has one. Per
 (the fastest of --repeats decodes of the same prefix per call, and single-shot), tokens per target call, and, for the
 exact modes, whether every action equals plain's (same episodes, so same observations while they agree) and the
 speedup over plain from the same run. Real size (--standin, the policy inflated by export/openvla_standin.py): decode
-ms plain vs exact on --standin-obs observations from those episodes' starts, interleaved, on --standin-provider (cpu-
-native: fp16 weights read from DRAM), ids checked equal to the small policy's.
+ms plain vs exact on --standin-obs observations from those episodes' starts, interleaved, on --standin-provider
+(cpu-native: fp16 weights read from DRAM), ids checked equal to the small policy's.
 """
 from __future__ import annotations
 

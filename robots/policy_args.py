@@ -21,7 +21,7 @@ def policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=Path, required=True, help="exported policy folder (edgespec export-policy)")
     p.add_argument("--draft", nargs="?", const=True, default=False,
                    help="decode speculatively: with the policy's draft/ decoder (no value), its numpy draft "
-                        "head ('head', the fastest), or a draft engine DIR")
+                        "head ('head', the fastest), its feature head ('feature-head'), or a draft engine DIR")
     speculation_flags(p, kind="policy")  # --mode, --radius, --gamma, --stop-below
     p.add_argument("--threads", type=positive_int, default=1, help="ONNX Runtime threads per engine")
     p.add_argument("--inference", choices=["process", "thread"], default="process",
