@@ -151,8 +151,9 @@ class Policy:
         return instruction_ids(instruction, self.words, self.instr_len)[None]
 
     def __call__(self, obs: dict) -> np.ndarray:
-        """obs {"image", "state", "instruction"} -> (H, D): the callable the control loop and node take."""
-        return self.act(obs["image"], obs["state"], obs["instruction"])
+        """obs {"image", "state", "instruction"} -> (H, D): the callable the control loop and node take. A policy
+        that reads no state (state_dim 0: OpenVLA's) is not given the robot's: the loop observes it for every policy."""
+        return self.act(obs["image"], obs["state"] if self.state_dim else None, obs["instruction"])
 
     def check_inputs(self, image, state) -> tuple[np.ndarray, np.ndarray]:
         """-> image (1, S, S, 3) uint8, state (1, N) float32, checked (policy_folder.check_inputs)."""

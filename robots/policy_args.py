@@ -83,7 +83,7 @@ class FixedInstruction:
         return self.policy.last_info
 
     def __call__(self, obs: dict) -> np.ndarray:
-        return self.policy.act(obs["image"], obs["state"], self.instruction)
+        return self.policy({**obs, "instruction": self.instruction})  # Policy.__call__: the state only if it reads one
 
 
 def build_policy(instruction: str | None = None, **kw):

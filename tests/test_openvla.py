@@ -184,6 +184,18 @@ def test_prompt_policy_refuses_bad_inputs(engine):
         load_policy(engine, draft="head")
 
 
+def test_a_stateless_policy_runs_on_the_control_loops_observations(engine):
+    """The loop and the node observe the robot's state for every policy; a policy that reads none (OpenVLA's) is
+    called without it, through Policy.__call__ and the command line's fixed-instruction wrapper alike."""
+    from edgespec import load_policy
+    from edgespec.robots.policy_args import FixedInstruction
+    pol = load_policy(engine)
+    obs = {"image": np.zeros((224, 224, 3), np.uint8), "state": np.zeros(6), "instruction": "open the drawer"}
+    want = pol.act(obs["image"], None, "open the drawer")
+    np.testing.assert_array_equal(pol(obs), want)
+    np.testing.assert_array_equal(FixedInstruction(pol, "open the drawer")({**obs, "instruction": "ignored"}), want)
+
+
 def _broken(ckpt, tmp_path, name, edit_config=None, drop=()):
     out = tmp_path / name
     shutil.copytree(ckpt, out)
