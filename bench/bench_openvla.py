@@ -36,6 +36,9 @@ def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repea
                                                         threads=None),
              "exact (draft decoder)": edgespec.load_policy(standin, draft=True, gamma=gamma, provider=provider,
                                                            threads=None)}
+    if json.loads((standin / "policy.json").read_text()).get("feature_head_sha256"):
+        modes["exact (feature head)"] = edgespec.load_policy(standin, draft="feature-head", gamma=gamma,
+                                                             stop_below=0.0, provider=provider, threads=None)
     env = ThreeTargetReacher()
     obs = [env.reset(seed=920_000 + i) for i in range(n_obs)]
     env.close()

@@ -8,7 +8,8 @@ its drafts', while every decoder matrix has the real model's shape and bytes.
         --out .cache/openvla-reacher/standin-1b
 
 SOURCE is train_openvla.py's output (target/ an OpenVLA-layout checkpoint, draft/ an HF Llama folder,
-draft_head.npz). Writes OUT/target (OpenVLA layout, float16 weights), OUT/draft, OUT/draft_head.npz, standin.json.
+draft_head.npz). Writes OUT/target (OpenVLA layout, float16 weights), OUT/draft, OUT/draft_head.npz (and
+OUT/feature_head.npz when the source has one), standin.json.
 The draft keeps one layer at the target's width (it reads the target's prefix): about 1/35 of a 1B target's bytes.
 """
 from __future__ import annotations
@@ -34,6 +35,23 @@ def _load_folder(path: Path) -> dict:
     for f in weight_files(path):
         out.update(load_file(str(f)))
     return out
+
+
+def widen_feature_head(src: Path, out: Path, e2: int) -> None:
+    """A feature head (text_head.py) for the stand-in: the target's final hidden state is the source's in its first
+    E dims and exactly zero in the padded ones, so zero rows (reading them) and zero columns (writing them) leave
+    every proposal the source head's."""
+    from edgespec.text_head import TextHeadWeights
+    w = TextHeadWeights.load(src)
+    e = w.w_h.shape[0]
+
+    def rows(a):  # (E, X) -> (E2, X)
+        return np.concatenate([a, np.zeros((e2 - e, a.shape[1]), a.dtype)], 0)
+
+    def cols(a):  # (X, E) -> (X, E2)
+        return np.concatenate([a, np.zeros((a.shape[0], e2 - e), a.dtype)], 1)
+    TextHeadWeights(rows(w.w_h), rows(w.w_e), w.b_in, cols(w.w_out), cols(w.b_out[None])[0], cols(w.embed),
+                    cols(w.lm), w.vocab).save(out)
 
 
 def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "llama-3.2-1b", seed: int = 0,
@@ -94,6 +112,8 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
         hw = DraftHeadWeights.load(source / "draft_head.npz")
         hw.ctx_w = np.concatenate([hw.ctx_w, np.zeros((e2 - e, hw.ctx_w.shape[1]), hw.ctx_w.dtype)], 0)
         hw.save(out / "draft_head.npz")  # the stream's padded dims are exactly zero, so their rows never count
+    if (source / "feature_head.npz").is_file():
+        widen_feature_head(source / "feature_head.npz", out / "feature_head.npz", e2)
     record = {"kind": "edgespec-openvla-standin", "preset": preset, "source": str(source), "target": rec,
               "draft": drec, "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "standin.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -301,25 +301,42 @@ def test_hidden_state_draft_head_is_exact(ckpt, tmp_path):
 
 def test_real_size_standin_computes_the_same_policy(ckpt, draft_lm, tmp_path):
     """export/openvla_standin.py at a small shape: the inflated policy (wider stream, more heads, layers and MLP
-    channels) decodes the source policy's ids, plain and with its widened draft decoder and draft head."""
-    from conftest import random_draft_head
+    channels) decodes the source policy's ids, plain and with its widened draft decoder, draft head and feature head;
+    the widened feature head proposes what the source's does from the zero-padded hidden state."""
+    from conftest import random_draft_head, random_text_head
 
     from edgespec import load_policy
     from edgespec.export.openvla_standin import make_openvla_standin
     from edgespec.export.standin import Shape
+    from edgespec.text_head import TextHead, TextHeadWeights
     src = tmp_path / "src"
     src.mkdir()
     (src / "target").symlink_to(ckpt)
     (src / "draft").symlink_to(draft_lm)
     random_draft_head(1, 128, 256, 1, 7, seed=5).save(src / "draft_head.npz")
+    ck = read_checkpoint(ckpt)
+    fw = random_text_head(128, int(ck.text_config["vocab_size"]), seed=6)
+    fw.vocab = np.arange(ck.vocab_end - ck.n_bins, ck.vocab_end)  # the action ids
+    TextHeadWeights(fw.w_h, fw.w_e, fw.b_in, fw.w_out, fw.b_out, fw.embed, fw.embed[fw.vocab], fw.vocab).save(
+        src / "feature_head.npz")
     make_openvla_standin(src, tmp_path / "big", shape=Shape(256, 8, 4, 64, 512, 3), progress=False)
+    narrow, wide = TextHead.load(src / "feature_head.npz"), TextHead.load(tmp_path / "big" / "feature_head.npz")
+    assert wide.w.embed.shape[1] == 256
+    rng = np.random.default_rng(9)
+    for _ in range(5):
+        h, x = rng.normal(0, 1, 128).astype(np.float32), int(rng.integers(0, 100))
+        a, b = narrow.first(h, x), wide.first(np.concatenate([h, np.zeros(128, np.float32)]), x)
+        for _ in range(3):
+            assert a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-5)
+            a, b = narrow.next(a[0]), wide.next(b[0])
     kw = dict(unnorm_key="bridge_orig", progress=False)
     export_openvla(src / "target", tmp_path / "e-small", **kw)
     export_openvla(tmp_path / "big" / "target", tmp_path / "e-big", draft=tmp_path / "big" / "draft",
-                   draft_head=tmp_path / "big" / "draft_head.npz", **kw)
+                   draft_head=tmp_path / "big" / "draft_head.npz", feature_head=tmp_path / "big" / "feature_head.npz",
+                   **kw)
     small = load_policy(tmp_path / "e-small")
     bigs = [load_policy(tmp_path / "e-big"), load_policy(tmp_path / "e-big", draft=True),
-            load_policy(tmp_path / "e-big", draft="head")]
+            load_policy(tmp_path / "e-big", draft="head"), load_policy(tmp_path / "e-big", draft="feature-head")]
     assert bigs[0].target.m.hidden_size == 256 and bigs[0].target.m.num_layers == 3
     rng = np.random.default_rng(8)
     for instr in ("open the drawer", "put the spoon in the bowl"):
