@@ -227,9 +227,7 @@ def main(argv=None) -> int:
     else:
         from edgespec.policy import load_policy
         pol = load_policy(args.policy)
-        res = closed_loop(lambda obs: pol.act(obs["image"], obs["state"] if pol.state_dim else None,  # OpenVLA: none
-                                              obs["instruction"]),
-                          range(EVAL_SEED0, EVAL_SEED0 + args.episodes), args.execute)
+        res = closed_loop(pol, range(EVAL_SEED0, EVAL_SEED0 + args.episodes), args.execute)  # Policy.__call__
         print(json.dumps({**res, "policy": str(args.policy), "seed0": EVAL_SEED0, "execute": args.execute,
                           "command": "python -m edgespec.robots.demos " + " ".join(
                               argv if argv is not None else sys.argv[1:])}))
