@@ -78,13 +78,7 @@ def load_feature_head(policy_dir: Path, m: PC.PolicyManifest, tok: ActionTokeniz
                                 f"edgespec.export.training.train_feature_head --model MODEL`, then re-export the "
                                 f"policy; or draft with its decoder, draft=True)")
     head = TextHead.load(checked_file(hpath, m.feature_head_sha256, check_hashes, policy_dir / PC.POLICY_FILE))
-    if head.w.embed.shape != (vocab_size, hidden_size):
-        raise ValueError(f"{hpath} was trained on a target with a {head.w.embed.shape} embedding table; this "
-                         f"policy's target has ({vocab_size}, {hidden_size})")
-    v = head.vocab
-    if v.min() < tok.first_id or v.max() >= tok.vocab_end:
-        raise ValueError(f"{hpath} proposes ids {int(v.min())}..{int(v.max())}; this policy's action ids are "
-                         f"{tok.first_id}..{tok.vocab_end - 1}")
+    head.w.check_fits(str(hpath), (vocab_size, hidden_size), (tok.first_id, tok.vocab_end), "this policy's target")
     return head
 
 

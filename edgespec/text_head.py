@@ -63,6 +63,17 @@ class TextHeadWeights:
     def vocab_size(self) -> int:
         return self.embed.shape[0]
 
+    def check_fits(self, where: str, embed_shape: tuple[int, int], ids: tuple[int, int], target: str) -> None:
+        """Refuse a head trained for another target: its embedding table must be `embed_shape` (V, E) and it may
+        propose only ids in [ids[0], ids[1]). where: how the error names the head; target: how it names the target."""
+        if self.embed.shape != tuple(embed_shape):
+            raise ValueError(f"{where} was trained on a target with a {self.embed.shape} embedding table; "
+                             f"{target} has {tuple(embed_shape)}")
+        lo, hi = ids
+        if self.vocab.min() < lo or self.vocab.max() >= hi:
+            raise ValueError(f"{where} proposes ids {int(self.vocab.min())}..{int(self.vocab.max())}; the action ids "
+                             f"are {lo}..{hi - 1}")
+
     def save(self, path: str | Path, dtype=np.float16) -> None:
         """Stored as `dtype` (fp16: half the bytes; a draft only proposes, the target decides)."""
         arrays = {f.name: getattr(self, f.name) for f in fields(self)}

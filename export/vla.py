@@ -130,16 +130,10 @@ def check_feature_head(path: Path, meta: dict, target_config: Path) -> None:
     if not meta.get("fast"):
         raise ValueError(f"{path}: a feature head drafts FAST tokens, and this policy emits bins (its draft head is "
                          f"{HEAD_FILE}, train_draft_head.py); remove the file or export a FAST policy")
-    w = TextHeadWeights.load(path)  # refuses weights that do not fit together
     cfg = json.loads(target_config.read_text())
-    want = (int(cfg["vocab_size"]), int(cfg["hidden_size"]))
-    if w.embed.shape != want:
-        raise ValueError(f"{path} was trained on a target with a {w.embed.shape} embedding table; "
-                         f"{target_config} says {want}")
-    lo, hi = int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"])
-    if w.vocab.min() < lo or w.vocab.max() >= hi:
-        raise ValueError(f"{path} proposes ids {int(w.vocab.min())}..{int(w.vocab.max())}; the policy's action ids "
-                         f"are {lo}..{hi - 1}")
+    TextHeadWeights.load(path).check_fits(  # load refuses weights that do not fit together
+        str(path), (int(cfg["vocab_size"]), int(cfg["hidden_size"])),
+        (int(meta["vocab_end"]) - int(meta["n_bins"]), int(meta["vocab_end"])), f"{target_config}")
 
 
 def export_policy(model_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", force: bool = False,

@@ -181,14 +181,9 @@ def check_draft_head(path: Path, src: VLMSource, horizon: int, dims: int) -> Non
 def check_feature_head(path: Path, src: VLMSource) -> None:
     """A feature head (train_feature_head.py) for a prompt policy: the target's embedding table, the action ids."""
     from edgespec.text_head import TextHeadWeights
-    w = TextHeadWeights.load(path)  # refuses weights that do not fit together
-    if w.embed.shape != (src.vocab_size, src.width):
-        raise ValueError(f"--feature-head {path} was trained on a target with a {w.embed.shape} embedding table; this "
-                         f"checkpoint's is ({src.vocab_size}, {src.width})")
-    lo, hi = src.vocab_end - src.n_bins, src.vocab_end
-    if w.vocab.min() < lo or w.vocab.max() >= hi:
-        raise ValueError(f"--feature-head {path} proposes ids {int(w.vocab.min())}..{int(w.vocab.max())}; the action "
-                         f"ids are {lo}..{hi - 1}")
+    TextHeadWeights.load(path).check_fits(  # load refuses weights that do not fit together
+        f"--feature-head {path}", (src.vocab_size, src.width), (src.vocab_end - src.n_bins, src.vocab_end),
+        "this checkpoint")
 
 
 def check_draft(src: VLMSource, draft: Path) -> None:

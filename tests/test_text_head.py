@@ -56,6 +56,18 @@ def test_weights_round_trip_and_clear_errors(tmp_path):
         TextHeadWeights(w.w_h, w.w_e, w.b_in, w.w_out, w.b_out, w.embed, w.lm, np.full(K, 3))
 
 
+def test_check_fits_refuses_another_targets_head_by_name():
+    w = random_weights()
+    lo, hi = int(w.vocab.min()), int(w.vocab.max()) + 1
+    w.check_fits("h.npz", (V, E), (lo, hi), "the target")  # fits: no error
+    with pytest.raises(ValueError, match=rf"h.npz was trained on a target with a \({V}, {E}\) embedding table; "
+                                         rf"the target has \({V}, {E + 1}\)"):
+        w.check_fits("h.npz", (V, E + 1), (lo, hi), "the target")
+    with pytest.raises(ValueError, match=rf"h.npz proposes ids {lo}..{hi - 1}; the action ids are {lo + 1}..{hi - 1}"):
+        w.check_fits("h.npz", (V, E), (lo + 1, hi), "the target")
+    with pytest.raises(ValueError, match=rf"proposes ids {lo}..{hi - 1}; the action ids are {lo}..{hi - 2}"):
+        w.check_fits("h.npz", (V, E), (lo, hi - 1), "the target")
+
 @pytest.mark.parametrize("stop_below", [0.0, 0.5])
 def test_drafter_proposes_the_heads_chain_and_stops_when_unsure(stop_below):
     w = random_weights(2)
