@@ -5,7 +5,9 @@
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
 bins plain, bins exact with the draft decoder (--gamma) and with its draft head (its defaults), FAST plain, FAST exact with the draft decoder at each
 --fast-gammas (each policy's own 1-layer draft, trained beside its target), and FAST exact with its feature head
-(train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one. Per mode: success rate, mean return, action tokens per chunk, action-decode
+(train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one; all of
+them on each of --providers (cpu: ONNX Runtime; cpu-native: the native step), each exact mode against its own
+provider's plain. Per mode: success rate, mean return, action tokens per chunk, action-decode
 ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
 accepted tokens per target call, and the speedup of each exact mode over its own plain mode from the same run. Exact
 modes must produce actions identical to their plain mode on every step (checked: same episode, same actions, same
@@ -112,7 +114,9 @@ def plot(res: dict, path: Path) -> None:
     names = list(res["modes"])
     ms = [res["modes"][k]["decode_min_of_repeats_ms_mean"] for k in names]
     fig, ax = plt.subplots(figsize=(8.0, 0.45 * len(names) + 1.4))
-    ax.barh(range(len(names)), ms, color=["tab:blue" if k.startswith("bins") else "tab:orange" for k in names])
+    colors = {("bins", False): "tab:blue", ("bins", True): "lightsteelblue", ("FAST", False): "tab:orange",
+              ("FAST", True): "navajowhite"}  # the lighter shade: a provider other than cpu
+    ax.barh(range(len(names)), ms, color=[colors[k.split()[0], k.endswith("]")] for k in names])
     for i, k in enumerate(names):
         r = res["modes"][k]
         sp = r.get("speedup_decode_min_of_repeats")
@@ -126,6 +130,35 @@ def plot(res: dict, path: Path) -> None:
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def suffixed(name: str, provider: str) -> str:
+    return name if provider == "cpu" else f"{name} [{provider}]"
+
+
+def plain_name(mode: str) -> str:
+    """An exact mode's name -> its plain mode's: the same family (bins / FAST), the same provider."""
+    family = "bins" if mode.startswith("bins") else "FAST"
+    provider = mode[mode.index(" [") + 2:-1] if mode.endswith("]") else "cpu"
+    return suffixed(f"{family} plain", provider)
+
+
+def make_modes(args, provider: str) -> dict:
+    """Every mode of one provider, named with its provider unless it is ONNX Runtime's cpu."""
+    def load(path, **kw):
+        return edgespec.load_policy(path, provider=provider, **kw)
+    pairs = [("bins plain", load(args.bins)), ("bins exact (draft decoder)", load(args.bins, draft=True,
+                                                                                 gamma=args.gamma))]
+    if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
+        pairs.append(("bins exact (draft head)", load(args.bins, draft="head")))
+    pairs.append(("FAST plain", load(args.fast)))
+    for g in (int(x) for x in args.fast_gammas.split(",") if x):
+        pairs.append((f"FAST exact (draft decoder, gamma {g})", load(args.fast, draft=True, gamma=g)))
+    if (args.fast / "feature_head.npz").is_file():
+        for g in (int(x) for x in args.head_gammas.split(",") if x):
+            pairs.append((f"FAST exact (feature head, gamma {g})", load(args.fast, draft="head", gamma=g,
+                                                                       stop_below=args.head_stop_below)))
+    return {suffixed(k, provider): Mode(suffixed(k, provider), p, args.repeats) for k, p in pairs}
 
 
 def main(argv=None) -> int:
@@ -142,28 +175,19 @@ def main(argv=None) -> int:
     ap.add_argument("--head-stop-below", type=float, default=0.0,
                     help="the feature head modes' dynamic stop (0: always their gamma)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--providers", default="cpu",
+                    help="comma-separated: every mode on each (cpu: ONNX Runtime; cpu-native: the native step), each "
+                         "exact mode against its own provider's plain")
     args = ap.parse_args(argv)
     if not (args.bins / "policy.json").is_file():
         from edgespec.export.bundled import ensure_policy_engines
         ensure_policy_engines()
-    modes = {"bins plain": Mode("bins plain", edgespec.load_policy(args.bins), args.repeats),
-             "bins exact (draft decoder)": Mode("bins exact", edgespec.load_policy(args.bins, draft=True,
-                                                                                   gamma=args.gamma), args.repeats),
-             "FAST plain": Mode("FAST plain", edgespec.load_policy(args.fast), args.repeats)}
-    if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
-        modes["bins exact (draft head)"] = Mode("bins head", edgespec.load_policy(args.bins, draft="head"),
-                                                args.repeats)
-    for g in (int(x) for x in args.fast_gammas.split(",")):
-        modes[f"FAST exact (draft decoder, gamma {g})"] = Mode(f"FAST exact {g}", edgespec.load_policy(
-            args.fast, draft=True, gamma=g), args.repeats)
-    if (args.fast / "feature_head.npz").is_file():
-        for g in (int(x) for x in args.head_gammas.split(",")):
-            modes[f"FAST exact (feature head, gamma {g})"] = Mode(f"FAST head {g}", edgespec.load_policy(
-                args.fast, draft="head", gamma=g, stop_below=args.head_stop_below), args.repeats)
+    modes = {}
+    for provider in args.providers.split(","):
+        modes.update(make_modes(args, provider))
     t0 = time.time()
     run_interleaved(modes, args.episodes, args.execute)
-    plain_of = {k: modes["bins plain"] if k.startswith("bins") else modes["FAST plain"] for k in modes
-                if "exact" in k}
+    plain_of = {k: modes[plain_name(k)] for k in modes if "exact" in k}
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_fast_policy.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": machine(), "episodes": args.episodes,
         "execute": args.execute, "gamma": args.gamma, "policies": {"bins": str(args.bins), "fast": str(args.fast)},

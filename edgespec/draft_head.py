@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafts import OneSequenceDrafter, load_arrays, top
+from .drafts import OneSequenceDrafter, load_arrays, mv, top
 
 TABLES = ("prev", "same", "vel", "other_vel")
 
@@ -131,7 +131,7 @@ class DraftHead:
         if flat.shape[0] != self.w.ctx_w.shape[0]:
             raise ValueError(f"prefix has {flat.shape[0]} values; this draft head was trained on "
                              f"{self.w.ctx_w.shape[0]} (P x E)")
-        self._ctx = flat @ self.w.ctx_w + self.w.ctx_b
+        self._ctx = mv(flat, self.w.ctx_w) + self.w.ctx_b
 
     def _hidden(self, ids, t: int) -> np.ndarray:
         d, r, start, none = self.dims, self.radius, self.n_ids, 2 * self.radius + 1
@@ -144,7 +144,7 @@ class DraftHead:
         x = self._table[rows + self._at].sum(0)
         x += self._ctx
         np.maximum(x, 0.0, out=x)
-        x = x @ self.w.fc2_w
+        x = mv(x, self.w.fc2_w)
         x += self.w.fc2_b
         return np.maximum(x, 0.0, out=x)
 
@@ -154,7 +154,7 @@ class DraftHead:
         h = self._hidden(ids, t)
         self.calls += 1
         if t < self.dims:
-            return top(h @ self.w.abs_w + self.w.abs_b)
+            return top(mv(h, self.w.abs_w) + self.w.abs_b)
         z, first = self._steps(h, ids, t)
         best, p = top(z)
         return first + best, p
@@ -162,7 +162,7 @@ class DraftHead:
     def _steps(self, h: np.ndarray, ids, t: int) -> tuple[np.ndarray, int]:
         """-> the step logits that land on a bin (steps -R..R from ids[t-D], clipped to 0..n-1), and the
         bin id of the first of them."""
-        z = h @ self.w.rel_w + self.w.rel_b  # (2R+1,)
+        z = mv(h, self.w.rel_w) + self.w.rel_b  # (2R+1,)
         base = int(ids[t - self.dims]) - self.radius
         lo, hi = max(0, -base), min(len(z), self.n_ids - base)
         return z[lo:hi], base + lo

@@ -110,6 +110,14 @@ def max_prob(logits: np.ndarray) -> np.ndarray:
     return 1.0 / np.exp(z).sum(-1)
 
 
+def mv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (N,) @ w (N, M) on the calling thread, for the host drafts' small products. numpy's matmul hands a
+    product of more than ~9000 weights to a multithreaded BLAS, whose threads then wait for cores that the
+    engine's own thread pool spins on between calls, or that another process holds (a robot's computer
+    always runs others); einsum's loop never leaves this thread."""
+    return np.einsum("n,nm->m", x, w, optimize=False)
+
+
 def top(logits: np.ndarray) -> tuple[int, float]:
     """logits (V,) -> (argmax, its softmax probability): max_prob for one row, without the batch arrays."""
     best = int(logits.argmax())

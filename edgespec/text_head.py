@@ -20,16 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .drafts import OneSequenceDrafter, load_arrays, top
+from .drafts import OneSequenceDrafter, load_arrays, mv, top
 
 HEAD_FORMAT = 1
-
-
-def mv(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x (N,) @ w (N, M) on the calling thread. numpy's matmul would hand these products to a multithreaded
-    BLAS, whose threads then wait for the cores the engine's own thread pool keeps spinning on between
-    calls; einsum's loop never leaves this thread."""
-    return np.einsum("n,nm->m", x, w, optimize=False)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

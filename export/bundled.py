@@ -77,6 +77,13 @@ def _older_contract(engine_dir: Path) -> bool:
     return data is not None and data.get("contract_version") != CONTRACT_VERSION
 
 
+def _without_native(engine_dir: Path) -> bool:
+    """True for an engine folder whose engine.json has no record of native weights: exported before the export
+    wrote them (a record that says why they are unavailable counts as one)."""
+    data = _manifest_json(engine_dir)
+    return data is not None and "native" not in (data.get("extra") or {})
+
+
 def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -> Path:
     """engines/vla-reacher, exported from models/vla-reacher on first use (needs the export extra)."""
     eng, src = Path(engines) / name, Path(models) / name
@@ -96,6 +103,8 @@ def ensure_policy_engines(models: Path, engines: Path, name: str = VLA_POLICY) -
             stale = "its draft head changed"
     if _older_contract(eng / "target"):
         stale = "exported for an older engine contract"
+    elif _without_native(eng / "target"):
+        stale = "exported before policy targets carried native weights (provider cpu-native)"
     if not (eng / POLICY_FILE).is_file() or stale:
         if not (src / POLICY_FILE).is_file():
             raise FileNotFoundError(f"neither {eng} nor the policy model {src} exists; run from the repository "

@@ -141,3 +141,20 @@ def test_ensure_policy_engines_re_exports_stale_folders(tiny_reacher_policy, tmp
     monkeypatch.setattr(vla, "export_policy", lambda *a, **k: calls.append((a, k)))
     assert ensure_policy_engines(tmp_path / "models", tmp_path / "engines", "p") == eng
     assert calls == ([((src, eng), {"progress": False, "force": True})] if stale else [])
+
+
+@pytest.mark.parametrize("extra, stale", [({}, True), ({"native": {"file": "native.npz"}}, False),
+                                          ({"native": {"unavailable": "no C compiler"}}, False)])
+def test_ensure_policy_engines_re_exports_a_target_without_native_weights(tiny_reacher_policy, tmp_path, monkeypatch,
+                                                                          extra, stale):
+    """A policy folder exported before its target carried native weights (provider cpu-native) is re-exported."""
+    import edgespec.export.vla as vla
+    from edgespec.contract import CONTRACT_VERSION, MANIFEST_FILE
+    from edgespec.export.bundled import ensure_policy_engines
+    src, eng = fake_folders(tmp_path, tiny_reacher_policy)
+    (eng / "target").mkdir()
+    (eng / "target" / MANIFEST_FILE).write_text(json.dumps({"contract_version": CONTRACT_VERSION, "extra": extra}))
+    calls = []
+    monkeypatch.setattr(vla, "export_policy", lambda *a, **k: calls.append((a, k)))
+    ensure_policy_engines(tmp_path / "models", tmp_path / "engines", "p")
+    assert calls == ([((src, eng), {"progress": False, "force": True})] if stale else [])
