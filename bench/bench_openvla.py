@@ -30,7 +30,8 @@ from host import machine  # noqa: E402
 from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
 
 
-def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repeats: int) -> dict:
+def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repeats: int,
+              feature_stop: float | None) -> dict:
     modes = {"plain": edgespec.load_policy(standin, provider=provider, threads=None),
              "exact (draft head)": edgespec.load_policy(standin, draft="head", gamma=gamma, provider=provider,
                                                         threads=None),
@@ -38,7 +39,7 @@ def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repea
                                                            threads=None)}
     if json.loads((standin / "policy.json").read_text()).get("feature_head_sha256"):
         modes["exact (feature head)"] = edgespec.load_policy(standin, draft="feature-head", gamma=gamma,
-                                                             stop_below=0.0, provider=provider, threads=None)
+                                                             stop_below=feature_stop, provider=provider, threads=None)
     env = ThreeTargetReacher()
     obs = [env.reset(seed=920_000 + i) for i in range(n_obs)]
     env.close()
@@ -58,7 +59,7 @@ def real_size(standin: Path, small, provider: str, n_obs: int, gamma: int, repea
             rounds[k] += info["target_calls"]
             same &= list(ids) == list(want)
     t = modes["plain"].target.m
-    out = {"provider": provider, "observations": n_obs, "gamma": gamma,
+    out = {"provider": provider, "observations": n_obs, "gamma": gamma, "feature_head_stop_below": feature_stop,
            "target": {"hidden_size": t.hidden_size, "layers": t.num_layers, "heads": t.num_heads,
                       "kv_heads": t.num_kv_heads, "vocab_size": t.vocab_size},
            "ids_equal_small_policy": bool(same), "modes": {}}
@@ -82,6 +83,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=15)
     ap.add_argument("--feature-gamma", type=int, default=15,
                     help="γ of the exact mode with the policy's feature head (when its folder has one)")
+    ap.add_argument("--standin-feature-stop", type=float, default=None,
+                    help="the stand-in's feature-head dynamic stop (default: the head kind's, 0.7). At real size a "
+                         "verify of more rows costs more, so unsure chains should end; the small policy's feature "
+                         "head runs without a stop (a call costs about the same whatever its rows)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     modes = {"plain": Mode("plain", edgespec.load_policy(args.policy), args.repeats),
@@ -105,7 +110,7 @@ def main(argv=None) -> int:
     if args.standin is not None:
         t1 = time.time()
         res["real_size"] = real_size(args.standin, modes["plain"].policy, args.standin_provider, args.standin_obs,
-                                     args.gamma, args.standin_repeats)
+                                     args.gamma, args.standin_repeats, args.standin_feature_stop)
         res["real_size"]["wall_s"] = round(time.time() - t1, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2) + "\n")
