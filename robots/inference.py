@@ -35,7 +35,8 @@ class single_threaded_env:
     """While active, child processes started with "spawn" get single-threaded BLAS / OpenMP (numpy reads
     these variables at import, which in a spawned child happens after this environment is copied). A
     numpy BLAS pool of one thread per core spins between calls and, on a loaded CPU, stalls on preempted
-    peers, which stalls the draft head's small matrix-vector products."""
+    peers. The drafts' own products no longer use it (edgespec.drafts.mv); other numpy code that runs in the
+    policy's process still could."""
 
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in SINGLE_THREAD_ENV}
