@@ -29,6 +29,14 @@ from host import machine  # noqa: E402
 from edgespec.robots.reacher import ThreeTargetReacher  # noqa: E402
 
 
+def runtime() -> str:
+    """Which edgespec ran: its checkout's commit (an A/B puts another checkout on PYTHONPATH)."""
+    import subprocess
+    where = Path(edgespec.__file__).resolve().parent
+    r = subprocess.run(["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or "unknown (not a git checkout)"
+
+
 def modes(bins: Path, fast: Path | None) -> dict:
     out = {"bins plain": edgespec.load_policy(bins), "bins exact (draft head)": edgespec.load_policy(bins, draft="head")}
     if fast is not None:
@@ -86,7 +94,7 @@ def main(argv=None) -> int:
     obs = closed_loop_observations(pols["bins plain"], a.obs, a.execute)
     run(pols, obs[:3], 1)  # warm-up
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_policy_load.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": machine(), "runtime": edgespec.__file__,
+        argv if argv is not None else sys.argv[1:]), "machine": machine(), "runtime": runtime(),
         "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")},
         "observations": a.obs, "repeats": a.repeats, "loads": {}}
     for n in (int(h) for h in a.hogs.split(",")):
