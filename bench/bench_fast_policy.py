@@ -5,8 +5,9 @@
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
 bins plain, bins exact with the draft decoder (--gamma) and with its draft head (its defaults), FAST plain, FAST exact with the draft decoder at each
 --fast-gammas (each policy's own 1-layer draft, trained beside its target), and FAST exact with its feature head
-(train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one; all of
-them on each of --providers (cpu: ONNX Runtime; cpu-native: the native step), each exact mode against its own
+(train_feature_head.py; numpy, over the target's hidden state) at each --head-gammas when the folder has one; and
+with the last chunk as a draft (last_chunk=True: alone, with the bins' draft head, with the FAST feature head at each
+--head-gammas; the policy object persists across episodes, as on a robot); all of them on each of --providers (cpu: ONNX Runtime; cpu-native: the native step), each exact mode against its own
 provider's plain. Per mode: success rate, mean return, action tokens per chunk, action-decode
 ms (encoder excluded; per call the fastest of --repeats decodes of the same prefix, and the single-shot mean),
 accepted tokens per target call, and the speedup of each exact mode over its own plain mode from the same run. Exact
@@ -34,7 +35,7 @@ class Mode:
         self.name, self.policy, self.repeats = name, policy, repeats
         self.env = ThreeTargetReacher()
         self.success, self.returns, self.decode_ms, self.decode_min_ms, self.tokens = [], [], [], [], []
-        self.rounds = self.accepted = self.drafted = 0
+        self.rounds = self.accepted = self.drafted = self.last_kept = 0
         self.chunks: list[list[np.ndarray]] = []  # per episode, every chunk
         self.invalid: list[str] = []  # FAST chunks that did not decode (each ends its episode as a failure)
 
@@ -42,6 +43,7 @@ class Mode:
         obs, done, ret, info, p, chunks = self.env.reset(seed=seed), False, 0.0, {}, self.policy, []
         while not done:
             state = obs["state"] if p.state_dim else None  # an OpenVLA-format policy reads no state
+            last = p.last_chunk
             try:
                 chunk = p.act(obs["image"], state, obs["instruction"])
             except ValueError as e:  # FAST ids that are not a whole chunk: the robot would hold; the episode fails
@@ -55,16 +57,17 @@ class Mode:
             best, ids = li["decode_ms"], None
             for _ in range(self.repeats - 1):  # the same decode again (same ids): filters the machine's noise
                 t = time.perf_counter()
-                ids, _ = p.decode_ids(prefix)
+                ids, _ = p.decode_ids(prefix, last=last)  # the last chunk act() saw, not the one it returned
                 best = min(best, (time.perf_counter() - t) * 1e3)
             if ids is None:
-                ids, _ = p.decode_ids(prefix)
+                ids, _ = p.decode_ids(prefix, last=last)
             self.decode_ms.append(li["decode_ms"])
             self.decode_min_ms.append(best)
             self.tokens.append(len(ids))
             self.rounds += li["target_calls"]
             self.accepted += li["accepted"]
             self.drafted += li["drafted"]
+            self.last_kept += li["last_chunk_kept"] or 0
             chunks.append(chunk)
             for a in chunk[:execute]:
                 obs, r, done, info = self.env.step(a)
@@ -83,6 +86,7 @@ class Mode:
                "decode_min_of_repeats_ms_mean": float(np.mean(self.decode_min_ms)),
                "tokens_per_target_call": float(np.sum(self.tokens) / self.rounds),
                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+               "last_chunk_ids_kept_per_chunk": self.last_kept / len(self.tokens),
                "invalid_chunks": len(self.invalid), "invalid_examples": sorted(set(self.invalid))[:3]}
         if plain is not None:
             out["speedup_decode_min_of_repeats"] = float(np.sum(plain.decode_min_ms) / np.sum(self.decode_min_ms))
@@ -149,15 +153,20 @@ def make_modes(args, provider: str) -> dict:
         return edgespec.load_policy(path, provider=provider, **kw)
     pairs = [("bins plain", load(args.bins)), ("bins exact (draft decoder)", load(args.bins, draft=True,
                                                                                  gamma=args.gamma))]
+    pairs.append(("bins exact (last chunk)", load(args.bins, last_chunk=True)))
     if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
         pairs.append(("bins exact (draft head)", load(args.bins, draft="head")))
+        pairs.append(("bins exact (draft head, last chunk)", load(args.bins, draft="head", last_chunk=True)))
     pairs.append(("FAST plain", load(args.fast)))
+    pairs.append(("FAST exact (last chunk)", load(args.fast, last_chunk=True)))
     for g in (int(x) for x in args.fast_gammas.split(",") if x):
         pairs.append((f"FAST exact (draft decoder, gamma {g})", load(args.fast, draft=True, gamma=g)))
     if (args.fast / "feature_head.npz").is_file():
         for g in (int(x) for x in args.head_gammas.split(",") if x):
             pairs.append((f"FAST exact (feature head, gamma {g})", load(args.fast, draft="head", gamma=g,
                                                                        stop_below=args.head_stop_below)))
+            pairs.append((f"FAST exact (feature head, gamma {g}, last chunk)", load(
+                args.fast, draft="head", gamma=g, stop_below=args.head_stop_below, last_chunk=True)))
     return {suffixed(k, provider): Mode(suffixed(k, provider), p, args.repeats) for k, p in pairs}
 
 

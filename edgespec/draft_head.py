@@ -213,6 +213,7 @@ class HiddenHeadDraft(OneSequenceDrafter):
     a chunk's first round is a plain prefill (from_prefix False) and the head starts at its first draft. The head
     proposes bins 0..n-1; the policy's ids are those + first_id (OpenVLA's are the vocabulary's last n)."""
     from_prefix = False
+    reads_prefill = True
 
     def __init__(self, head: DraftHead, features, first_id: int, stop_below: float = 0.0):
         self.head, self.features, self.first_id, self.stop_below = head, features, first_id, stop_below

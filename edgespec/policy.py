@@ -23,7 +23,9 @@ feature-level head of text_head.py, over the target's hidden state each round), 
 or a draft engine folder; both stop early after an unsure proposal (stop_below). Acceptance (docs/vla.md):
 "greedy", exact; "relaxed", opt-in and lossy: a draft action token within `radius` bins of the target's choice
 is kept (never on binary dimensions); `worst_case_deviation()`
-bounds it in action units, last_info["max_dev_bins"] says what was accepted.
+bounds it in action units, last_info["max_dev_bins"] says what was accepted. last_chunk=True (any draft, or
+none): each chunk's prefill first verifies the ids of the chunk act() returned before it (last_chunk.py); a
+robot holding a pose replans the same chunk, which then takes one target call.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from .backends.ort import plain_session
 from .backends.remote import RemoteTarget
 from .draft_head import HeadDraft, HiddenHeadDraft
 from .drafts import DraftModel, Drafter
+from .last_chunk import LastChunk, LastChunkDraft
 from .loop import LeanRounds, Loop, Sequence
 from .masks import step_inputs
 from .policy_folder import (check_inputs, checked_file, instruction_ids, load_fast, load_feature_head, load_head,
@@ -133,6 +136,8 @@ class Policy:
         r = cfg.radius if cfg.acceptance == "relaxed" else 0
         self._radius = np.array([0 if (j % self.dims) in binary else r for j in range(n)], np.int64)  # (H*D,)
         self.last_info: dict = {}
+        self.last_chunk: LastChunk | None = None  # the chunk act() returned last (what cfg.last_chunk drafts)
+        self._last_draft: LastChunkDraft | None = None  # this chunk's, when it drafts the last chunk
         # one call at a time: the decoders' caches, the draft head's context and last_info are shared state
         self._lock = threading.RLock()
 
@@ -205,9 +210,11 @@ class Policy:
             t0 = time.perf_counter()
             prefix = self.encode(image, state, instruction)  # (1, P, E)
             t1 = time.perf_counter()
-            ids, info = self.decode_ids(prefix)
+            ids, info = self.decode_ids(prefix, last=self.last_chunk)
             t2 = time.perf_counter()
             actions = self.ids_to_actions(ids)
+            # a whole chunk (ids_to_actions checked it): what the next chunk drafts first
+            self.last_chunk = self.last_chunk.then(ids) if self.last_chunk else LastChunk(tuple(map(int, ids)))
             info.update(encode_ms=(t1 - t0) * 1e3, decode_ms=(t2 - t1) * 1e3,
                         act_ms=(time.perf_counter() - t0) * 1e3)
             self.last_info = info
@@ -224,37 +231,45 @@ class Policy:
                              f"a chunk takes at most {self.max_tokens} with END")
         return self.tok.stats.unnormalize(self.fast.decode(ids))
 
-    def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None,
-                   reference: bool = False) -> tuple[list[int], dict]:
+    def decode_ids(self, prefix: np.ndarray, use_draft: bool | None = None, reference: bool = False,
+                   last: LastChunk | None = None) -> tuple[list[int], dict]:
         """Prefix (1, P, E) -> the H*D action ids (time-major) and decoding statistics. Every target call is one
         fast_round (γ = 0 without a draft); reference=True: the generic round (slow, obvious; tests compare).
+        last: a LastChunk (act() passes self.last_chunk, the chunk it returned before) that cfg.last_chunk
+        drafts from; None: none. use_draft=False drafts nothing, not even the last chunk.
         NaN/inf logits raise FloatingPointError; the rows of that call are zeroed by the decoder and every
         call starts from empty caches, so a failed call changes no later one."""
         with self._lock:  # the caches are shared: one decode at a time
-            return self._decode_ids(prefix, use_draft, reference)
+            return self._decode_ids(prefix, use_draft, reference, last)
 
-    def _drafter(self, prefix: np.ndarray, use_draft: bool | None) -> Drafter | None:
-        """This chunk's drafter, primed with the prefix (None: plain decoding)."""
+    def _drafter(self, prefix: np.ndarray, use_draft: bool | None, last: LastChunk | None) -> Drafter | None:
+        """This chunk's drafter, primed with the prefix (None: plain decoding); with cfg.last_chunk and a last
+        chunk, wrapped so that the prefill verifies that chunk's ids first."""
+        self._last_draft = None
         if use_draft is False:
             return None
+        inner = self.draft
         if self._head_draft is not None:
             self._head_draft.begin(prefix)  # the prefix head projects it; the hidden-state head waits for the prefill
-            return self._head_draft
-        if self.draft is not None:
+            inner = self._head_draft
+        elif self.draft is not None:
             dd = self.draft.decoder
             dd.cache.rewind_to(0)
             dd.run(None, embeds=prefix)
             dd.cache.commit(prefix.shape[1])
-        return self.draft
+        self._last_draft = LastChunkDraft(inner, prefix.shape[1], last.ids, last.repeated) \
+            if self.cfg.last_chunk and last is not None else None
+        return self._last_draft or inner
 
-    def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool) -> tuple[list[int], dict]:
+    def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool,
+                    last: LastChunk | None) -> tuple[list[int], dict]:
         n, p, target = self.max_tokens, prefix.shape[1], self.target
         end = self.fast.end_id if self.fast is not None else None
         target.cache.rewind_to(0)
         counter = self.head if self._head_draft is not None else self.draft.decoder if self.draft else None
         calls0 = counter.calls if counter is not None else 0
         fallbacks0 = target.fallbacks if target.caps.fallbacks else 0  # a remote target's calls run locally
-        drafter = self._drafter(prefix, use_draft)
+        drafter = self._drafter(prefix, use_draft, last)
         # a draft that proposes from the prefix alone (the head) makes the chunk's first round the prefill; a
         # draft decoder needs the prefill's first id, so that first call is a plain step
         fused = drafter is not None and drafter.from_prefix
@@ -280,9 +295,10 @@ class Policy:
         for _ in loop.run([seq]):
             pass
         stats.target_calls = stats.rounds  # one target call per round
-        if drafter is not None:
+        if counter is not None and drafter is not None:
             stats.draft_calls = counter.calls - calls0
         info = stats.policy_info()
+        info["last_chunk_kept"] = self._last_draft.kept if self._last_draft is not None else None
         info["max_dev_bins"] = getattr(rule, "max_dev_bins", 0)
         if self.remote is not None:
             info["fallbacks"] = target.fallbacks - fallbacks0
@@ -312,17 +328,18 @@ class Policy:
 def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: str = "greedy", radius: int = 5,
                 gamma: int | None = None, stop_below: float | None = None, provider: str | None = None,
                 threads: int | None = 1, remote: str | RemoteConfig | None = None,
-                spec: SpeculationConfig | None = None) -> Policy:
+                spec: SpeculationConfig | None = None, last_chunk: bool = False) -> Policy:
     """Load an exported VLA policy folder. draft="head" decodes speculatively with the folder's numpy draft
     head (the fastest here; its feature head when it has no per-dimension one), draft="feature-head" with its
     feature head, draft=True with its draft/ decoder engine, a path with that draft engine folder.
-    gamma / stop_below default per draft kind (DRAFT_DEFAULTS); spec: a SpeculationConfig (kind "policy") in
-    place of mode, radius, gamma and stop_below. provider: as edgespec.load (None: cuda where it exists).
+    gamma / stop_below default per draft kind (DRAFT_DEFAULTS); last_chunk=True: each chunk's prefill verifies
+    the ids of the chunk act() returned before it first (with any draft, or none; last_chunk.py); spec: a
+    SpeculationConfig (kind "policy") in place of mode, radius, gamma, stop_below and last_chunk. provider: as edgespec.load (None: cuda where it exists).
 
     remote: a vLLM server serving the policy's target checkpoint (`edgespec serve-target
     models/vla-reacher/target`), as a URL or a RemoteConfig. The drafts stay on the device and the server
     verifies them; a verify that fails runs on the folder's own target (on_failure "local", exact), or
     raises RemoteUnavailable (on_failure "raise": in the control loop the robot holds, then stops).
     last_info["fallbacks"] counts the chunk's calls that ran locally."""
-    return Policy(policy_dir, draft, spec or PolicyConfig(mode, radius, gamma, stop_below), provider, threads,
-                  remote=remote)
+    return Policy(policy_dir, draft, spec or PolicyConfig(mode, radius, gamma, stop_below, last_chunk), provider,
+                  threads, remote=remote)

@@ -5,6 +5,7 @@ take it.
     SpeculationConfig(gamma="auto", gamma_max=8)                        # text: γ chosen per round
     SpeculationConfig(gamma=4, lookup=3, lookup_gamma=12)                # text: prompt lookup, then the draft model
     SpeculationConfig(gamma=15, stop_below=0.7, acceptance="relaxed", radius=5)   # a policy's draft head
+    SpeculationConfig(gamma=15, stop_below=0.7, last_chunk=True, kind="policy")   # + the last chunk at each prefill
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class SpeculationConfig:
     acceptance: str = "greedy"  # "greedy" (exact) | "relaxed" (policies, lossy within `radius` bins)
     radius: int = 5  # relaxed: bins a draft action token may differ from the target's choice
     kind: str = "text"  # what decodes: "text" | "policy" (sets γ's bounds)
+    last_chunk: bool = False  # policies: each chunk's prefill verifies the last chunk's ids first (last_chunk.py)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -91,6 +93,11 @@ class SpeculationConfig:
             raise ValueError(f"acceptance mode must be one of {ACCEPTANCE}, got {self.acceptance!r}")
         if not _is_int(self.radius) or self.radius < 0:
             raise ValueError(f"radius must be an integer >= 0 (bins), got {self.radius!r}")
+        if not isinstance(self.last_chunk, bool):
+            raise ValueError(f"last_chunk must be True or False, got {self.last_chunk!r}")
+        if self.last_chunk and self.kind != "policy":
+            raise ValueError("last_chunk drafts a policy's action chunk from the one before it; kind "
+                             f"{self.kind!r} decodes no chunks (use kind='policy')")
 
     def resolved(self, gamma: int, stop_below: float) -> "SpeculationConfig":
         """This config with γ and stop_below filled in where they are None (a policy's draft-kind defaults)."""
@@ -104,10 +111,12 @@ DRAFT_DEFAULTS = {"head": (15, 0.7), "decoder": (8, 0.5), None: (8, 0.0)}
 
 
 def PolicyConfig(mode: str = "greedy", radius: int = 5, gamma: int | None = None,
-                 stop_below: float | None = None) -> SpeculationConfig:
+                 stop_below: float | None = None, last_chunk: bool = False) -> SpeculationConfig:
     """A policy's SpeculationConfig: acceptance `mode` ("greedy" | "relaxed") and its radius in bins, the most
-    draft tokens per round and the dynamic-stop threshold (None: the draft kind's default, DRAFT_DEFAULTS)."""
-    return SpeculationConfig(gamma, stop_below=stop_below, acceptance=mode, radius=radius, kind="policy")
+    draft tokens per round and the dynamic-stop threshold (None: the draft kind's default, DRAFT_DEFAULTS), and
+    whether each chunk's prefill verifies the last chunk's ids first (last_chunk.py)."""
+    return SpeculationConfig(gamma, stop_below=stop_below, acceptance=mode, radius=radius, kind="policy",
+                             last_chunk=last_chunk)
 
 
 def _gamma_arg(v: str):
@@ -131,6 +140,9 @@ def speculation_flags(p: argparse.ArgumentParser, kind: str = "text", lookup: in
         p.add_argument("--stop-below", type=float, default=None,
                        help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
                             "probability below this (0 = always --gamma; default: per draft kind)")
+        p.add_argument("--last-chunk", action="store_true",
+                       help="each chunk's prefill verifies the last chunk's action ids as its draft first (free; "
+                            "pays while the robot holds a pose or a steady motion; exact under --mode greedy)")
         return
     p.add_argument("--gamma", type=_gamma_arg, default="auto", help="draft length, or 'auto' (device-measured)")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,
@@ -146,5 +158,5 @@ def speculation_flags(p: argparse.ArgumentParser, kind: str = "text", lookup: in
 def from_args(args: argparse.Namespace, kind: str = "text") -> SpeculationConfig:
     """The SpeculationConfig of speculation_flags' flags (checked: ValueError says what is wrong)."""
     if kind == "policy":
-        return PolicyConfig(args.mode, args.radius, args.gamma, args.stop_below)
+        return PolicyConfig(args.mode, args.radius, args.gamma, args.stop_below, args.last_chunk)
     return SpeculationConfig(args.gamma, args.gamma_max, args.lookup, args.lookup_gamma)

@@ -231,3 +231,27 @@ def test_a_feature_head_that_does_not_fit_is_refused_at_export(fast_policies, tm
     with pytest.raises(ValueError, match=r"trained on a target with a \(40, 64\) embedding table"):
         export_policy(fast_model, tmp_path / "out-fast", progress=False)
     assert not (tmp_path / "out-bins").exists() and not (tmp_path / "out-fast").exists()
+
+
+def test_last_chunk_with_the_feature_head_is_exact(fast_policies):
+    """last_chunk=True on a FAST policy: its feature head reads the target's hidden state at the row that emitted
+    the chunk's last id, also after a round drafted from the last chunk; a repeated chunk (END included) takes one
+    target call; the ids are plain decoding's whatever the last chunk holds."""
+    from edgespec import load_policy
+    from edgespec.last_chunk import LastChunk
+    plain = load_policy(fast_policies["head"])
+    spec = load_policy(fast_policies["head"], draft="head", gamma=2, stop_below=0.0, last_chunk=True)
+    rng = np.random.default_rng(4)
+    prefixes = [plain.encode(*_obs(rng, plain)) for _ in range(6)]
+    wants = [plain.decode_ids(p)[0] for p in prefixes]
+    kept = 0
+    for i, (prefix, want) in enumerate(zip(prefixes, wants)):
+        other = wants[(i + 1) % len(wants)]
+        for last, whole in ((want, True), (want, False), (other, True), (want[:2] + other[2:], False)):
+            rec = LastChunk(tuple(last), whole)
+            got, info = spec.decode_ids(prefix, last=rec)
+            assert got == want == spec.decode_ids(prefix, last=rec, reference=True)[0]
+            kept += info["last_chunk_kept"]
+            if last == want and whole:
+                assert info["target_calls"] == 1
+    assert kept > 0

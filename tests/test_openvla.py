@@ -292,6 +292,17 @@ def test_hidden_state_draft_head_is_exact(ckpt, tmp_path):
         np.testing.assert_array_equal(spec.act(img, None, instr), plain.act(img, None, instr))
         drafted += spec.last_info["drafted"]
     assert drafted > 0
+    # with the last chunk: its rounds never come between the prefill and the head's start (which reads the
+    # prefill's rows), and a repeated chunk takes one target call
+    from edgespec.last_chunk import LastChunk
+    last = load_policy(tmp_path / "eng", draft="head", gamma=6, stop_below=0.0, last_chunk=True)
+    img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+    prefix = plain.encode(img, None, "open the drawer")
+    want = plain.decode_ids(prefix)[0]
+    for rec in (LastChunk(tuple(want), True), LastChunk(tuple(want[:3]) + (want[3] ^ 1,) * 4, False),
+                LastChunk(tuple(want[:3]) + (want[3] ^ 1,) * 4, True)):
+        got, info = last.decode_ids(prefix, last=rec)
+        assert got == want and (info["target_calls"] == 1) == (rec.repeated and list(rec.ids) == want), (rec, info)
     for bad, msg in ((random_draft_head(1, 64, 256, 1, 7), r"reads 64 values and proposes 256 bins for 1x7"),
                      (random_draft_head(1, 128, 128, 1, 7), r"proposes 128 bins")):
         bad.save(head)
