@@ -106,7 +106,7 @@ class Mode:
         pol = self.policy
         if pol.draft is not None or pol.head is not None:
             out["draft"] = "head" if pol.head is not None else "decoder"
-            out.update(gamma=pol.cfg.gamma, stop_below=pol.cfg.stop_below)
+            out.update(gamma=pol.cfg.gamma, stop_below=pol.cfg.stop_below, last_chunk=pol.cfg.last_chunk)
         if pol.cfg.acceptance == "relaxed" and (pol.draft is not None or pol.head is not None):
             out["radius_bins"] = self.policy.cfg.radius
             out["max_accepted_dev_bins"] = int(self.max_dev_bins)

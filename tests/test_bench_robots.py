@@ -24,8 +24,10 @@ def test_bench_vla_writes_every_mode(tiny_reacher_policy, tmp_path):
     assert bench_vla.main(["--engines", str(engines_dir(tiny_reacher_policy, tmp_path)), "--episodes", "1",
                            "--gamma", "3", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert set(r["modes"]) == {"plain", "exact", "exact (draft decoder)", "relaxed r=2", "relaxed r=5", "relaxed r=9"}
-    assert r["exact_actions_identical_to_plain"] == {"exact": True, "exact (draft decoder)": True}
+    assert set(r["modes"]) == {"plain", "exact", "exact (draft decoder)", "exact (last chunk)", "relaxed r=2",
+                               "relaxed r=5", "relaxed r=9"}
+    assert r["exact_actions_identical_to_plain"] == {"exact": True, "exact (draft decoder)": True,
+                                                     "exact (last chunk)": True}
     assert r["modes"]["exact"]["draft"] == "head" and r["modes"]["exact (draft decoder)"]["draft"] == "decoder"
     assert r["modes"]["plain"]["calls"] == r["modes"]["exact"]["calls"] >= 10  # 40 steps, replan every 4
     assert {"target_S1", "target_S16", "draft_decoder_S1", "draft_head_next", "encoder"} <= set(r["call_costs_ms"])
