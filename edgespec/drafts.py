@@ -145,6 +145,19 @@ class DraftModel(Drafter):
         self.stop_below = stop_below
         self.lo, self.hi = decoder.m.argmax_range
         self._ctx_len = np.zeros(decoder.batch, dtype=np.int64)
+        self._prefix: np.ndarray | None = None  # a policy chunk's prefix, run at this chunk's first draft
+
+    def begin(self, prefix: np.ndarray) -> None:
+        """A policy's new chunk after prefix (1, P, E): the cache is emptied, and the prefix rows are run at the
+        chunk's first draft (a chunk that never needs one, verified whole from the last chunk, skips them)."""
+        self.dec.cache.rewind_to(0)
+        self._prefix = prefix
+
+    def _prime(self) -> None:
+        if self._prefix is not None:
+            prefix, self._prefix = self._prefix, None
+            self.dec.run(None, embeds=prefix)
+            self.dec.cache.commit(prefix.shape[1])
 
     def room(self, contexts, active) -> int:
         longest = max((len(c) for c, a in zip(contexts, active) if a), default=0)
@@ -155,6 +168,7 @@ class DraftModel(Drafter):
         return max_prob(logits[:, self.lo:self.hi])
 
     def propose(self, contexts, gamma, pick, active) -> Proposal:
+        self._prime()
         cache, b = self.dec.cache, self.dec.batch
         n_ctx = np.array([len(c) if a else 0 for c, a in zip(contexts, active)], dtype=np.int64)
         n_new = n_ctx - cache.lengths  # (B,) catch-up tokens, >= 1 for active sequences
@@ -200,6 +214,7 @@ class DraftModel(Drafter):
     def draft(self, ctx, gamma, out) -> int:
         """propose() for one greedy sequence without per-round arrays: catch up on what the cache lacks of
         ctx, then one engine call per proposal (next_ids only, or the logits when stop_below needs them)."""
+        self._prime()
         dec, lo, hi, stop = self.dec, self.lo, self.hi, self.stop_below
         feed = np.array([ctx[int(dec.cache.lengths[0]):]], np.int64)  # (1, 1 or 2) catch-up ids
         self._ctx_len[0] = len(ctx)
@@ -230,6 +245,7 @@ class DraftModel(Drafter):
         c.rewind_to(np.minimum(c.lengths, n))
 
     def reset(self, b) -> None:
+        self._prefix = None
         lengths = self.dec.cache.lengths.copy()
         lengths[b] = 0
         self.dec.cache.rewind_to(lengths)

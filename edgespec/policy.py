@@ -253,10 +253,7 @@ class Policy:
             self._head_draft.begin(prefix)  # the prefix head projects it; the hidden-state head waits for the prefill
             inner = self._head_draft
         elif self.draft is not None:
-            dd = self.draft.decoder
-            dd.cache.rewind_to(0)
-            dd.run(None, embeds=prefix)
-            dd.cache.commit(prefix.shape[1])
+            self.draft.begin(prefix)  # its prefix rows run at its first draft
         self._last_draft = LastChunkDraft(inner, prefix.shape[1], last.ids, last.repeated) \
             if self.cfg.last_chunk and last is not None else None
         return self._last_draft or inner
