@@ -22,9 +22,9 @@ prefill, only the whole-chunk prefill.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from dataclasses import dataclass
+
+import numpy as np
 
 from .drafts import Drafter, Proposal
 
