@@ -86,12 +86,13 @@ def load_arrays(path: str | Path, names: list[str], what: str) -> dict[str, np.n
 
 
 class OneSequenceDrafter(Drafter):
-    """A drafter for one greedy sequence: `draft` is the whole of it, and `propose` goes through it."""
+    """A drafter for one greedy sequence: `draft` is the whole of it, and `propose` goes through it. span (the
+    generic round passes it when it exceeds gamma): the most proposals `draft` may write (its own span(gamma))."""
 
-    def propose(self, contexts, gamma, pick, active) -> Proposal:
+    def propose(self, contexts, gamma, pick, active, span: int | None = None) -> Proposal:
         if len(contexts) != 1:
             raise ValueError(f"{type(self).__name__} drafts one sequence, got {len(contexts)}")
-        tokens = np.zeros((1, gamma), np.int64)
+        tokens = np.zeros((1, max(gamma, span or 0)), np.int64)
         c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
         return Proposal(tokens, np.array([c]), None)
 

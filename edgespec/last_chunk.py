@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafts import Drafter, Proposal
+from .drafts import Drafter, OneSequenceDrafter
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class LastChunk:
         return LastChunk(ids, ids == self.ids)
 
 
-class LastChunkDraft(Drafter):
+class LastChunkDraft(OneSequenceDrafter):
     """One greedy sequence: a policy chunk after `offset` prefix rows (placeholder ids in ctx). whole: the
     prefill verifies all of `last` (the policy sets it when the last chunk repeated the one before it);
     otherwise the prefill is the inner drafter's (or plain), and `last` is proposed from the round after it
@@ -89,14 +89,6 @@ class LastChunkDraft(Drafter):
         if self.inner is None or not gamma or (len(ctx) == self.offset and not self.inner.from_prefix):
             return 0
         return self.inner.draft(ctx, gamma, out)
-
-    def propose(self, contexts, gamma, pick, active, span: int | None = None) -> Proposal:
-        """draft() through the generic round (greedy proposals, one sequence); span: the most it may propose."""
-        if len(contexts) != 1:
-            raise ValueError(f"LastChunkDraft drafts one sequence, got {len(contexts)}")
-        tokens = np.zeros((1, max(gamma, span or 0)), np.int64)
-        c = self.draft(contexts[0], gamma, tokens[0]) if active[0] else 0
-        return Proposal(tokens, np.array([c]), None)
 
     def commit(self, accepted) -> None:
         if self._from_last:  # the inner drafter drafted nothing this round

@@ -24,8 +24,9 @@ or a draft engine folder; both stop early after an unsure proposal (stop_below).
 "greedy", exact; "relaxed", opt-in and lossy: a draft action token within `radius` bins of the target's choice
 is kept (never on binary dimensions); `worst_case_deviation()`
 bounds it in action units, last_info["max_dev_bins"] says what was accepted. last_chunk=True (any draft, or
-none): each chunk's prefill first verifies the ids of the chunk act() returned before it (last_chunk.py); a
-robot holding a pose replans the same chunk, which then takes one target call.
+none): each chunk is verified against the ids of the chunk act() returned before it (at the prefill when that
+chunk repeated the one before it, else from the round after it; last_chunk.py): a robot holding a pose replans
+the same chunk, which then takes one target call.
 """
 from __future__ import annotations
 
@@ -239,12 +240,24 @@ class Policy:
         drafts from; None: none. use_draft=False drafts nothing, not even the last chunk.
         NaN/inf logits raise FloatingPointError; the rows of that call are zeroed by the decoder and every
         call starts from empty caches, so a failed call changes no later one."""
+        if last is not None:
+            self._check_last(last)
         with self._lock:  # the caches are shared: one decode at a time
             return self._decode_ids(prefix, use_draft, reference, last)
 
+    def _check_last(self, last) -> None:
+        """A last chunk must be a LastChunk of this policy's action ids, at most max_tokens of them."""
+        if not isinstance(last, LastChunk):
+            raise TypeError(f"last must be a LastChunk (policy.last_chunk) or None, got {type(last).__name__}")
+        lo, hi = self.tok.first_id, self.tok.vocab_end
+        bad = [i for i in last.ids if not lo <= i < hi]
+        if bad or len(last.ids) > self.max_tokens:
+            raise ValueError(f"last chunk: want at most {self.max_tokens} action ids in [{lo}, {hi}), got "
+                             f"{len(last.ids)} ids" + (f", {bad[:4]} outside" if bad else ""))
+
     def _drafter(self, prefix: np.ndarray, use_draft: bool | None, last: LastChunk | None) -> Drafter | None:
         """This chunk's drafter, primed with the prefix (None: plain decoding); with cfg.last_chunk and a last
-        chunk, wrapped so that the prefill verifies that chunk's ids first."""
+        chunk, wrapped so that its ids are proposed first (LastChunkDraft)."""
         self._last_draft = None
         if use_draft is False:
             return None
@@ -254,8 +267,8 @@ class Policy:
             inner = self._head_draft
         elif self.draft is not None:
             self.draft.begin(prefix)  # its prefix rows run at its first draft
-        self._last_draft = LastChunkDraft(inner, prefix.shape[1], last.ids, last.repeated) \
-            if self.cfg.last_chunk and last is not None else None
+        if self.cfg.last_chunk and last is not None:
+            self._last_draft = LastChunkDraft(inner, prefix.shape[1], last.ids, last.repeated)
         return self._last_draft or inner
 
     def _decode_ids(self, prefix: np.ndarray, use_draft: bool | None, reference: bool,
@@ -329,9 +342,10 @@ def load_policy(policy_dir: str | Path, draft: bool | str | Path = False, mode: 
     """Load an exported VLA policy folder. draft="head" decodes speculatively with the folder's numpy draft
     head (the fastest here; its feature head when it has no per-dimension one), draft="feature-head" with its
     feature head, draft=True with its draft/ decoder engine, a path with that draft engine folder.
-    gamma / stop_below default per draft kind (DRAFT_DEFAULTS); last_chunk=True: each chunk's prefill verifies
+    gamma / stop_below default per draft kind (DRAFT_DEFAULTS); last_chunk=True: each chunk is verified against
     the ids of the chunk act() returned before it first (with any draft, or none; last_chunk.py); spec: a
-    SpeculationConfig (kind "policy") in place of mode, radius, gamma, stop_below and last_chunk. provider: as edgespec.load (None: cuda where it exists).
+    SpeculationConfig (kind "policy") in place of mode, radius, gamma, stop_below and last_chunk. provider: as
+    edgespec.load (None: cuda where it exists).
 
     remote: a vLLM server serving the policy's target checkpoint (`edgespec serve-target
     models/vla-reacher/target`), as a URL or a RemoteConfig. The drafts stay on the device and the server

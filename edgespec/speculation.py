@@ -5,7 +5,7 @@ take it.
     SpeculationConfig(gamma="auto", gamma_max=8)                        # text: γ chosen per round
     SpeculationConfig(gamma=4, lookup=3, lookup_gamma=12)                # text: prompt lookup, then the draft model
     SpeculationConfig(gamma=15, stop_below=0.7, acceptance="relaxed", radius=5)   # a policy's draft head
-    SpeculationConfig(gamma=15, stop_below=0.7, last_chunk=True, kind="policy")   # + the last chunk at each prefill
+    SpeculationConfig(gamma=15, stop_below=0.7, last_chunk=True, kind="policy")   # + the last chunk as a draft
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class SpeculationConfig:
     acceptance: str = "greedy"  # "greedy" (exact) | "relaxed" (policies, lossy within `radius` bins)
     radius: int = 5  # relaxed: bins a draft action token may differ from the target's choice
     kind: str = "text"  # what decodes: "text" | "policy" (sets γ's bounds)
-    last_chunk: bool = False  # policies: each chunk's prefill verifies the last chunk's ids first (last_chunk.py)
+    last_chunk: bool = False  # policies: the ids of the chunk before are proposed first (last_chunk.py)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -114,7 +114,7 @@ def PolicyConfig(mode: str = "greedy", radius: int = 5, gamma: int | None = None
                  stop_below: float | None = None, last_chunk: bool = False) -> SpeculationConfig:
     """A policy's SpeculationConfig: acceptance `mode` ("greedy" | "relaxed") and its radius in bins, the most
     draft tokens per round and the dynamic-stop threshold (None: the draft kind's default, DRAFT_DEFAULTS), and
-    whether each chunk's prefill verifies the last chunk's ids first (last_chunk.py)."""
+    whether the ids of the chunk before are proposed first (last_chunk.py)."""
     return SpeculationConfig(gamma, stop_below=stop_below, acceptance=mode, radius=radius, kind="policy",
                              last_chunk=last_chunk)
 
@@ -141,8 +141,9 @@ def speculation_flags(p: argparse.ArgumentParser, kind: str = "text", lookup: in
                        help="dynamic draft length: stop a round's drafting after a proposal the draft gives a "
                             "probability below this (0 = always --gamma; default: per draft kind)")
         p.add_argument("--last-chunk", action="store_true",
-                       help="each chunk's prefill verifies the last chunk's action ids as its draft first (free; "
-                            "pays while the robot holds a pose or a steady motion; exact under --mode greedy)")
+                       help="propose the last chunk's action ids first: at the prefill when it repeated the one "
+                            "before, else while the new chunk follows it (no model call; pays while the robot "
+                            "holds a pose; exact under --mode greedy)")
         return
     p.add_argument("--gamma", type=_gamma_arg, default="auto", help="draft length, or 'auto' (device-measured)")
     p.add_argument("--gamma-max", type=int, default=DEFAULT_GAMMA_MAX,

@@ -172,3 +172,16 @@ def test_the_cli_flag_reaches_the_config():
     speculation_flags(p, kind="policy")
     assert from_args(p.parse_args(["--last-chunk"]), "policy").last_chunk is True
     assert from_args(p.parse_args([]), "policy").last_chunk is False
+
+
+def test_a_last_chunk_that_is_not_this_policys_is_refused(folder):
+    pol = load_policy(folder, draft="head", last_chunk=True)
+    pre, want = chunks(folder, [0])[0]
+    with pytest.raises(TypeError, match="last must be a LastChunk .* got list"):
+        pol.decode_ids(pre, last=list(want))
+    lo, hi = pol.tok.first_id, pol.tok.vocab_end
+    with pytest.raises(ValueError, match=rf"want at most 12 action ids in \[{lo}, {hi}\), got 12 ids, \[{hi}\] outside"):
+        pol.decode_ids(pre, last=LastChunk(tuple(want[:-1]) + (hi,)))
+    with pytest.raises(ValueError, match="want at most 12 action ids .* got 13 ids"):
+        pol.decode_ids(pre, last=LastChunk(tuple(want) + (want[0],)))
+    assert pol.decode_ids(pre, last=LastChunk(tuple(want)))[0] == want
