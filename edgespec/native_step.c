@@ -129,6 +129,13 @@ static float reduce8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + 
    not depend on the call's S or on which kernel computed it. */
 #define PANEL 16
 
+/* Bytes a kernel prefetches ahead in each weight stream. With several rows the core computes long enough per
+   cache line that the hardware prefetcher falls behind and the products alternate between waiting for memory
+   and computing; asking for the lines ahead overlaps the two (bench/results/NOTES.md, "prefetch"). */
+#ifndef ES_PREFETCH
+#define ES_PREFETCH 2048
+#endif
+
 /* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
 __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
 #ifdef ES_AVX2
@@ -138,6 +145,8 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
     if (np == 4) { /* the common case: 8 chains in flight */
         for (int64_t k = 0; k < K; k++) {
             __m256 xv = _mm256_broadcast_ss(x + k);
+            if (!(k & 1))
+                for (int q = 0; q < 4; q++) __builtin_prefetch((const char *)(p + q * stride + k * PANEL) + ES_PREFETCH);
             for (int j = 0; j < 8; j++) {
                 const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
                 a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
@@ -172,6 +181,8 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
     for (int i = 0; i < R * NP; i++) a[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m512 w[8];
+        if (!(k & 1)) /* one 64-byte line of each panel per two k */
+            for (int q = 0; q < NP; q++) __builtin_prefetch((const char *)(p + q * K * PANEL + k * PANEL) + ES_PREFETCH);
         for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * K * PANEL + k * PANEL)));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r][k]);
@@ -203,6 +214,7 @@ static inline __attribute__((always_inline)) void rows_panel_r(const float *cons
         __m256 a[6][2];
         for (int r = 0; r < 6; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
+            if (!(k & 1)) __builtin_prefetch((const char *)(p + k * PANEL) + ES_PREFETCH);
             __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL)));
             __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL + 8)));
             for (int r = 0; r < n; r++) {
@@ -488,6 +500,9 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
     for (int i = 0; i < R * NP; i++) tot[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = p + b * bb;
+        /* a block is 4.5 (int4) or 8.5 (int8) lines: one prefetch per line and one more covers them */
+        for (int q = 0; q < NP; q++)
+            for (int64_t o = 0; o <= bb; o += 64) __builtin_prefetch((const char *)(blk + q * ps + o) + ES_PREFETCH);
         /* each sum starts at -offset x the block's input sum: the stored weights are q + offset */
         for (int r = 0; r < R; r++) {
             const __m512i start = _mm512_set1_epi32(-off * xs[r][b]);
