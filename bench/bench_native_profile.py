@@ -73,7 +73,7 @@ def markdown(r: dict) -> str:
              f"`{r['command']}`", "",
              f"Weight bytes per call: {r['bytes_per_call'] / 1e6:.1f} MB; read bandwidth measured in the run: "
              f"{r['read_gbs'] or float('nan'):.1f} GB/s ({r['threads']} threads). Machine load before: "
-             f"{r['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Medians of {r['repeats']} repeats, ms per call.",
+             f"{r['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Prefetching from {r.get('prefetch_rows', '?')} rows. Medians of {r['repeats']} repeats, ms per call.",
              "", "| rows per call | wall | " + " | ".join(kinds) + " | host | products GB/s (share) | call GB/s (share) |",
              "|" + "---|" * (len(kinds) + 5)]
     for rows, c in r["calls"].items():
@@ -124,10 +124,11 @@ def main(argv=None) -> int:
         for r in rows:
             runs[r].append(profile_calls(engine, r, a.calls, a.prompt, rep))
     bytes_per_call = int(info["weight_bytes_per_token"])
+    from edgespec.backends.native_lib import library
     report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
               "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
               "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
-              "read_bandwidth": bw, "read_gbs": gbs, "bytes_per_call": bytes_per_call,
+              "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs, "bytes_per_call": bytes_per_call,
               "calls": {str(r): summarize(runs[r], bytes_per_call, gbs) for r in rows}, "raw": runs}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -135,6 +135,29 @@ static float reduce8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + 
 #ifndef ES_PREFETCH
 #define ES_PREFETCH 2048
 #endif
+/* The fewest rows a product prefetches for (es_set_prefetch_rows). Below it some CPUs' hardware prefetcher keeps
+   up alone, and the extra requests then slow the product (bench/results/NOTES.md, "prefetch";
+   bench/bench_products.py measures a machine). */
+static _Atomic int pf_rows = 1;
+
+/* rows <= 0: this CPU's default (7 on AMD, else 1); -> the value now in force */
+int es_set_prefetch_rows(int rows) {
+    if (rows <= 0) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        rows = __builtin_cpu_is("amd") ? 7 : 1;
+#else
+        rows = 1;
+#endif
+    }
+    atomic_store(&pf_rows, rows);
+    return rows;
+}
+
+int es_prefetch_rows(void) { return atomic_load(&pf_rows); }
+
+#define ES_PF(ptr) __builtin_prefetch((const char *)(ptr) + ES_PREFETCH)
+#define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
 /* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
 __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
@@ -142,11 +165,12 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     const int64_t stride = K * PANEL;
+    const int pf = PF_ON(1);
     if (np == 4) { /* the common case: 8 chains in flight */
         for (int64_t k = 0; k < K; k++) {
             __m256 xv = _mm256_broadcast_ss(x + k);
-            if (!(k & 1))
-                for (int q = 0; q < 4; q++) __builtin_prefetch((const char *)(p + q * stride + k * PANEL) + ES_PREFETCH);
+            if (pf && !(k & 1))
+                for (int q = 0; q < 4; q++) ES_PF(p + q * stride + k * PANEL);
             for (int j = 0; j < 8; j++) {
                 const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
                 a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
@@ -179,10 +203,11 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
                                                                 const int NP, int64_t K, float *out) {
     __m512 a[24];
     for (int i = 0; i < R * NP; i++) a[i] = _mm512_setzero_ps();
+    const int pf = PF_ON(R);
     for (int64_t k = 0; k < K; k++) {
         __m512 w[8];
-        if (!(k & 1)) /* one 64-byte line of each panel per two k */
-            for (int q = 0; q < NP; q++) __builtin_prefetch((const char *)(p + q * K * PANEL + k * PANEL) + ES_PREFETCH);
+        if (pf && !(k & 1)) /* one 64-byte line of each panel per two k */
+            for (int q = 0; q < NP; q++) ES_PF(p + q * K * PANEL + k * PANEL);
         for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * K * PANEL + k * PANEL)));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r][k]);
@@ -209,12 +234,13 @@ static void rows_panels(const float *const *x, int R, const uint16_t *p, int np,
 static inline __attribute__((always_inline)) void rows_panel_r(const float *const *x, const int R, const uint16_t *p,
                                                                int64_t K, float *out) {
 #if defined(ES_AVX2)
+    const int pf = PF_ON(R);
     for (int r0 = 0; r0 < R; r0 += 6) { /* 16 ymm registers: 6 rows x 2 halves at a time */
         const int n = R - r0 < 6 ? R - r0 : 6;
         __m256 a[6][2];
         for (int r = 0; r < 6; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
         for (int64_t k = 0; k < K; k++) {
-            if (!(k & 1)) __builtin_prefetch((const char *)(p + k * PANEL) + ES_PREFETCH);
+            if (pf && !(k & 1)) ES_PF(p + k * PANEL);
             __m256 w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL)));
             __m256 w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + k * PANEL + 8)));
             for (int r = 0; r < n; r++) {
@@ -498,11 +524,13 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
     __m512 tot[12];
     __m512i acc[12];
     for (int i = 0; i < R * NP; i++) tot[i] = _mm512_setzero_ps();
+    const int pf = PF_ON(R);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = p + b * bb;
         /* a block is 4.5 (int4) or 8.5 (int8) lines: one prefetch per line and one more covers them */
-        for (int q = 0; q < NP; q++)
-            for (int64_t o = 0; o <= bb; o += 64) __builtin_prefetch((const char *)(blk + q * ps + o) + ES_PREFETCH);
+        if (pf)
+            for (int q = 0; q < NP; q++)
+                for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + q * ps + o);
         /* each sum starts at -offset x the block's input sum: the stored weights are q + offset */
         for (int r = 0; r < R; r++) {
             const __m512i start = _mm512_set1_epi32(-off * xs[r][b]);

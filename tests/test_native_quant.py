@@ -117,6 +117,36 @@ def test_every_build_computes_the_same_bits(kind, monkeypatch):
         assert np.array_equal(other[1], here), march
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefetching_changes_no_bit(kind, monkeypatch):
+    """The kernels ask for weight lines ahead from es_set_prefetch_rows' row count up: the same bits either way,
+    on every SIMD build that prefetches (AVX-512 where the CPU has it, AVX2)."""
+    for march in ("native", "haswell") if X86 else ("native",):
+        monkeypatch.setenv("EDGESPEC_NATIVE_MARCH", march)
+        lib = library()
+        try:
+            assert lib.es_set_prefetch_rows(1) == 1
+            always = _kernel_results(kind)
+            assert lib.es_set_prefetch_rows(1000) == 1000
+            never = _kernel_results(kind)
+        finally:
+            lib.es_set_prefetch_rows(0)
+        assert np.array_equal(always[0], never[0]) and np.array_equal(always[1], never[1]), march
+
+
+def test_the_prefetch_row_count_defaults_by_cpu_and_is_checked(monkeypatch):
+    lib = library()
+    vendor = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("vendor_id")), "")
+    assert lib.es_set_prefetch_rows(0) == (7 if X86 and vendor == "AuthenticAMD" else 1)
+    from edgespec.backends.native_lib import prefetch_rows_setting
+    monkeypatch.setenv("EDGESPEC_PREFETCH_ROWS", "3")
+    assert prefetch_rows_setting() == 3
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("EDGESPEC_PREFETCH_ROWS", bad)
+        with pytest.raises(EngineError, match=f"EDGESPEC_PREFETCH_ROWS: expected an integer >= 1.*got '{bad}'"):
+            prefetch_rows_setting()
+
+
 # ---- whole models ----
 
 @pytest.fixture(scope="module")

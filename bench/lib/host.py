@@ -32,7 +32,8 @@ def machine() -> dict:
     except (OSError, StopIteration):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "edgespec": edgespec.__version__}
+            "onnxruntime": ort.__version__, "edgespec": edgespec.__version__,
+            "edgespec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EDGESPEC_")}}
 
 
 def _iso(t: float) -> str:

@@ -89,12 +89,33 @@ def _library(path: Path):
     lib.es_profile.restype = ctypes.c_int
     lib.es_model_layout.argtypes = [ctypes.POINTER(i64)]
     lib.es_model_layout.restype = i64
+    lib.es_set_prefetch_rows.argtypes = [ctypes.c_int]
+    lib.es_set_prefetch_rows.restype = ctypes.c_int
+    lib.es_prefetch_rows.argtypes = []
+    lib.es_prefetch_rows.restype = ctypes.c_int
+    lib.es_set_prefetch_rows(prefetch_rows_setting())
     off = i64()
     size = lib.es_model_layout(ctypes.byref(off))
     if size != ctypes.sizeof(_Model) or off.value != _Model.inv_freq.offset:
         raise EngineError(f"{path}: es_model is {size} bytes (pointers from {off.value}) in C, "
                           f"{ctypes.sizeof(_Model)} ({_Model.inv_freq.offset}) in native.py: they must agree")
     return lib
+
+
+def prefetch_rows_setting() -> int:
+    """$EDGESPEC_PREFETCH_ROWS: the fewest rows a matrix product prefetches weights for (>= 1); 0 when unset,
+    which lets native_step.c pick this CPU's default (es_set_prefetch_rows)."""
+    raw = os.environ.get("EDGESPEC_PREFETCH_ROWS", "").strip()
+    if not raw:
+        return 0
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise EngineError(f"EDGESPEC_PREFETCH_ROWS: expected an integer >= 1 (the fewest rows a matrix product "
+                          f"prefetches for), got {raw!r}")
+    return rows
 
 
 _LIBS: dict[Path, ctypes.CDLL] = {}

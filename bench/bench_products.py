@@ -1,0 +1,145 @@
+"""The native step's matrix products alone, from DRAM: time and bandwidth by rows, weight kind and prefetch distance.
+
+    python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
+        [--prefetch 0,2048] [--gb 1.3] [--threads 2] [--repeats 3]
+
+A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
+verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over
+a set of 8192 x 2048 matrices of --gb GB in all (larger than the last-level cache, so every pass reads DRAM), one
+call per matrix, for each weight kind and row count. Each --prefetch distance builds its own variant of the
+library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line being read, which
+leaves the hardware prefetcher alone); the variants, kinds and row counts are interleaved within each repeat and
+the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table beside --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
+
+N, K = 8192, 2048  # a Llama-3.2-1B MLP matrix's shape (out, in)
+
+
+def variant(distance: int):
+    """native_step.c built with ES_PREFETCH = distance (each distance its own cached library)."""
+    from edgespec.backends import native_lib
+
+    old = os.environ.get("EDGESPEC_NATIVE_CFLAGS")
+    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{old or ''} -DES_PREFETCH={distance}".strip()
+    try:
+        return native_lib.library()
+    finally:
+        if old is None:
+            del os.environ["EDGESPEC_NATIVE_CFLAGS"]
+        else:
+            os.environ["EDGESPEC_NATIVE_CFLAGS"] = old
+
+
+def matrices(kind: str, gb: float, rng) -> list[np.ndarray]:
+    """Copies of one packed N x K matrix of `kind`, gb GB in all (distinct buffers, so no pass hits the cache)."""
+    from edgespec.backends.native_format import pack, pack_blocks, quantize_blocks
+
+    w = rng.normal(0, 0.1, (N, K)).astype(np.float32)
+    packed = pack(w.astype(np.float16)) if kind == "float16" else pack_blocks(*quantize_blocks(w, kind), kind)
+    return [packed.copy() for _ in range(max(1, int(gb * 1e9 // packed.nbytes)))]
+
+
+def one_pass(lib, kind: str, mats: list[np.ndarray], x: np.ndarray, threads: int) -> float:
+    """Seconds for x (rows, K) @ every matrix, one es_matmul call each."""
+    from edgespec.backends.native_format import WEIGHT_KINDS
+
+    y = np.zeros((x.shape[0], N), np.float32)
+    t0 = time.perf_counter()
+    for w in mats:
+        rc = lib.es_matmul(WEIGHT_KINDS[kind], x.ctypes.data, x.shape[0], w.ctypes.data, K, N, y.ctypes.data, threads)
+        if rc != 0:
+            raise RuntimeError(f"es_matmul returned {rc} ({kind}, {x.shape[0]} rows)")
+    return time.perf_counter() - t0
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Matrix products from DRAM ({report['threads']} threads)", "", f"`{report['command']}`", "",
+             f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
+             f"about {report['gb']} GB of {N} x {K} matrices. CPU: {report['machine']['cpu']}; prefetching from "
+             f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
+             "| kind | prefetch bytes | rows | ms per pass | GMAC/s | GB/s of weights |", "|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        lines.append(f"| {r['kind']} | {r['prefetch']} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
+                     f"{r['gbs']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--rows", default="1,5,9", help="rows of x per call, comma-separated (1..12)")
+    ap.add_argument("--kinds", default="float16,int8,int4", help="weight kinds, comma-separated")
+    ap.add_argument("--prefetch", default="0,2048", help="ES_PREFETCH distances in bytes, comma-separated")
+    ap.add_argument("--gb", type=float, default=1.3, help="GB of matrices per kind (more than the last-level cache)")
+    ap.add_argument("--prefetch-rows", type=int, default=1,
+                    help="the fewest rows a product prefetches for (es_set_prefetch_rows; default 1: every row count, "
+                         "so each distance's effect shows at every row count)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    from host import machine, machine_load
+
+    from edgespec.backends.native_format import WEIGHT_KINDS
+
+    rows = [int(x) for x in a.rows.split(",")]
+    kinds = a.kinds.split(",")
+    dists = [int(x) for x in a.prefetch.split(",")]
+    if any(not 1 <= r <= 12 for r in rows):
+        ap.error(f"--rows: each between 1 and 12 (native_step.c's MAX_ROWS per pass), got {rows}")
+    if any(k not in WEIGHT_KINDS for k in kinds):
+        ap.error(f"--kinds: each one of {sorted(WEIGHT_KINDS)}, got {kinds}")
+    if any(d < 0 for d in dists):
+        ap.error(f"--prefetch: distances >= 0 bytes, got {dists}")
+    if a.prefetch_rows < 1:
+        ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
+    load = machine_load()
+    rng = np.random.default_rng(0)
+    libs = {d: variant(d) for d in dists}
+    cpu_default = libs[dists[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
+    for lib in libs.values():
+        lib.es_set_prefetch_rows(a.prefetch_rows)
+    best: dict[tuple, float] = {}
+    for kind in kinds:  # one kind's matrices in memory at a time
+        mats = matrices(kind, a.gb, rng)
+        xs = {r: rng.normal(0, 1, (r, K)).astype(np.float32) for r in rows}
+        one_pass(libs[dists[0]], kind, mats, xs[rows[0]], a.threads)  # page the copies in
+        for rep in range(a.repeats):
+            for d in dists:
+                for r in rows:
+                    t = one_pass(libs[d], kind, mats, xs[r], a.threads)
+                    best[(kind, d, r)] = min(best.get((kind, d, r), t), t)
+            print(f"[products] {kind}: repeat {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
+        nbytes = sum(m.nbytes for m in mats)
+        for d in dists:
+            for r in rows:
+                t = best[(kind, d, r)]
+                best[(kind, d, r)] = {"kind": kind, "prefetch": d, "rows": r, "ms": t * 1e3, "matrices": len(mats),
+                                      "gmacs": len(mats) * r * N * K / t / 1e9, "gbs": nbytes / t / 1e9}
+        del mats
+    report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+              "threads": a.threads, "repeats": a.repeats, "gb": a.gb, "load": load, "shape": [N, K],
+              "prefetch_rows": a.prefetch_rows, "prefetch_rows_cpu_default": cpu_default, "machine": machine(),
+              "results": [best[(k, d, r)] for k in kinds for d in dists for r in rows]}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=1) + "\n")
+    a.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
