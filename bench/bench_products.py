@@ -1,15 +1,16 @@
 """The native step's matrix products alone, from DRAM: time and bandwidth by rows, weight kind and prefetch distance.
 
     python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
-        [--prefetch 0,2048] [--gb 1.3] [--threads 2] [--repeats 3]
+        [--prefetch 0,2048] [--prefetch-rows 1] [--shape 8192x2048] [--gb 1.3] [--threads 2] [--repeats 3]
 
 A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
-verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over
-a set of 8192 x 2048 matrices of --gb GB in all (larger than the last-level cache, so every pass reads DRAM), one
-call per matrix, for each weight kind and row count. Each --prefetch distance builds its own variant of the
-library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line being read, which
-leaves the hardware prefetcher alone); the variants, kinds and row counts are interleaved within each repeat and
-the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table beside --out.
+verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over a
+set of --shape matrices (out x in, default 8192 x 2048) of --gb GB in all (larger than the last-level cache, so
+every pass reads DRAM), one call per matrix, for each weight kind and row count. Each --prefetch distance builds its
+own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line
+being read, which leaves the hardware prefetcher alone); the variants, kinds and row counts are interleaved within
+each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
+beside --out.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 
-N, K = 8192, 2048  # a Llama-3.2-1B MLP matrix's shape (out, in)
+SHAPE = "8192x2048"  # out x in: a Llama-3.2-1B MLP matrix (gate, up)
 
 
 def variant(distance: int):
@@ -44,7 +45,7 @@ def variant(distance: int):
             os.environ["EDGESPEC_NATIVE_CFLAGS"] = old
 
 
-def matrices(kind: str, gb: float, rng) -> list[np.ndarray]:
+def matrices(kind: str, N: int, K: int, gb: float, rng) -> list[np.ndarray]:
     """Copies of one packed N x K matrix of `kind`, gb GB in all (distinct buffers, so no pass hits the cache)."""
     from edgespec.backends.native_format import pack, pack_blocks, quantize_blocks
 
@@ -53,14 +54,14 @@ def matrices(kind: str, gb: float, rng) -> list[np.ndarray]:
     return [packed.copy() for _ in range(max(1, int(gb * 1e9 // packed.nbytes)))]
 
 
-def one_pass(lib, kind: str, mats: list[np.ndarray], x: np.ndarray, threads: int) -> float:
-    """Seconds for x (rows, K) @ every matrix, one es_matmul call each."""
+def one_pass(lib, kind: str, mats: list[np.ndarray], N: int, x: np.ndarray, threads: int) -> float:
+    """Seconds for x (rows, K) @ every N x K matrix, one es_matmul call each."""
     from edgespec.backends.native_format import WEIGHT_KINDS
 
     y = np.zeros((x.shape[0], N), np.float32)
     t0 = time.perf_counter()
     for w in mats:
-        rc = lib.es_matmul(WEIGHT_KINDS[kind], x.ctypes.data, x.shape[0], w.ctypes.data, K, N, y.ctypes.data, threads)
+        rc = lib.es_matmul(WEIGHT_KINDS[kind], x.ctypes.data, x.shape[0], w.ctypes.data, x.shape[1], N, y.ctypes.data, threads)
         if rc != 0:
             raise RuntimeError(f"es_matmul returned {rc} ({kind}, {x.shape[0]} rows)")
     return time.perf_counter() - t0
@@ -69,7 +70,7 @@ def one_pass(lib, kind: str, mats: list[np.ndarray], x: np.ndarray, threads: int
 def markdown(report: dict) -> str:
     lines = [f"# Matrix products from DRAM ({report['threads']} threads)", "", f"`{report['command']}`", "",
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
-             f"about {report['gb']} GB of {N} x {K} matrices. CPU: {report['machine']['cpu']}; prefetching from "
+             f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
              "| kind | prefetch bytes | rows | ms per pass | GMAC/s | GB/s of weights |", "|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch-rows", type=int, default=1,
                     help="the fewest rows a product prefetches for (es_set_prefetch_rows; default 1: every row count, "
                          "so each distance's effect shows at every row count)")
+    ap.add_argument("--shape", default=SHAPE, help="one matrix's out x in (each a multiple of 32)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
@@ -104,6 +106,12 @@ def main(argv=None) -> int:
         ap.error(f"--kinds: each one of {sorted(WEIGHT_KINDS)}, got {kinds}")
     if any(d < 0 for d in dists):
         ap.error(f"--prefetch: distances >= 0 bytes, got {dists}")
+    try:
+        N, K = (int(v) for v in a.shape.lower().split("x"))
+    except ValueError:
+        ap.error(f"--shape: expected OUTxIN, for example 8192x2048, got {a.shape!r}")
+    if N < 32 or K < 32 or N % 32 or K % 32:
+        ap.error(f"--shape: out and in each a multiple of 32 (the panels and the integer blocks), got {a.shape!r}")
     if a.prefetch_rows < 1:
         ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
     load = machine_load()
@@ -114,13 +122,13 @@ def main(argv=None) -> int:
         lib.es_set_prefetch_rows(a.prefetch_rows)
     best: dict[tuple, float] = {}
     for kind in kinds:  # one kind's matrices in memory at a time
-        mats = matrices(kind, a.gb, rng)
+        mats = matrices(kind, N, K, a.gb, rng)
         xs = {r: rng.normal(0, 1, (r, K)).astype(np.float32) for r in rows}
-        one_pass(libs[dists[0]], kind, mats, xs[rows[0]], a.threads)  # page the copies in
+        one_pass(libs[dists[0]], kind, mats, N, xs[rows[0]], a.threads)  # page the copies in
         for rep in range(a.repeats):
             for d in dists:
                 for r in rows:
-                    t = one_pass(libs[d], kind, mats, xs[r], a.threads)
+                    t = one_pass(libs[d], kind, mats, N, xs[r], a.threads)
                     best[(kind, d, r)] = min(best.get((kind, d, r), t), t)
             print(f"[products] {kind}: repeat {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
         nbytes = sum(m.nbytes for m in mats)

@@ -415,3 +415,33 @@ def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
     m.extra["native"] = {"unavailable": "none here"}
     m.write(bare)
     assert bench.main(["--engine", str(bare), "--out", str(tmp_path / "x.json")]) == 2
+
+
+def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_path, capsys):
+    """bench_products.py on a few small matrices: a result per (kind, distance, rows) with its bytes and
+    multiply-adds consistent with the time, the prefetch row count applied, and bad arguments refused by name."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
+    spec = importlib.util.spec_from_file_location("bench_products", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "p.json"
+    before = library().es_prefetch_rows()
+    assert bench.main(["--out", str(out), "--kinds", "float16,int4", "--rows", "1,3", "--prefetch", "0,512",
+                       "--shape", "256x128", "--gb", "0.0005", "--repeats", "1", "--prefetch-rows", "3"]) == 0
+    r = json.loads(out.read_text())
+    assert [(x["kind"], x["prefetch"], x["rows"]) for x in r["results"]] == [
+        (k, d, n) for k in ("float16", "int4") for d in (0, 512) for n in (1, 3)]
+    for x in r["results"]:
+        assert x["matrices"] >= 1 and x["ms"] > 0
+        assert x["gmacs"] == pytest.approx(x["matrices"] * x["rows"] * 256 * 128 / (x["ms"] / 1e3) / 1e9)
+    assert r["shape"] == [256, 128] and r["prefetch_rows"] == 3 and r["prefetch_rows_cpu_default"] >= 1
+    assert library().es_prefetch_rows() == before  # the variants are libraries of their own: the runtime's untouched
+    for bad, what in ((["--shape", "100x128"], "--shape"), (["--shape", "big"], "--shape"),
+                      (["--rows", "13"], "--rows"), (["--kinds", "int2"], "--kinds"),
+                      (["--prefetch-rows", "0"], "--prefetch-rows")):
+        with pytest.raises(SystemExit):
+            bench.main(["--out", str(tmp_path / "x.json"), *bad])
+        assert what in capsys.readouterr().err
