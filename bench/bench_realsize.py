@@ -50,8 +50,9 @@ Runtime) x weight precision. A row is labelled by the weights it reads: cpu rows
 cpu-native rows by engine.json's extra.native.weights ("fp16" when absent: the fp32 folder's native.npz holds the
 checkpoint's float16 weights). A (provider, precision) no exported folder supports is kept as an unavailable row
 with the reason (engine.json's extra.native.unavailable, or the weights the native files do hold). llama.cpp: f16
-/ q8_0 / q4_0 (fp16 / int8 / int4) x plain, draft (the draft GGUF at the target's precision), lookup. GenAI:
-int4, fp16 and fp32 (--genai-precisions) x plain, draft (the draft built at the target's precision), n-gram.
+/ q8_0 / q4_0 (fp16 / int8 / int4) x plain, draft (the draft GGUF at the target's precision, q8_0 and q4_0:
+--llamacpp-draft-precisions, since edgespec's draft is int8 whatever the target), lookup. GenAI: int4, fp16 and
+fp32 (--genai-precisions) x plain, draft (the draft built at the target's precision), n-gram.
 Agreement: every row's tokens against edgespec's own plain output at the same precision (cpu-native if that row
 ran, else cpu; GenAI's fp32 rows against fp32 cpu, else fp16: the same function), and each edgespec speculative
 row against its own plain (same precision and provider: must be identical).
@@ -108,7 +109,7 @@ EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py",
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
              llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4",
-             llamacpp_draft_p_mins="0",
+             llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
              genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
              membw_reps=3)
@@ -314,8 +315,9 @@ def llamacpp_rows(args, unavailable: dict[str, str]) -> list[Row]:
         else _list(args.llamacpp_precisions)
     ns = argparse.Namespace(**{k: getattr(args, k) for k in ("llamacpp_draft_threads", "llamacpp_draft_ks",
                                                              "llamacpp_draft_p_mins", "llamacpp_lookup_types",
-                                                             "llamacpp_ngram_sizes", "llamacpp_lookup_lengths")},
-                            llamacpp_precisions=",".join(precs), llamacpp_draft_precisions="same")
+                                                             "llamacpp_ngram_sizes", "llamacpp_lookup_lengths",
+                                                             "llamacpp_draft_precisions")},
+                            llamacpp_precisions=",".join(precs))
     plain = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns), llamacpp_threads=args.llamacpp_threads))}
     spec = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns),
                                                                  llamacpp_threads=args.llamacpp_spec_threads))}
@@ -580,6 +582,9 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--llamacpp-draft-threads", default="0", help="draft threads (0: the target's)")
     lc.add_argument("--llamacpp-draft-ks", default="4,8", help="--spec-draft-n-max")
     lc.add_argument("--llamacpp-draft-p-mins", default="0,0.75", help="--spec-draft-p-min")
+    lc.add_argument("--llamacpp-draft-precisions", default="same,q8_0,q4_0",
+                    help="the draft GGUF's types swept (same: the target's): a draft's precision cannot change the "
+                         "output, and edgespec's draft is int8 (--draft-dtype), so llama.cpp may pick its fastest")
     lc.add_argument("--llamacpp-lookup-types", default="ngram-simple,ngram-cache")
     lc.add_argument("--llamacpp-ngram-sizes", default="3")
     lc.add_argument("--llamacpp-lookup-lengths", default="8,16", help="ngram-simple: draft length after a match")
