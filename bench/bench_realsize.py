@@ -28,7 +28,8 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
   0. set-up (untimed): the stand-in pair if missing (python -m edgespec.export.standin --preset P); edgespec engine
      folders `edgespec export CKPT --out DIR --dtype D` for every precision asked (--precisions: fp16, int8, int4;
      fp32 too when asked, or when no folder carries float16 native weights for the cpu-native fp16 rows (an fp32
-     export's native.npz holds them; an fp16 export now writes its own), and the draft (--draft-dtype, default int8, --role draft), cached in .cache/engines-realsize/
+     export's native.npz holds them; an fp16 export now writes its own), and the drafts (--draft-dtype, default int8
+     and int4, --role draft), cached in .cache/engines-realsize/
      and reused while the checkpoint (engine.json's source_sha256) and the export code (EXPORT_CODE's hash) are
      the same; llama.cpp GGUFs (f16 from convert_hf_to_gguf.py, q8_0 / q4_0 from llama-quantize) and GenAI
      builds, each made by one short call of its runner, so a precision that does not build is known before the
@@ -51,7 +52,7 @@ cpu-native rows by engine.json's extra.native.weights ("fp16" when absent: the f
 checkpoint's float16 weights). A (provider, precision) no exported folder supports is kept as an unavailable row
 with the reason (engine.json's extra.native.unavailable, or the weights the native files do hold). llama.cpp: f16
 / q8_0 / q4_0 (fp16 / int8 / int4) x plain, draft (the draft GGUF at the target's precision, q8_0 and q4_0:
---llamacpp-draft-precisions, since edgespec's draft is int8 whatever the target), lookup. GenAI: int4, fp16 and
+--llamacpp-draft-precisions, as edgespec's drafts are int8 and int4 whatever the target), lookup. GenAI: int4, fp16 and
 fp32 (--genai-precisions) x plain, draft (the draft built at the target's precision), n-gram.
 Agreement: every row's tokens against edgespec's own plain output at the same precision (cpu-native if that row
 ran, else cpu; GenAI's fp32 rows against fp32 cpu, else fp16: the same function), and each edgespec speculative
@@ -252,9 +253,11 @@ def folder_for(precision: str, provider: str, folders: dict[str, Folder]) -> tup
     return None, f"no engine folder has {precision} native weights: " + ("; ".join(why) or "none exported")
 
 
-def edgespec_rows(folders: dict[str, Folder], draft: Folder | None, args) -> list[Row]:
-    """Every edgespec row (kind x provider x precision), each with its sweep configurations or the reason it
-    cannot run. Engine paths are repository-relative (the runners run in the repository root)."""
+def edgespec_rows(folders: dict[str, Folder], drafts: list[Folder], args) -> list[Row]:
+    """Every edgespec row (kind x provider x precision), each with its sweep configurations (the draft kinds over
+    every draft folder that exported: --draft-dtype) or the reason it cannot run. Engine paths are
+    repository-relative (the runners run in the repository root)."""
+    ok = [d for d in drafts if not d.error]
     rows = []
     for prec in _list(args.precisions):
         for prov in _list(args.providers):
@@ -267,12 +270,13 @@ def edgespec_rows(folders: dict[str, Folder], draft: Folder | None, args) -> lis
             for kind in EDGESPEC_KINDS:
                 name = f"edgespec {kind} {prec} {prov}"
                 reason = why
-                if not reason and kind in ("draft", "draft+lookup") and (draft is None or draft.error):
-                    reason = f"no draft engine: {draft.error if draft else 'none exported'}"
+                if not reason and kind in ("draft", "draft+lookup") and not ok:
+                    reason = "no draft engine: " + ("; ".join(f"{d.dtype}: {d.error}" for d in drafts)
+                                                    or "none exported")
                 if reason:
                     rows.append(Row(Mode(name, "edgespec", "edgespec", ()), prec, kind, prov, eng, reason))
                     continue
-                rows.append(Row(Mode(name, "edgespec", "edgespec", tuple(_edgespec_configs(kind, prov, eng, draft, args,
+                rows.append(Row(Mode(name, "edgespec", "edgespec", tuple(_edgespec_configs(kind, prov, eng, ok, args,
                                                                                           where))),
                                 prec, kind, prov, eng))
     return rows
@@ -283,7 +287,7 @@ def _draft_label(draft: Folder, provider: str) -> str:
     return f"{draft.native if on == 'cpu-native' else draft.dtype} draft on {on}"
 
 
-def _edgespec_configs(kind: str, prov: str, eng: str, draft: Folder | None, args, where: str) -> list[Config]:
+def _edgespec_configs(kind: str, prov: str, eng: str, drafts: list[Folder], args, where: str) -> list[Config]:
     base = ("--mode", "draft" if kind == "draft+lookup" else kind, "--provider", prov, "--target-engine", eng)
     thr = lambda t: ("--threads", str(t))  # noqa: E731
     if kind == "plain":
@@ -294,16 +298,18 @@ def _edgespec_configs(kind: str, prov: str, eng: str, draft: Folder | None, args
             out += [Config(f"γ={g}, max_ngram={n}, threads {t}", base + ("--gamma", g, "--max-ngram", n) + thr(t))
                     for n in _list(args.max_ngrams) for g in _list(args.ngram_gammas)]
             continue
-        dl = _draft_label(draft, prov)
-        dv = ("--draft-engine", _rel(str(draft.path)))
-        if kind == "draft":
-            out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t))
-                    for g in _list(args.gammas)]
-        else:
-            out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "") + f", {dl}, threads {t}",
-                           base + ("--gamma", g, "--lookup", n) + (("--lookup-gamma", L) if L != "0" else ()) + dv
-                           + thr(t))
-                    for L in _list(args.lookup_lengths) for n in _list(args.lookups) for g in _list(args.lookup_gammas)]
+        for draft in drafts:
+            dl = _draft_label(draft, prov)
+            dv = ("--draft-engine", _rel(str(draft.path)))
+            if kind == "draft":
+                out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t))
+                        for g in _list(args.gammas)]
+            else:
+                out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "") + f", {dl}, threads {t}",
+                               base + ("--gamma", g, "--lookup", n) + (("--lookup-gamma", L) if L != "0" else ())
+                               + dv + thr(t))
+                        for L in _list(args.lookup_lengths) for n in _list(args.lookups)
+                        for g in _list(args.lookup_gammas)]
     return out
 
 
@@ -556,7 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--precisions", default="fp16,int8,int4", help="edgespec weight precisions (fp16, int8, int4, "
                                                                    "fp32); llama.cpp's follow (f16, q8_0, q4_0)")
     ap.add_argument("--providers", default="cpu-native,cpu", help="edgespec target providers")
-    ap.add_argument("--draft-dtype", default="int8", help="edgespec draft engine precision (--role draft)")
+    ap.add_argument("--draft-dtype", default="int8,int4",
+                    help="edgespec draft engine precisions swept (--role draft), comma-separated")
     ap.add_argument("--reexport", action="store_true", help="export every engine folder again")
     ap.add_argument("--code-prompts", type=int, default=8, help="held-out code prompts (bench/lib/prompts.py)")
     ap.add_argument("--prose-prompts", type=int, default=0)
@@ -584,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--llamacpp-draft-p-mins", default="0,0.75", help="--spec-draft-p-min")
     lc.add_argument("--llamacpp-draft-precisions", default="same,q8_0,q4_0",
                     help="the draft GGUF's types swept (same: the target's): a draft's precision cannot change the "
-                         "output, and edgespec's draft is int8 (--draft-dtype), so llama.cpp may pick its fastest")
+                         "output, and edgespec's drafts are int8 and int4 (--draft-dtype): each side picks its fastest")
     lc.add_argument("--llamacpp-lookup-types", default="ngram-simple,ngram-cache")
     lc.add_argument("--llamacpp-ngram-sizes", default="3")
     lc.add_argument("--llamacpp-lookup-lengths", default="8,16", help="ngram-simple: draft length after a match")
@@ -635,7 +642,7 @@ def main(argv=None) -> int:
     if "cpu-native" in _list(args.providers) and "fp16" in want and not any(
             f.native == "fp16" for f in folders.values()) and "fp32" not in folders:
         folders["fp32"] = export(target_ck, name, "fp32", "target", args.reexport, args.build_timeout)  # native fp16
-    draft = export(draft_ck, name, args.draft_dtype, "draft", args.reexport, args.build_timeout)
+    drafts = [export(draft_ck, name, d, "draft", args.reexport, args.build_timeout) for d in _list(args.draft_dtype)]
 
     from prompts import PROSE, code_prompts
     from edgespec.tokenizer import TextTokenizer
@@ -673,7 +680,7 @@ def main(argv=None) -> int:
                 kinds = ("draft",) if rec["rows"] == "draft" else ("plain", "draft", "lookup", "ngram")
                 for k in kinds:
                     unavailable[f"{label} {k} {p}"] = f"{label} {p} did not build: {rec['error']}"
-    rows = order_rows(edgespec_rows(folders, draft, args) + llamacpp_rows(args, unavailable)
+    rows = order_rows(edgespec_rows(folders, drafts, args) + llamacpp_rows(args, unavailable)
                       + genai_rows(args, unavailable))
     runnable = [r for r in rows if r.mode.configs]
 
@@ -816,7 +823,7 @@ def main(argv=None) -> int:
                           "sweep_prompt_indices": sweep_idx},
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy", "repeats": args.repeats,
               "engines": {f"target {d}": f.record | ({"error": f.error} if f.error else {}) for d, f in folders.items()}
-              | {f"draft {draft.dtype}": draft.record | ({"error": draft.error} if draft.error else {})},
+              | {f"draft {d.dtype}": d.record | ({"error": d.error} if d.error else {}) for d in drafts},
               "peer_builds": peer_builds,
               "systems": systems, "sweep": {"modes": sweep}, "roofline": roofline,
               "targets": targets(systems, rows, roofline), "load": load, "machine": machine(),

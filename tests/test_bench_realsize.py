@@ -48,7 +48,7 @@ def test_native_precision_reads_extra_native_weights_defaulting_to_fp16():
 
 
 def test_every_edgespec_row_is_planned_and_the_unsupported_ones_say_why():
-    rows = {r.name: r for r in br.edgespec_rows(folders(), DRAFT, args())}
+    rows = {r.name: r for r in br.edgespec_rows(folders(), [DRAFT], args())}
     assert len(rows) == 3 * 2 * 4  # precision x provider x kind: nothing dropped
     nat16 = rows["edgespec plain fp16 cpu-native"]
     assert nat16.unavailable is None and nat16.engine == ".cache/e/x-fp32"  # the fp32 folder's float16 copy
@@ -63,7 +63,7 @@ def test_every_edgespec_row_is_planned_and_the_unsupported_ones_say_why():
 
 
 def test_native_int8_weights_once_exported_make_their_rows_run_on_that_folder():
-    rows = {r.name: r for r in br.edgespec_rows(folders(int8_native="int8", fp16_native="fp16"), DRAFT, args())}
+    rows = {r.name: r for r in br.edgespec_rows(folders(int8_native="int8", fp16_native="fp16"), [DRAFT], args())}
     assert rows["edgespec plain int8 cpu-native"].unavailable is None
     assert rows["edgespec plain int8 cpu-native"].engine == ".cache/e/x-int8"
     assert rows["edgespec plain fp16 cpu-native"].engine == ".cache/e/x-fp16"  # its own folder before fp32's
@@ -71,16 +71,31 @@ def test_native_int8_weights_once_exported_make_their_rows_run_on_that_folder():
 
 
 def test_a_failed_export_or_a_missing_draft_makes_rows_unavailable_with_the_error():
-    rows = {r.name: r for r in br.edgespec_rows(folders(int4_error="exit 1: precision gate"), None, args())}
+    rows = {r.name: r for r in br.edgespec_rows(folders(int4_error="exit 1: precision gate"), [], args())}
     assert "edgespec export --dtype int4 failed: exit 1: precision gate" in rows["edgespec plain int4 cpu"].unavailable
     assert "the int4 export failed (exit 1: precision gate)" in rows["edgespec plain int4 cpu-native"].unavailable
     for kind in ("draft", "draft+lookup"):
         assert "no draft engine" in rows[f"edgespec {kind} fp16 cpu"].unavailable
     assert rows["edgespec ngram fp16 cpu"].unavailable is None and rows["edgespec plain fp16 cpu"].unavailable is None
+    bad = br.Folder("int4", error="exit 1: no space")
+    rows = {r.name: r for r in br.edgespec_rows(folders(), [bad], args())}
+    assert "no draft engine: int4: exit 1: no space" in rows["edgespec draft fp16 cpu"].unavailable
+
+
+def test_the_draft_kinds_sweep_every_draft_precision_that_exported():
+    d4 = br.Folder("int4", ROOT / ".cache/e/x-draft-int4", "int4", None)
+    bad = br.Folder("fp16", error="exit 1: no space")
+    rows = {r.name: r for r in br.edgespec_rows(folders(), [DRAFT, d4, bad], args(gammas="4,auto"))}
+    for kind, per in (("draft", 2), ("draft+lookup", 2)):  # γ 4, auto / lookup γ 0, 16
+        cfgs = rows[f"edgespec {kind} fp16 cpu-native"].mode.configs
+        engines = [c.argv[c.argv.index("--draft-engine") + 1] for c in cfgs]
+        assert engines == [".cache/e/x-draft-int8"] * per + [".cache/e/x-draft-int4"] * per, kind
+    labels = [c.label for c in rows["edgespec draft fp16 cpu-native"].mode.configs]
+    assert "int8 draft on cpu" in labels[0] and "int4 draft on cpu-native" in labels[-1]
 
 
 def test_edgespec_configurations_are_the_runner_arguments_of_each_sweep_point():
-    rows = {r.name: r for r in br.edgespec_rows(folders(), DRAFT, args(plain_threads="1,2", gammas="4,auto",
+    rows = {r.name: r for r in br.edgespec_rows(folders(), [DRAFT], args(plain_threads="1,2", gammas="4,auto",
                                                                        lookup_gammas="6", lookups="2,3",
                                                                        lookup_lengths="0,16"))}
     plain = rows["edgespec plain int4 cpu"].mode.configs
@@ -133,7 +148,7 @@ def test_a_missing_peer_environment_is_recorded_unavailable_with_the_set_up_comm
 
 def test_rows_are_ordered_by_precision_then_system_and_the_reference_is_plain_at_that_precision():
     rows = br.order_rows(br.genai_rows(args(genai_precisions="int4"), {}) + br.llamacpp_rows(args(), {})
-                         + br.edgespec_rows(folders(), DRAFT, args()))
+                         + br.edgespec_rows(folders(), [DRAFT], args()))
     assert rows[0].name == "edgespec plain fp16 cpu-native" and rows[-1].name == "ORT GenAI ngram int4"
     assert [r.precision for r in rows] == sorted((r.precision for r in rows), key=br.PRECISIONS.index)
     ok = {"edgespec plain fp16 cpu-native", "edgespec plain int4 cpu"}
