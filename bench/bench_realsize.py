@@ -21,7 +21,9 @@ and model load. The full command (99 sweep configurations on 2 prompts x 64 toke
 is estimated from the second smoke run's per-row start-up, prefill and decode speeds at about 34 minutes when the
 machine is quiet (the smoke's sweep speeds) and up to about 70 when another CPU-bound process holds a core (its
 final-phase speeds: llama.cpp's 2-thread speculative rows fell to 1-4 tok/s), plus the set-up when engines are
-(re)made. Each --repeats beyond 1 adds about half of that again.
+(re)made. Each --repeats beyond 1 adds about half of that again. Those figures predate the draft-precision sweeps
+(--draft-dtype int8,int4 and --llamacpp-draft-precisions same,q8_0,q4_0), which add a draft export and triple
+llama.cpp's draft configurations: a 1B fp16-only run (7 rows, 31 sweep configurations, 2 repeats) took 16 minutes.
 
 What one run does, all in one invocation (bench_peers.check_same_run refuses a table holding a row from another):
 
@@ -108,6 +110,7 @@ EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py",
                "export/checkpoint.py", "export/validate.py", "edgespec/backends/native_format.py", "edgespec/contract.py")
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
+             draft_dtype="int8",
              gammas="4", lookup_gammas="auto", lookups="2", lookup_lengths="0", ngram_gammas="4", max_ngrams="3",
              llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4",
              llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",

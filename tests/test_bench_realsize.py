@@ -330,6 +330,8 @@ def test_smoke_settings_apply_unless_given_and_a_checkpoint_is_required():
     assert (a.code_prompts, a.max_new_tokens, a.gammas, a.repeats) == (2, 8, "4", 1)
     full = br.parse_args(["--preset", "qwen2.5-0.5b"])
     assert (full.code_prompts, full.max_new_tokens) == (8, 64)
+    assert (a.draft_dtype, a.llamacpp_draft_precisions) == ("int8", "same")  # the smoke sweeps one draft each
+    assert (full.draft_dtype, full.llamacpp_draft_precisions) == ("int8,int4", "same,q8_0,q4_0")
     with pytest.raises(SystemExit):
         br.parse_args(["--target", "x"])
     with pytest.raises(SystemExit):
