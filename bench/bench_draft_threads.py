@@ -12,8 +12,6 @@ markdown beside --out. (edgespec.load's default since this run: the target's thr
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -36,7 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    from host import machine_load
+    from host import command_line, machine_load, write_results
     from prompts import code_prompts
 
     import edgespec
@@ -59,20 +57,18 @@ def main(argv=None) -> int:
             runs[name].append(n / (time.perf_counter() - t))
             ids[name] = out_ids
     same = {k: ids[k] == ids["plain"] for k in ids}
-    report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+    report = {"command": command_line(__file__),
               "target": str(a.target), "draft": str(a.draft), "threads": a.threads, "gamma": a.gamma,
               "prompts": a.prompts, "tokens": a.tokens, "load_before": load, "load_after": machine_load(),
               "tokens_per_s": runs, "median_tokens_per_s": {k: float(np.median(v)) for k, v in runs.items()},
               "identical_to_plain": same}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# Draft threads on cpu-native: {a.target} + {a.draft}", "", f"`{report['command']}`", "",
              f"γ = {a.gamma}, target threads {a.threads}, {a.prompts} prompts x {a.tokens} tokens, {a.repeats} repeats "
              f"interleaved; other processes used {load['others_cpu_percent']}% of a core before the run.", "",
              "| configuration | tok/s median | each repeat | identical to plain |", "|---|---|---|---|"]
     for k, v in runs.items():
         lines.append(f"| {k} | {np.median(v):.1f} | {', '.join(f'{x:.1f}' for x in v)} | {'yes' if same[k] else 'NO'} |")
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(a.out, report, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(same.values()) else 1
 

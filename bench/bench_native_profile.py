@@ -16,8 +16,6 @@ beside --out, with the command and the machine's load.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -97,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--membw-mib", type=int, default=512)
     a = ap.parse_args(argv)
-    from host import machine_load, read_bandwidth
+    from host import command_line, machine_load, read_bandwidth, write_results
 
     from edgespec.contract import Manifest
     from edgespec.backends import open_engine
@@ -125,14 +123,13 @@ def main(argv=None) -> int:
             runs[r].append(profile_calls(engine, r, a.calls, a.prompt, rep))
     bytes_per_call = int(info["weight_bytes_per_token"])
     from edgespec.backends.native_lib import library
-    report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+    report = {"command": command_line(__file__),
               "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
               "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
-              "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs, "bytes_per_call": bytes_per_call,
+              "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs,
+              "bytes_per_call": bytes_per_call,
               "calls": {str(r): summarize(runs[r], bytes_per_call, gbs) for r in rows}, "raw": runs}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(markdown(report))
+    write_results(a.out, report, markdown(report))
     print(markdown(report))
     return 0
 

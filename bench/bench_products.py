@@ -15,9 +15,7 @@ beside --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -93,7 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    from host import machine, machine_load
+    from host import command_line, machine, machine_load, write_results
 
     from edgespec.backends.native_format import WEIGHT_KINDS
 
@@ -138,13 +136,11 @@ def main(argv=None) -> int:
                 best[(kind, d, r)] = {"kind": kind, "prefetch": d, "rows": r, "ms": t * 1e3, "matrices": len(mats),
                                       "gmacs": len(mats) * r * N * K / t / 1e9, "gbs": nbytes / t / 1e9}
         del mats
-    report = {"command": "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(__file__).name}", *sys.argv[1:]]),
+    report = {"command": command_line(__file__),
               "threads": a.threads, "repeats": a.repeats, "gb": a.gb, "load": load, "shape": [N, K],
               "prefetch_rows": a.prefetch_rows, "prefetch_rows_cpu_default": cpu_default, "machine": machine(),
               "results": [best[(k, d, r)] for k in kinds for d in dists for r in rows]}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(report, indent=1) + "\n")
-    a.out.with_suffix(".md").write_text(markdown(report))
+    write_results(a.out, report, markdown(report))
     print(markdown(report))
     return 0
 

@@ -345,3 +345,12 @@ def test_a_failed_rows_one_line_error_is_its_last_error_line():
     assert br._why("exit 2, no JSON; stderr tail: Traceback\nValueError: bad | thing\n") == \
         "exit 2, no JSON; ValueError: bad / thing"
     assert br._why("timed out after 900 s") == "timed out after 900 s"
+
+
+def test_a_bench_records_its_command_and_writes_json_and_markdown(tmp_path, monkeypatch):
+    import host  # bench/lib, on sys.path once bench_realsize is imported
+    monkeypatch.setattr(sys, "argv", ["/abs/path/bench_x.py", "--out", "a b.json"])
+    assert host.command_line("/abs/path/bench_x.py") == "python bench/bench_x.py --out 'a b.json'"
+    out = tmp_path / "sub" / "r.json"
+    host.write_results(out, {"x": [1, 2]}, "# r\n")
+    assert json.loads(out.read_text()) == {"x": [1, 2]} and (tmp_path / "sub" / "r.md").read_text() == "# r\n"

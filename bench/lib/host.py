@@ -1,6 +1,8 @@
 """The machine a benchmark runs on, as the benchmarks record it: what it is (`machine`), what else is running
 (`machine_load`) and the DRAM read bandwidth a native read loop reaches (`read_bandwidth`, bench/lib/membw.c).
 
+Also how a bench names its own command (`command_line`) and writes its JSON and markdown (`write_results`).
+
 Shared by the scripts in bench/ (and tools/device/), which put this folder on sys.path:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
@@ -34,6 +36,20 @@ def machine() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": ort.__version__, "edgespec": edgespec.__version__,
             "edgespec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EDGESPEC_")}}
+
+
+def command_line(script: str) -> str:
+    """The command that ran this bench, as its results record it: `python bench/NAME args...` (quoted)."""
+    import shlex
+    import sys
+    return "python " + " ".join(shlex.quote(x) for x in [f"bench/{Path(script).name}", *sys.argv[1:]])
+
+
+def write_results(out: Path, report: dict, markdown: str) -> None:
+    """report as JSON at out, markdown beside it (out with .md)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown)
 
 
 def _iso(t: float) -> str:
