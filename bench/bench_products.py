@@ -1,14 +1,17 @@
 """The native step's matrix products alone, from DRAM: time and bandwidth by rows, weight kind and prefetch distance.
 
     python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
-        [--prefetch 0,2048] [--prefetch-rows 1] [--shape 8192x2048] [--gb 1.3] [--threads 2] [--repeats 3]
+        [--prefetch 0,2048] [--panels-row1 0] [--prefetch-rows 1] [--shape 8192x2048] [--gb 1.3]
+        [--threads 2] [--repeats 3]
 
 A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
 verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over a
 set of --shape matrices (out x in, default 8192 x 2048) of --gb GB in all (larger than the last-level cache, so
 every pass reads DRAM), one call per matrix, for each weight kind and row count. Each --prefetch distance builds its
 own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line
-being read, which leaves the hardware prefetcher alone); the variants, kinds and row counts are interleaved within
+being read, which leaves the hardware prefetcher alone), and so does each --panels-row1 value (`-DES_QPANELS_ROW1=n`:
+the panels a one-row integer product computes per pass, each its own weight stream; 0 leaves the library's own
+choice per kind; float16 products ignore it); the variants, kinds and row counts are interleaved within
 each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
 beside --out.
 """
@@ -28,12 +31,14 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 SHAPE = "8192x2048"  # out x in: a Llama-3.2-1B MLP matrix (gate, up)
 
 
-def variant(distance: int):
-    """native_step.c built with ES_PREFETCH = distance (each distance its own cached library)."""
+def variant(distance: int, panels_row1: int = 0):
+    """native_step.c built with ES_PREFETCH = distance and (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1, each
+    pair its own cached library."""
     from edgespec.backends import native_lib
 
     old = os.environ.get("EDGESPEC_NATIVE_CFLAGS")
-    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{old or ''} -DES_PREFETCH={distance}".strip()
+    row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
+    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{old or ''} -DES_PREFETCH={distance}{row1}".strip()
     try:
         return native_lib.library()
     finally:
@@ -70,9 +75,11 @@ def markdown(report: dict) -> str:
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
              f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
-             "| kind | prefetch bytes | rows | ms per pass | GMAC/s | GB/s of weights |", "|---|---|---|---|---|---|"]
+             "| kind | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s | GB/s of weights |",
+             "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
-        lines.append(f"| {r['kind']} | {r['prefetch']} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
+        row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
+        lines.append(f"| {r['kind']} | {r['prefetch']} | {row1} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -83,6 +90,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,5,9", help="rows of x per call, comma-separated (1..12)")
     ap.add_argument("--kinds", default="float16,int8,int4", help="weight kinds, comma-separated")
     ap.add_argument("--prefetch", default="0,2048", help="ES_PREFETCH distances in bytes, comma-separated")
+    ap.add_argument("--panels-row1", default="0",
+                    help="panels per pass of one-row integer products (ES_QPANELS_ROW1: 1, 2 or 4; 0: the library's "
+                         "choice per kind), comma-separated")
     ap.add_argument("--gb", type=float, default=1.3, help="GB of matrices per kind (more than the last-level cache)")
     ap.add_argument("--prefetch-rows", type=int, default=1,
                     help="the fewest rows a product prefetches for (es_set_prefetch_rows; default 1: every row count, "
@@ -98,6 +108,9 @@ def main(argv=None) -> int:
     rows = [int(x) for x in a.rows.split(",")]
     kinds = a.kinds.split(",")
     dists = [int(x) for x in a.prefetch.split(",")]
+    row1s = [int(x) for x in a.panels_row1.split(",")]
+    if any(f not in (0, 1, 2, 4) for f in row1s):
+        ap.error(f"--panels-row1: each 0 (the library's choice), 1, 2 or 4 (the kernel's one-row variants), got {row1s}")
     if any(not 1 <= r <= 12 for r in rows):
         ap.error(f"--rows: each between 1 and 12 (native_step.c's MAX_ROWS per pass), got {rows}")
     if any(k not in WEIGHT_KINDS for k in kinds):
@@ -114,32 +127,34 @@ def main(argv=None) -> int:
         ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
     load = machine_load()
     rng = np.random.default_rng(0)
-    libs = {d: variant(d) for d in dists}
-    cpu_default = libs[dists[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
+    keys = [(d, f) for d in dists for f in row1s]
+    libs = {k: variant(*k) for k in keys}
+    cpu_default = libs[keys[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
     for lib in libs.values():
         lib.es_set_prefetch_rows(a.prefetch_rows)
     best: dict[tuple, float] = {}
     for kind in kinds:  # one kind's matrices in memory at a time
         mats = matrices(kind, N, K, a.gb, rng)
         xs = {r: rng.normal(0, 1, (r, K)).astype(np.float32) for r in rows}
-        one_pass(libs[dists[0]], kind, mats, N, xs[rows[0]], a.threads)  # page the copies in
+        one_pass(libs[keys[0]], kind, mats, N, xs[rows[0]], a.threads)  # page the copies in
         for rep in range(a.repeats):
-            for d in dists:
+            for k in keys:
                 for r in rows:
-                    t = one_pass(libs[d], kind, mats, N, xs[r], a.threads)
-                    best[(kind, d, r)] = min(best.get((kind, d, r), t), t)
+                    t = one_pass(libs[k], kind, mats, N, xs[r], a.threads)
+                    best[(kind, k, r)] = min(best.get((kind, k, r), t), t)
             print(f"[products] {kind}: repeat {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
         nbytes = sum(m.nbytes for m in mats)
-        for d in dists:
+        for k in keys:
             for r in rows:
-                t = best[(kind, d, r)]
-                best[(kind, d, r)] = {"kind": kind, "prefetch": d, "rows": r, "ms": t * 1e3, "matrices": len(mats),
-                                      "gmacs": len(mats) * r * N * K / t / 1e9, "gbs": nbytes / t / 1e9}
+                t = best[(kind, k, r)]
+                best[(kind, k, r)] = {"kind": kind, "prefetch": k[0], "panels_row1": k[1], "rows": r, "ms": t * 1e3,
+                                      "matrices": len(mats), "gmacs": len(mats) * r * N * K / t / 1e9,
+                                      "gbs": nbytes / t / 1e9}
         del mats
     report = {"command": command_line(__file__),
               "threads": a.threads, "repeats": a.repeats, "gb": a.gb, "load": load, "shape": [N, K],
               "prefetch_rows": a.prefetch_rows, "prefetch_rows_cpu_default": cpu_default, "machine": machine(),
-              "results": [best[(k, d, r)] for k in kinds for d in dists for r in rows]}
+              "results": [best[(kind, k, r)] for kind in kinds for k in keys for r in rows]}
     write_results(a.out, report, markdown(report))
     print(markdown(report))
     return 0

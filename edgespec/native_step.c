@@ -578,15 +578,25 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
     for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, tot[i]);
 }
 
-/* panels per pass over R rows: chains in flight for few rows, registers for many */
-static int qpanels_for(int R) { return R <= 2 ? 4 : R <= 6 ? 2 : 1; }
+/* panels per pass over R rows. One int4 row takes one panel at a time, so each thread reads its weights as one
+   address sequence that the hardware prefetcher follows; with four panels' 288-byte blocks interleaved it falls
+   behind and the kernel waits on DRAM. int8 blocks (544 bytes) do not show it, and keep four panels' chains in
+   flight (bench/results/NOTES.md, "one panel at a time"). With more rows the arithmetic per byte is larger and
+   several panels' shared inputs pay (two rows: four; up to six: two); past six the registers run out.
+   -DES_QPANELS_ROW1=n (1, 2 or 4) sets the one-row choice for both kinds (bench/bench_products.py --panels-row1). */
+static int qpanels_for(int kind, int R) {
+#ifdef ES_QPANELS_ROW1
+    if (R == 1) return ES_QPANELS_ROW1;
+#endif
+    return R == 1 ? (kind == ES_Q4 ? 1 : 4) : R <= 2 ? 4 : R <= 6 ? 2 : 1;
+}
 
 #define QP_CASE(n, K8)                                                                              \
     case n:                                                                                         \
-        if (np == qpanels_for(n)) qrows_r(xq, dx, xs, n, p, qpanels_for(n), K, K8, out);            \
+        if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out);    \
         else qrows_r(xq, dx, xs, n, p, 1, K, K8, out);                                              \
         break;
-/* np is qpanels_for(R), or 1 */
+/* np is qpanels_for(kind, R), or 1 */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
                   int np, int64_t K, int kind, float *out) {
     if (kind == ES_Q8) {
@@ -604,7 +614,7 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
     }
 }
 #else
-static int qpanels_for(int R) { (void)R; return 1; }
+static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
 /* the portable kernel: the same integer sums and float chain, one output at a time */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
@@ -641,7 +651,7 @@ static int64_t panel_bytes(const es_mat *a) {
 }
 
 /* panels a pass over R rows takes, for this matrix's kind */
-static int mat_panels_for(int kind, int R) { return kind == ES_F16 ? panels_for(R) : qpanels_for(R); }
+static int mat_panels_for(int kind, int R) { return kind == ES_F16 ? panels_for(R) : qpanels_for(kind, R); }
 
 /* a block of rows of a product's input: floats, and (integer weights) their quantized form (quantize_row) */
 typedef struct {

@@ -430,10 +430,11 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
     out = tmp_path / "p.json"
     before = library().es_prefetch_rows()
     assert bench.main(["--out", str(out), "--kinds", "float16,int4", "--rows", "1,3", "--prefetch", "0,512",
-                       "--shape", "256x128", "--gb", "0.0005", "--repeats", "1", "--prefetch-rows", "3"]) == 0
+                       "--panels-row1", "0,4", "--shape", "256x128", "--gb", "0.0005", "--repeats", "1",
+                       "--prefetch-rows", "3"]) == 0
     r = json.loads(out.read_text())
-    assert [(x["kind"], x["prefetch"], x["rows"]) for x in r["results"]] == [
-        (k, d, n) for k in ("float16", "int4") for d in (0, 512) for n in (1, 3)]
+    assert [(x["kind"], x["prefetch"], x["panels_row1"], x["rows"]) for x in r["results"]] == [
+        (k, d, f, n) for k in ("float16", "int4") for d in (0, 512) for f in (0, 4) for n in (1, 3)]
     for x in r["results"]:
         assert x["matrices"] >= 1 and x["ms"] > 0
         assert x["gmacs"] == pytest.approx(x["matrices"] * x["rows"] * 256 * 128 / (x["ms"] / 1e3) / 1e9)
@@ -441,7 +442,34 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
     assert library().es_prefetch_rows() == before  # the variants are libraries of their own: the runtime's untouched
     for bad, what in ((["--shape", "100x128"], "--shape"), (["--shape", "big"], "--shape"),
                       (["--rows", "13"], "--rows"), (["--kinds", "int2"], "--kinds"),
-                      (["--prefetch-rows", "0"], "--prefetch-rows")):
+                      (["--prefetch-rows", "0"], "--prefetch-rows"), (["--panels-row1", "3"], "--panels-row1")):
         with pytest.raises(SystemExit):
             bench.main(["--out", str(tmp_path / "x.json"), *bad])
         assert what in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_one_row_products_give_the_same_bits_with_any_panels_per_pass(kind):
+    """ES_QPANELS_ROW1 changes how many panels a one-row integer product streams at once, never a bit of the
+    result: the libraries built with 1, 2 and 4 agree exactly with each other and with the default build, on one
+    row and on the two and three rows they share."""
+    import importlib.util
+    from pathlib import Path
+    from edgespec.backends.native_format import WEIGHT_KINDS, pack_blocks, quantize_blocks
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
+    spec = importlib.util.spec_from_file_location("bench_products", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(7)
+    N, K = 16 * 13, 32 * 5  # 13 panels: groups of 2 and 4 leave a remainder
+    w = pack_blocks(*quantize_blocks(rng.normal(0, 0.1, (N, K)).astype(np.float32), kind), kind)
+    libs = [library()] + [bench.variant(0, f) for f in (1, 2, 4)]
+    for rows in (1, 2, 3):
+        x = rng.normal(0, 1, (rows, K)).astype(np.float32)
+        outs = []
+        for lib in libs:
+            y = np.zeros((rows, N), np.float32)
+            assert lib.es_matmul(WEIGHT_KINDS[kind], x.ctypes.data, rows, w.ctypes.data, K, N, y.ctypes.data, 2) == 0
+            outs.append(y)
+        for y in outs[1:]:
+            np.testing.assert_array_equal(y, outs[0])
