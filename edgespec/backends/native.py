@@ -29,6 +29,7 @@ call per decoder call, the batch's rows through each weight matrix together.
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from .base import Capabilities, Decoder, EmbeddingTable
 from .native_folder import NativeFolder, model_struct, read_native
 from .native_lib import library
 from .providers import default_threads
+from .threads import governor_for
 
 
 class NativeEngine(EmbeddingTable):
@@ -56,7 +58,9 @@ class NativeEngine(EmbeddingTable):
                                                                               f.intermediate)
         for k in ("inv_freq", "rope_scale"):
             self.arrays[k] = np.ascontiguousarray(self.arrays[k], np.float32)
-        self.threads = default_threads(threads)
+        self.threads = default_threads(threads)  # the most threads a call runs on
+        # threads left open: each call's count chosen from measured calls (threads.py), else every call on self.threads
+        self.governor = governor_for(threads, self.threads, os.environ.get("EDGESPEC_THREADS"))
         self.lib = library()
         self.model, self._tables = model_struct(f, lambda k: self.arrays[k].ctypes.data)
 
@@ -116,17 +120,22 @@ class NativeDecoder(Decoder):
         ks, vs = self._pointers[1]
         logits, nid = out.logits.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
+        gov = e.governor
+        threads = gov.threads((b, s)) if gov is not None else e.threads
         t0 = time.perf_counter()
         rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data,
                               x_in.ctypes.data if x_in is not None else None, start.ctypes.data, ks, vs,
                               cache.capacity, logits.ctypes.data, nid.ctypes.data,
                               hidden.ctypes.data if hidden is not None else None, self._scratch.ctypes.data,
-                              e.threads)
+                              threads)
+        t1 = time.perf_counter()
         if rc == -1:
             raise EngineError(f"native step: rows {start.tolist()} + {s} do not fit the cache's {cache.capacity} rows")
         if rc != 0:
             raise MemoryError("native step: could not allocate its scratch")
-        self._called(s, out, t0, time.perf_counter(), start, valid)
+        if gov is not None:
+            gov.observe((b, s), threads, t1 - t0)
+        self._called(s, out, t0, t1, start, valid)
 
     def __del__(self):
         try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)

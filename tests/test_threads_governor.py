@@ -1,0 +1,137 @@
+"""The native step's thread governor (edgespec/backends/threads.py): each call shape's thread count follows the
+measured call times, probes the other count at its period, switches only past the margin, and never changes a
+result. The call times here are synthetic (a cost per thread count), so nothing depends on this machine's load."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.backends.threads import GovernorConfig, ThreadGovernor, governor_for
+
+
+def drive(gov: ThreadGovernor, calls: int, cost, shape=(1, 1)) -> list[int]:
+    """`calls` calls of `shape`, each taking cost(threads, i) seconds: -> the thread count of each call."""
+    used = []
+    for i in range(calls):
+        t = gov.threads(shape)
+        gov.observe(shape, t, cost(t, i))
+        used.append(t)
+    return used
+
+
+def test_quiet_machine_stays_on_every_core_and_only_probes_one_thread():
+    cfg = GovernorConfig(probe_every=16, probe_calls=4)
+    gov = ThreadGovernor(2, cfg)
+    used = drive(gov, 400, lambda t, i: 0.010 if t == 2 else 0.013)
+    assert gov.current((1, 1)) == 2 and gov.switches == 0
+    assert used[:16] == [2] * 16  # the first probe comes after probe_every calls on the current count
+    assert used[16:20] == [1] * 4
+    assert used.count(1) == 4 * (400 // 20)  # 4 probe calls in every 20
+
+
+def test_a_busy_core_moves_it_to_one_thread_and_back_when_the_core_frees():
+    cfg = GovernorConfig(probe_every=16, probe_calls=4)
+    gov = ThreadGovernor(2, cfg)
+    # calls 0..199: another process holds a core (2 threads 0.012 s, 1 thread 0.009); then quiet again
+    cost = lambda t, i: (0.012 if t == 2 else 0.009) if i < 200 else (0.007 if t == 2 else 0.009)  # noqa: E731
+    used = drive(gov, 400, cost)
+    assert used[16:20] == [1] * 4 and used[20:36] == [1] * 16  # the first probe wins: 1 thread from then on
+    assert used[36:40] == [2] * 4  # ... which goes on probing 2
+    back = next(i for i in range(200, 400) if used[i:i + 16] == [2] * 16)  # 16 calls on 2 in a row: switched back
+    assert back < 200 + 2 * 20  # within two periods of the change
+    assert used[-20:].count(1) == 4  # from then on 1 thread only in probes
+    assert gov.switches == 2 and gov.current((1, 1)) == 2
+
+
+def test_a_probe_within_the_margin_changes_nothing():
+    gov = ThreadGovernor(2, GovernorConfig(probe_every=8, probe_calls=3, margin=0.05))
+    drive(gov, 200, lambda t, i: 0.0100 if t == 2 else 0.0097)  # 3% faster on 1: inside the 5% margin
+    assert gov.switches == 0 and gov.current((1, 1)) == 2
+    drive(gov, 40, lambda t, i: 0.0100 if t == 2 else 0.0090)  # 10%: past it
+    assert gov.switches == 1 and gov.current((1, 1)) == 1
+
+
+def test_each_call_shape_keeps_its_own_count():
+    gov = ThreadGovernor(4, GovernorConfig(probe_every=4, probe_calls=2))
+    for i in range(100):  # one-row calls are faster on 1 thread, five-row verify calls on 4
+        for shape, fast in (((1, 1), 1), ((1, 5), 4)):
+            t = gov.threads(shape)
+            gov.observe(shape, t, 0.01 if t == fast else 0.02)
+    assert gov.current((1, 1)) == 1 and gov.current((1, 5)) == 4 and gov.current((2, 1)) == 4
+
+
+def test_a_median_not_a_single_outlier_decides():
+    gov = ThreadGovernor(2, GovernorConfig(probe_every=8, probe_calls=5))
+    # 1 thread is slower except for one lucky call in each probe: the median keeps 2
+    drive(gov, 200, lambda t, i: 0.010 if t == 2 else (0.001 if i % 13 == 0 else 0.014))
+    assert gov.switches == 0
+
+
+@pytest.mark.parametrize("field,value", [("probe_every", 0), ("probe_calls", 0), ("recent", 0), ("margin", 1.0),
+                                         ("margin", -0.1)])
+def test_bad_settings_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        GovernorConfig(**{field: value})
+    with pytest.raises(ValueError, match="most=1"):
+        ThreadGovernor(1)
+
+
+def test_only_an_open_thread_count_gets_a_governor():
+    assert isinstance(governor_for(None, 2, None), ThreadGovernor)
+    assert governor_for(2, 2, None) is None  # the caller's count
+    assert governor_for(None, 2, "2") is None  # $EDGESPEC_THREADS
+    assert isinstance(governor_for(None, 2, "0"), ThreadGovernor)  # 0: unset, as default_threads reads it
+    assert governor_for(None, 1, None) is None  # one core: nothing to choose
+
+
+def test_a_native_decoder_runs_each_call_on_the_governors_count_and_gets_the_same_ids(tmp_path, monkeypatch):
+    """An engine opened without a thread count asks its governor for every call and reports every call's time;
+    whatever count it picks, the ids are those of a fixed-count engine."""
+    from test_native import _f16_checkpoint
+
+    from edgespec.backends import native_lib, open_engine
+    from edgespec.export.onnx_export import export_engine
+    _f16_checkpoint(tmp_path / "ck", 21)
+    export_engine(tmp_path / "ck", tmp_path / "eng", max_context=128, progress=False)
+    monkeypatch.delenv("EDGESPEC_THREADS", raising=False)
+    auto, fixed = open_engine(tmp_path / "eng", "cpu-native"), open_engine(tmp_path / "eng", "cpu-native", threads=1)
+    assert auto.governor is not None and fixed.governor is None and auto.threads == auto.governor.most
+
+    class Alternating(ThreadGovernor):  # 2, 1, 2, 1, ... whatever the times
+        def __init__(self):
+            super().__init__(2, GovernorConfig())
+            self.n, self.seen = 0, []
+
+        def threads(self, shape):
+            self.n += 1
+            return 1 if self.n % 2 == 0 else 2
+
+        def observe(self, shape, threads, seconds):
+            self.seen.append((shape, threads, seconds))
+
+    auto.governor = Alternating()
+    forward = native_lib.library().es_forward
+    asked = []
+    real = auto.lib
+
+    class Spy:  # the thread count each es_forward call received (its last argument)
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def es_forward(self, *args):
+            asked.append(args[-1])
+            return forward(*args)
+
+    auto.lib = Spy()
+    a, b = auto.decoder(), fixed.decoder()
+    rng = np.random.default_rng(0)
+    for s in (7, 1, 1, 3, 1):
+        ids = rng.integers(0, auto.manifest.vocab_size, (1, s))
+        np.testing.assert_array_equal(np.array(a(ids)), np.array(b(ids)))
+        assert (a.last_ids() == b.last_ids()).all()
+        a.cache.commit(s)
+        b.cache.commit(s)
+    assert asked == [2, 1, 2, 1, 2]
+    assert [(sh, t) for sh, t, _ in auto.governor.seen] == [((1, 7), 2), ((1, 1), 1), ((1, 1), 2), ((1, 3), 1),
+                                                            ((1, 1), 2)]
+    assert all(sec > 0 for _, _, sec in auto.governor.seen)
