@@ -217,6 +217,35 @@ def test_roofline_share_is_tokens_times_bytes_over_bandwidth():
     assert br.best_bandwidth([{"error": "no cc"}], 2) is None
 
 
+def test_each_pass_is_judged_against_the_read_loop_right_beside_it():
+    """The adjacent share: each pass's tok/s x bytes over the faster of the readings just before and after it at
+    the row's thread count, the median over passes; passes without a speed or a reading are left out."""
+    passes = [{"before": {"2": {"gbs_best": 30.0}}, "after": {"2": {"gbs_best": 40.0}}, "tokens_per_s": 32.0},
+              {"before": {"2": {"gbs_best": 50.0}}, "after": {"2": {"error": "x"}}, "tokens_per_s": 25.0},
+              {"before": {"2": {"gbs_best": 20.0}, "1": {"gbs_best": 99.0}}, "after": {}, "tokens_per_s": 18.0},
+              {"before": None, "after": None, "tokens_per_s": 30.0},
+              {"before": {"2": {"gbs_best": 30.0}}, "after": None, "tokens_per_s": None}]
+    a = br.adjacent_share(passes, 1e9, 2)
+    assert [round(p["share"], 3) for p in a["passes"]] == [0.8, 0.5, 0.9]  # 32/40, 25/50, 18/20 (not 1 thread's 99)
+    assert a["share"] == pytest.approx(0.8) and a["read_gbs_median"] == pytest.approx(40.0)
+    assert br.adjacent_share(passes[3:], 1e9, 2) is None
+    assert br.adjacent_share([], 1e9, 2) is None
+
+
+def test_the_report_names_both_shares_and_bolds_the_judged_one(tmp_path):
+    systems = {"edgespec plain fp16 cpu-native": ok(50.0, "edgespec", "fp16", "plain")}
+    rep = _report(systems)
+    near = br.adjacent_share([{"before": {"2": {"gbs_best": 45.0}}, "after": {"2": {"gbs_best": 40.0}},
+                               "tokens_per_s": 40.0}], 1e9, 2)
+    rep["roofline"]["rows"]["edgespec plain fp16 cpu-native"] = dict(
+        br.roofline_share(50.0, 1e9, 55.0), bytes_per_token=1e9, how="npz", threads=2, read_gbs=55.0,
+        share_run_best=50.0 / 55.0, adjacent=near, share=near["share"])
+    br.write_report(rep, tmp_path / "r.json")
+    md = (tmp_path / "r.md").read_text()
+    assert "of 55.0 (the run's best) at 2 thread(s): 91%" in md
+    assert "(40.0 tok/s of 45.0 GB/s): **89%**, the share the target judges" in md
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_the_native_read_loop_compiles_and_measures(monkeypatch, tmp_path):
     monkeypatch.setattr(br, "WORK", tmp_path)

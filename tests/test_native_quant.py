@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import shutil
 
@@ -350,7 +351,7 @@ def test_the_model_struct_matches_the_c_layout():
     assert off.value == _Model.inv_freq.offset
 
 
-def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path):
+def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path, monkeypatch, capsys):
     import importlib.util
     import json
     from pathlib import Path
@@ -363,12 +364,19 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path):
     assert not bench.threads_checks({**ok, (1, 2): 59.0}, 2)["met"]  # below one thread beside the same load
     assert not bench.threads_checks({**ok, (0, 2): 130.0, (1, 1): 40.0, (1, 2): 64.0}, 2)["met"]  # < half quiet
     assert bench.threads_checks({(0, 1): 1.0, (0, 2): 2.0}, 2) == {}
+    assert bench.threads_checks({**ok, (1, "auto"): 62.0}, "auto")["met"]  # the default may be auto
     out = tmp_path / "t.json"
-    assert bench.main(["--engine", str(quant_folders[("llama3", "int4")][0]), "--out", str(out), "--hogs", "0",
-                       "--tokens", "3", "--repeats", "1", "--batches", "1,2"]) == 0
+    args = ["--engine", str(quant_folders[("llama3", "int4")][0]), "--out", str(out), "--hogs", "0", "--tokens", "3",
+            "--repeats", "1", "--batches", "1,2"]
+    with pytest.raises(SystemExit):  # auto (in the default --threads) needs the count left open
+        bench.main(args)
+    assert "unset EDGESPEC_THREADS" in capsys.readouterr().err
+    monkeypatch.delenv("EDGESPEC_THREADS", raising=False)
+    assert bench.main(args) == 0
     r = json.loads(out.read_text())
-    assert [(x["hogs"], x["threads"]) for x in r["rows"]] == [(0, 1), (0, 2)] and r["weights"] == "int4"
-    assert set(r["batches"]) == {"1", "2"} and out.with_suffix(".md").is_file()
+    assert [(x["hogs"], x["threads"]) for x in r["rows"]] == [(0, 1), (0, 2), (0, "auto")] and r["weights"] == "int4"
+    assert r["rows"][2].get("auto_current", 1) in (1, os.cpu_count())  # absent on one core: no governor
+    assert set(r["batches"]) == {"1", "2"} and "| auto, tok/s |" in out.with_suffix(".md").read_text()
 
 
 def test_the_profile_counts_each_job_of_a_call(quant_folders):
