@@ -1,7 +1,7 @@
 """Where a native step's time goes, by job kind, against the DRAM roofline.
 
     python bench/bench_native_profile.py --engine .cache/engines-realsize/qwen2.5-0.5b-int4 \\
-        --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48]
+        --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48] [--hugepages 1]
 
 For each call size S (--rows: S = 1 is a decode step, S = k + 1 a verify pass of k drafted tokens) this runs
 --calls calls of S tokens on provider cpu-native from a 64-token prompt, the sizes interleaved, --repeats
@@ -10,8 +10,10 @@ norms, matrix products, the input quantization of integer products, the cache ro
 argmax; and of those, the caller's wait for helper threads), and the host's share (Python, ctypes, the cache's
 bookkeeping). The weight bytes a call reads (engine.json's native weight_bytes_per_token) over the matrix
 products' time and over the whole call give the bandwidth each reaches, beside the machine's read bandwidth
-measured in the same run (bench/lib/membw.c, as bench_realsize.py measures it). Writes JSON and a markdown table
-beside --out, with the command and the machine's load.
+measured in the same run (bench/lib/membw.c, as bench_realsize.py measures it). --hugepages 0,1 opens the engine
+once per setting (EDGESPEC_HUGEPAGES: its weights on 4 KiB pages, or in one arena advised for huge pages,
+edgespec/backends/hugepages.py) and interleaves them within each repeat, with the huge-page bytes each got. Writes
+JSON and a markdown table per setting beside --out, with the command and the machine's load.
 """
 from __future__ import annotations
 
@@ -66,22 +68,49 @@ def summarize(runs: list[dict], bytes_per_call: int, gbs: float | None) -> dict:
 
 
 def markdown(r: dict) -> str:
-    kinds = list(next(iter(r["calls"].values()))["kinds"])
     lines = [f"# Native step profile: {r['engine']} ({r['weights']} weights, {r['threads']} threads)", "",
              f"`{r['command']}`", "",
              f"Weight bytes per call: {r['bytes_per_call'] / 1e6:.1f} MB; read bandwidth measured in the run: "
              f"{r['read_gbs'] or float('nan'):.1f} GB/s ({r['threads']} threads). Machine load before: "
-             f"{r['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Prefetching from {r.get('prefetch_rows', '?')} rows. Medians of {r['repeats']} repeats, ms per call.",
-             "", "| rows per call | wall | " + " | ".join(kinds) + " | host | products GB/s (share) | call GB/s (share) |",
+             f"{r['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Prefetching from {r.get('prefetch_rows', '?')} rows. Medians of {r['repeats']} repeats, ms per call."]
+    for name, v in r.get("variants", {"": {"calls": r["calls"]}}).items():
+        if name:
+            hb = v.get("huge_page_bytes")
+            lines += ["", f"## {name} (weights on huge pages: "
+                      f"{'unknown' if hb is None else f'{hb / 1e6:.0f} MB'})"]
+        lines += table(v["calls"])
+    return "\n".join(lines) + "\n"
+
+
+def table(calls: dict) -> list[str]:
+    kinds = list(next(iter(calls.values()))["kinds"])
+    lines = ["", "| rows per call | wall | " + " | ".join(kinds) + " | host | products GB/s (share) | call GB/s (share) |",
              "|" + "---|" * (len(kinds) + 5)]
-    for rows, c in r["calls"].items():
+    for rows, c in calls.items():
         cells = [f"{c['kinds'][k]['ms']:.2f}" + (f" (wait {c['kinds'][k]['wait_ms']:.2f})"
                                                    if c["kinds"][k]["wait_ms"] >= 0.01 else "") for k in kinds]
         share = lambda g, s: f"{g:.1f}" + (f" ({s:.0%})" if s is not None else "")  # noqa: E731
         lines.append(f"| {rows} | {c['ms_per_call']:.2f} | " + " | ".join(cells) + f" | {c['host_ms']:.2f} | "
                      f"{share(c['products_gbs'] or 0, c.get('products_share_of_read_bw'))} | "
                      f"{share(c['call_gbs'], c.get('call_share_of_read_bw'))} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def open_with_hugepages(path: Path, threads: int, setting: str):
+    """The engine at `path` on cpu-native, its weights read with EDGESPEC_HUGEPAGES=setting."""
+    import os
+
+    from edgespec.backends import open_engine
+
+    old = os.environ.get("EDGESPEC_HUGEPAGES")
+    os.environ["EDGESPEC_HUGEPAGES"] = setting
+    try:
+        return open_engine(path, "cpu-native", threads=threads)
+    finally:
+        if old is None:
+            del os.environ["EDGESPEC_HUGEPAGES"]
+        else:
+            os.environ["EDGESPEC_HUGEPAGES"] = old
 
 
 def main(argv=None) -> int:
@@ -94,11 +123,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--membw-mib", type=int, default=512)
+    ap.add_argument("--hugepages", default="1", help="EDGESPEC_HUGEPAGES settings, interleaved (0, 1 or 0,1)")
     a = ap.parse_args(argv)
     from host import command_line, machine_load, read_bandwidth, write_results
 
+    from edgespec.backends.hugepages import huge_bytes
     from edgespec.contract import Manifest
-    from edgespec.backends import open_engine
 
     m = Manifest.read(a.engine)
     info = (m.extra or {}).get("native") or {}
@@ -107,6 +137,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     rows = [int(x) for x in a.rows.split(",")]
+    settings = list(dict.fromkeys(x.strip() for x in a.hugepages.split(",")))
+    if not settings or set(settings) - {"0", "1"}:
+        print(f"error: --hugepages takes 0, 1 or 0,1, got {a.hugepages!r}", file=sys.stderr)
+        return 2
     need = a.prompt + max(rows) * a.calls
     if need > m.max_context:
         print(f"error: {a.prompt} prompt tokens + {a.calls} calls of {max(rows)} rows = {need} positions; "
@@ -115,20 +149,26 @@ def main(argv=None) -> int:
     load = machine_load()
     bw = read_bandwidth([a.threads], a.membw_mib, 5)
     gbs = bw.get(str(a.threads), {}).get("gbs_best")
-    engine = open_engine(a.engine, "cpu-native", threads=a.threads)
-    profile_calls(engine, 1, 8, a.prompt, 99)  # warm: the library built and loaded, the weights paged in
-    runs: dict[int, list] = {r: [] for r in rows}
+    engines = {s: open_with_hugepages(a.engine, a.threads, s) for s in settings}
+    for engine in engines.values():
+        profile_calls(engine, 1, 8, a.prompt, 99)  # warm: the library built and loaded, the weights paged in
+    runs = {s: {r: [] for r in rows} for s in settings}
     for rep in range(a.repeats):
         for r in rows:
-            runs[r].append(profile_calls(engine, r, a.calls, a.prompt, rep))
+            for s in (settings if rep % 2 == 0 else settings[::-1]):  # the order alternates each repeat
+                runs[s][r].append(profile_calls(engines[s], r, a.calls, a.prompt, rep))
     bytes_per_call = int(info["weight_bytes_per_token"])
+    largest = {s: max(e.arrays.values(), key=lambda x: x.nbytes) for s, e in engines.items()}
+    variants = {f"hugepages={s}": {"hugepages": s, "huge_page_bytes": huge_bytes(largest[s]),
+                                   "calls": {str(r): summarize(runs[s][r], bytes_per_call, gbs) for r in rows},
+                                   "raw": runs[s]} for s in settings}
     from edgespec.backends.native_lib import library
     report = {"command": command_line(__file__),
               "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
               "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
               "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs,
-              "bytes_per_call": bytes_per_call,
-              "calls": {str(r): summarize(runs[r], bytes_per_call, gbs) for r in rows}, "raw": runs}
+              "bytes_per_call": bytes_per_call, "hugepages": settings,
+              "calls": variants[f"hugepages={settings[0]}"]["calls"], "variants": variants}
     write_results(a.out, report, markdown(report))
     print(markdown(report))
     return 0

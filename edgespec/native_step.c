@@ -724,8 +724,21 @@ typedef struct {
     int64_t row_groups;      /* J_MATMUL: chunks per panel group (of MAX_ROWS rows) */
 } es_job;
 
+/* A job's chunks are split into one contiguous range per taking-part thread. A thread claims its own range's
+   chunks from the front, in order, so it streams its share of a matrix as one address sequence that the hardware
+   prefetcher follows across chunk boundaries; when its range is empty it takes other ranges' chunks from their
+   back, so a descheduled or slower thread's share is still spread over the others. One word per range, on its
+   own cache line: job tag (16 bits) | front (24) | back (24). The tag keeps a claim by a thread that still holds
+   an old job from moving a new job's cursors in all but one of 65536 jobs, and that one is harmless: a chunk
+   claimed under an old job is never committed for the new one, and the caller computes the chunks left
+   uncommitted (run_job_timed). */
 typedef struct {
-    _Atomic uint64_t claim;       /* job number << IDX_BITS | next chunk */
+    _Alignas(64) _Atomic uint64_t w;
+} es_range;
+
+typedef struct {
+    _Atomic uint64_t claim;       /* job number << IDX_BITS (a new job's announcement; chunks: `range`) */
+    es_range range[ES_MAX_THREADS];
     _Atomic uint64_t version;     /* 2 x the job number whose description is in `job`; odd while written */
     _Atomic int64_t done;         /* chunks committed in the current job */
     _Atomic uint32_t wake;        /* futex word, bumped for each job */
@@ -805,13 +818,52 @@ static _Atomic int64_t stolen; /* chunks the caller computed after a helper had 
 
 /* claim, compute and commit chunks of job s until none is left (tid: 0 the caller, else a helper): -> chunks
    computed */
+#define TAG(s) ((uint64_t)(s) & 0xFFFF)
+static uint64_t range_word(uint64_t s, int64_t front, int64_t back) {
+    return TAG(s) << 48 | (uint64_t)front << IDX_BITS | (uint64_t)back;
+}
+
+/* the next chunk of job s for thread tid of `active`: its own range's front, else another range's back; -1 when
+   every range is empty */
+static int64_t claim(uint64_t s, int tid, int active) {
+    for (int k = 0; k < active; k++) {
+        _Atomic uint64_t *w = &pool.range[(tid + k) % active].w;
+        uint64_t v = atomic_load_explicit(w, memory_order_acquire);
+        for (;;) {
+            const int64_t front = (int64_t)(v >> IDX_BITS & IDX_MASK), back = (int64_t)(v & IDX_MASK);
+            if (v >> 48 != TAG(s) || front >= back) break;
+            const uint64_t next = k == 0 ? range_word(s, front + 1, back) : range_word(s, front, back - 1);
+            if (atomic_compare_exchange_weak_explicit(w, &v, next, memory_order_acq_rel, memory_order_acquire))
+                return k == 0 ? front : back - 1;
+        }
+    }
+    return -1;
+}
+
+#ifdef ES_TEST_CLAIMS /* the tests' build: the claims of the pool's jobs in the order they were made */
+#define CLAIM_LOG 4096
+static _Atomic int64_t claim_log[CLAIM_LOG], claim_count;
+/* out (2 n): thread and chunk of the first claims since the last call, -> how many were made (may exceed n) */
+int64_t es_claims(int64_t *out, int64_t n) {
+    const int64_t c = atomic_exchange(&claim_count, 0);
+    for (int64_t i = 0; i < n && i < c && i < CLAIM_LOG; i++) {
+        const int64_t v = atomic_load(&claim_log[i]);
+        out[2 * i] = v >> 32, out[2 * i + 1] = v & 0xFFFFFFFF;
+    }
+    return c;
+}
+#endif
+
 static int64_t work(const es_job *j, uint64_t s, float *local, int tid) {
     int64_t count = 0;
     for (;;) {
-        uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
-        if ((c >> IDX_BITS) != s || (int64_t)(c & IDX_MASK) >= j->n) return count;
-        if (!atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) continue;
-        const int64_t i = (int64_t)(c & IDX_MASK);
+        if ((atomic_load_explicit(&pool.claim, memory_order_acquire) >> IDX_BITS) != s) return count;
+        const int64_t i = claim(s, tid, j->active);
+        if (i < 0) return count;
+#ifdef ES_TEST_CLAIMS
+        const int64_t at = atomic_fetch_add(&claim_count, 1);
+        if (at < CLAIM_LOG) atomic_store(&claim_log[at], (int64_t)tid << 32 | i);
+#endif
         run_chunk(j, i, local);
 #ifdef ES_TEST_STALL /* the tests' build: a helper "descheduled" for 2 ms in every 3rd chunk it holds */
         if (tid && i % 3 == 1) {
@@ -959,6 +1011,9 @@ static void run_job_timed(es_job *j, int pooled, float *local) {
     pool.job = *j;
     atomic_store_explicit(&pool.version, 2 * s, memory_order_release);
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    for (int t = 0; t < j->active; t++) /* thread t's share: chunks [t n / active, (t + 1) n / active) */
+        atomic_store_explicit(&pool.range[t].w, range_word(s, t * j->n / j->active, (t + 1) * j->n / j->active),
+                              memory_order_relaxed);
     atomic_store_explicit(&pool.claim, s << IDX_BITS, memory_order_seq_cst);
     atomic_fetch_add(&pool.wake, 1);
     if (atomic_load(&pool.sleepers) > 0) futex_wake_all(&pool.wake);
@@ -1183,10 +1238,11 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.residual = residual;
     j.mat.w = w, j.mat.kind = kind, j.mat.K = K, j.mat.N = N;
     /* kernel passes: one row, 4 panels (float16: 8 chains in flight; integer: 4 of 16 lanes), else the kernel's
-       width. A chunk is several passes over consecutive panels, which lie one after another in memory: a
-       thread streams CHUNK_MIN_BYTES or more before it claims again (a new claim jumps past the other
-       threads' chunks, and the hardware prefetcher starts over), and there are still up to CHUNKS_PER_THREAD
-       chunks per thread to even out the threads' finishing times. */
+       width. A chunk is several passes over consecutive panels, which lie one after another in memory, and
+       a thread takes its own share's chunks in order (es_range), so its stream runs on across them; a
+       chunk is still CHUNK_MIN_BYTES or more, and there are up to CHUNKS_PER_THREAD per thread, so a thread
+       that finishes early takes work from the back of another's share in pieces that even out their
+       finishing times. */
     j.kw = T == 1 ? (kind == ES_F16 ? 4 : mat_panels_for(kind, 1)) : mat_panels_for(kind, T < MAX_ROWS ? (int)T : MAX_ROWS);
     j.row_groups = (T + MAX_ROWS - 1) / MAX_ROWS;
     int64_t per_thread = panels * panel_bytes(&j.mat) / ((int64_t)u->threads * CHUNK_MIN_BYTES);

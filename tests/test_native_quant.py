@@ -306,6 +306,43 @@ def test_a_stalling_helper_changes_no_bit(quant_folders, monkeypatch):
             assert np.array_equal(a, b)
 
 
+def test_each_thread_takes_its_own_share_in_order(monkeypatch):
+    """The -DES_TEST_CLAIMS build logs each claim of a pooled job. Every chunk is claimed exactly once; each
+    thread's claims in its own share (thread t of 2: chunks [t n / 2, (t + 1) n / 2)) run from the share's
+    start without a gap, and what it takes from the other's share runs down from that share's end."""
+    monkeypatch.setenv("EDGESPEC_NATIVE_CFLAGS", "-DES_TEST_CLAIMS")
+    lib = library()
+    lib.es_claims.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.es_claims.restype = ctypes.c_int64
+    rng = np.random.default_rng(3)
+    k, n = 28 * QB, 16 * 512  # 512 int4 panels of 8 KB: 32 chunks on 2 threads
+    w = _packed(rng.normal(0, 0.2, (n, k)).astype(np.float32), "int4")
+    x = rng.normal(0, 1, (1, k)).astype(np.float32)
+    want = _matmul(lib, "int4", x, w, k, n, 1)
+    log = np.zeros((4096, 2), np.int64)
+    helped = False
+    for _ in range(50):  # until the helper (often asleep between calls) takes part in one
+        lib.es_claims(log.ctypes.data, 0)  # clear
+        assert np.array_equal(_matmul(lib, "int4", x, w, k, n, 2), want)
+        count = lib.es_claims(log.ctypes.data, len(log))
+        claims = log[:count]
+        chunks = sorted(claims[:, 1].tolist())
+        assert chunks == list(range(count)) and count >= 8, f"chunks claimed: {chunks}"
+        half = [(0, count // 2), (count // 2, count)]
+        for t in (0, 1):
+            mine = claims[claims[:, 0] == t, 1].tolist()
+            lo, hi = half[t]
+            own = [c for c in mine if lo <= c < hi]
+            other = [c for c in mine if not lo <= c < hi]
+            assert own == list(range(lo, lo + len(own))), f"thread {t}'s own chunks {own}"
+            olo, ohi = half[1 - t]
+            assert other == list(range(ohi - 1, ohi - 1 - len(other), -1)), f"thread {t} took {other}"
+        if (claims[:, 0] == 1).any():
+            helped = True
+            break
+    assert helped, "the helper thread claimed nothing in 50 calls"
+
+
 def test_the_native_precision_gate_refuses_a_target_and_records_a_draft(quant_folders, tmp_path):
     from edgespec.export.native import native_agreement_gate
     folder = quant_folders[("llama3", "int4")][0]

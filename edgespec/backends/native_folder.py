@@ -14,6 +14,7 @@ import numpy as np
 from ..contract import EngineError, Manifest, file_sha256
 from .native_format import (ACTIVATIONS, FEATURES, FORMAT, LAYER_KEYS, OPTIONAL_KEYS, PANEL, QB, WEIGHT_KINDS,
                             expected_shapes, manifest_windows, upgrade_format1)
+from .hugepages import hugepages_wanted, read_npz
 from .native_lib import _Model
 from .providers import checked_folder
 
@@ -60,8 +61,7 @@ def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str
         raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "
                           f"edgespec reads formats 1 and 2 (float16) and {FORMAT} "
                           f"(re-add them with `python -m edgespec.export.native {f.dir} --checkpoint ...`)")
-    with np.load(path) as z:
-        f.arrays = {k: np.ascontiguousarray(z[k]) for k in z.files}
+    f.arrays = read_npz(path, hugepages_wanted())  # one arena on huge pages: the weights stream without TLB misses
     if fmt == 1 and "scalars" in f.arrays and f.arrays["scalars"].shape == (2,):
         upgrade_format1(f.arrays, m)
     f.info, f.intermediate = info, check_native(m, info, f.arrays, str(path), f"{f.dir}/engine.json")
