@@ -320,17 +320,29 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
-/* v[0..n) = e^(v - mx), returns their sum (in order) */
+/* v[0..n) = e^(v - mx), returns their sum: lane j % 8 sums v[j] in order, then reduce8 (eight chains in flight
+   instead of one; every build adds the same way) */
 static float exp_shift(float *v, int64_t n, float mx) {
     int64_t i = 0;
 #ifdef ES_AVX2
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(v + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(mx))));
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(v + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, acc);
+#else
+    float lane[8] = {0};
 #endif
-    for (; i < n; i++) v[i] = expf(v[i] - mx);
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; j++) sum += v[j];
-    return sum;
+    for (int64_t j = i; j < n; j++) v[j] = expf(v[j] - mx);
+#ifndef ES_AVX2
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lane[l] += v[i + l];
+#endif
+    for (int64_t j = i; j < n; j++) lane[j - i] += v[j];
+    return reduce8(lane);
 }
 
 /* act[0..n) = silu(gate) * up */
@@ -367,51 +379,122 @@ static void gelu_mul(const float *gate, const float *up, float *act, int64_t n) 
     }
 }
 
-/* scores of 8 rows: out[j] = q . k_j over D, each as dotD computes it (lanes of 8, reduce8's order) */
-static void dot8rows(const float *q, const float *k, int64_t D, float *out) {
-#ifdef ES_AVX2
-    __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 qv = _mm256_loadu_ps(q + d);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
+#ifndef ES_AVX2
+/* o (D) = sum over r < n of p[r] v_r (v rows of D), each column one chain in order of r */
+static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, float *o) {
+    for (int64_t d = 0; d < D; d++) {
+        float acc = 0.f;
+        for (int64_t r = 0; r < n; r++) acc = fmaf(p[r], v[r * D + d], acc);
+        o[d] = acc;
     }
-    /* hadd pairs, then halves: out[j] = ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)) of a[j], reduce8's order */
+}
+#endif
+
+/* Attention for GS query heads that read one kv head (GS = 1, 2 or 4: attn_group), so each key and value row is
+   loaded once for all of them. Each (head, row) score and each output column is the same chain as dotD and
+   weighted_rows compute for one head, so the grouping changes no bit. */
+#define ATT_GROUP_MAX 4
+
+#ifdef ES_AVX2
+/* out[j] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of a[j], j < 8: reduce8's order */
+static inline void reduce8x8(const __m256 *a, float *out) {
     __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
     __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
     __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
     __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
-#else
-    for (int j = 0; j < 8; j++) out[j] = dotD(q, k + j * D, D);
-#endif
 }
 
-/* o (D) = sum over r < n of p[r] v_r (v rows of D), accumulated in registers 32 columns at a time */
-static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, float *o) {
-    int64_t d0 = 0;
-#ifdef ES_AVX2
-    for (; d0 + 32 <= D; d0 += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t r = 0; r < n; r++) {
-            __m256 pv = _mm256_broadcast_ss(p + r);
-            const float *vr = v + r * D + d0;
-            a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr), a0);
-            a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8), a1);
-            a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 16), a2);
-            a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 24), a3);
+/* sc[g ss + t] = q_g . k_t for g < GS, t < n: 8 / GS key rows at a time, each loaded once for the GS heads */
+static inline __attribute__((always_inline)) void group_scores_r(const float *q, const int GS, const float *k,
+                                                                 int64_t n, int64_t D, float *sc, int64_t ss) {
+    const int RT = 8 / GS;
+    int64_t t = 0;
+    for (; t + RT <= n; t += RT) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 kv[8];
+            for (int u = 0; u < RT; u++) kv[u] = _mm256_loadu_ps(k + (t + u) * D + d);
+            for (int g = 0; g < GS; g++) {
+                const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+                for (int u = 0; u < RT; u++) a[u * GS + g] = _mm256_fmadd_ps(qv, kv[u], a[u * GS + g]);
+            }
         }
-        _mm256_storeu_ps(o + d0, a0);
-        _mm256_storeu_ps(o + d0 + 8, a1);
-        _mm256_storeu_ps(o + d0 + 16, a2);
-        _mm256_storeu_ps(o + d0 + 24, a3);
+        float out[8];
+        reduce8x8(a, out);
+        for (int u = 0; u < RT; u++)
+            for (int g = 0; g < GS; g++) sc[g * ss + t + u] = out[u * GS + g];
     }
+    for (; t < n; t++)
+        for (int g = 0; g < GS; g++) sc[g * ss + t] = dotD(q + g * D, k + t * D, D);
+}
+
+/* o[g D + d] = sum over t < n of p[g ps + t] v_t[d], in order of t, for g < GS: 32 columns at a time */
+static inline __attribute__((always_inline)) void group_weighted_r(const float *p, int64_t ps, const int GS,
+                                                                   const float *v, int64_t n, int64_t D, float *o) {
+    int64_t d0 = 0;
+    for (; d0 + 32 <= D; d0 += 32) {
+        __m256 a[ATT_GROUP_MAX][4];
+        for (int g = 0; g < GS; g++)
+            for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; t++) {
+            const float *vr = v + t * D + d0;
+            const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
+                         v3 = _mm256_loadu_ps(vr + 24);
+            for (int g = 0; g < GS; g++) {
+                const __m256 pv = _mm256_broadcast_ss(p + g * ps + t);
+                a[g][0] = _mm256_fmadd_ps(pv, v0, a[g][0]);
+                a[g][1] = _mm256_fmadd_ps(pv, v1, a[g][1]);
+                a[g][2] = _mm256_fmadd_ps(pv, v2, a[g][2]);
+                a[g][3] = _mm256_fmadd_ps(pv, v3, a[g][3]);
+            }
+        }
+        for (int g = 0; g < GS; g++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + g * D + d0 + 8 * c, a[g][c]);
+    }
+    for (int g = 0; g < GS; g++)
+        for (int64_t d = d0; d < D; d++) {
+            float acc = 0.f;
+            for (int64_t t = 0; t < n; t++) acc = fmaf(p[g * ps + t], v[t * D + d], acc);
+            o[g * D + d] = acc;
+        }
+}
+
+static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
+    switch (GS) {
+    case 4: group_scores_r(q, 4, k, n, D, sc, ss); break;
+    case 2: group_scores_r(q, 2, k, n, D, sc, ss); break;
+    default: group_scores_r(q, 1, k, n, D, sc, ss); break;
+    }
+}
+
+static void group_weighted(const float *p, int64_t ps, int GS, const float *v, int64_t n, int64_t D, float *o) {
+    switch (GS) {
+    case 4: group_weighted_r(p, ps, 4, v, n, D, o); break;
+    case 2: group_weighted_r(p, ps, 2, v, n, D, o); break;
+    default: group_weighted_r(p, ps, 1, v, n, D, o); break;
+    }
+}
+#else
+static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
+    for (int g = 0; g < GS; g++)
+        for (int64_t t = 0; t < n; t++) sc[g * ss + t] = dotD(q + g * D, k + t * D, D);
+}
+
+static void group_weighted(const float *p, int64_t ps, int GS, const float *v, int64_t n, int64_t D, float *o) {
+    for (int g = 0; g < GS; g++) weighted_rows(p + g * ps, v, n, D, o + g * D);
+}
 #endif
-    for (int64_t d = d0; d < D; d++) {
-        float acc = 0.f;
-        for (int64_t r = 0; r < n; r++) acc = fmaf(p[r], v[r * D + d], acc);
-        o[d] = acc;
-    }
+
+/* query heads per attention chunk: the largest of 4, 2, 1 that divides the heads per kv head (-DES_ATTN_GROUP=1:
+   one head per chunk, the tests' build that shows the grouping changes no bit) */
+static int64_t attn_group(int64_t H, int64_t Hkv) {
+    const int64_t G = H / Hkv;
+#ifdef ES_ATTN_GROUP
+    if (G % ES_ATTN_GROUP == 0) return ES_ATTN_GROUP;
+#endif
+    return G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
 }
 
 /* one row: h (E) = w * x * rsqrt(mean(x^2) + eps), the reference's order: normalise, then scale (h may be x) */
@@ -701,6 +784,7 @@ enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT, J_KI
 typedef struct { /* one es_forward call */
     const es_model *m;
     int64_t B, S, T, cap, NQKV; /* T = B S rows */
+    int64_t gs, ss;             /* attention: query heads per chunk (attn_group), and its scores' row stride */
     const int64_t *start;
     float *const *kc, *const *vc;
     float *x, *h, *qkv, *att, *gu, *act, *rc, *logits;
@@ -1091,30 +1175,33 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         (void)s;
         break;
     }
-    case J_ATTN: { /* head hh, row r (sequence b, position pos) over its rows lo..pos: local = the output (D), then
-                      the scores */
-        const int64_t hh = i / T, r = i % T, b = r / c->S, pos = c->start[b] + r % c->S, kh = hh / (H / Hkv);
-        const int64_t win = m->layer_window ? m->layer_window[j->l] : 0;
+    case J_ATTN: { /* heads hh0..hh0+GS-1 (one kv head's), row r (sequence b, position pos) over its rows
+                      lo..pos: local = the outputs (GS, D), then the scores (GS, ss) */
+        const int64_t GS = c->gs, ss = c->ss, hh0 = i / T * GS, r = i % T, b = r / c->S, pos = c->start[b] + r % c->S;
+        const int64_t kh = hh0 / (H / Hkv), win = m->layer_window ? m->layer_window[j->l] : 0;
         const int64_t lo = win && pos + 1 > win ? pos + 1 - win : 0, n = pos + 1 - lo;
         const int64_t rj = m->layer_rope ? m->layer_rope[j->l] : (m->n_ropes ? 0 : -1);
-        float q[512], *sc = local + D;
-        memcpy(q, c->qkv + r * c->NQKV + hh * D, D * sizeof(float));
-        if (m->qn) norm_row(q, m->qn[j->l], D, m->eps, q);
-        if (rj >= 0) {
-            const float *lrc = c->rc + (rj * T + r) * R;
-            rope(q, R, lrc, lrc + R / 2);
+        float q[ATT_GROUP_MAX * 512], *sc = local + GS * D;
+        for (int64_t g = 0; g < GS; g++) {
+            float *qg = q + g * D;
+            memcpy(qg, c->qkv + r * c->NQKV + (hh0 + g) * D, D * sizeof(float));
+            if (m->qn) norm_row(qg, m->qn[j->l], D, m->eps, qg);
+            if (rj >= 0) {
+                const float *lrc = c->rc + (rj * T + r) * R;
+                rope(qg, R, lrc, lrc + R / 2);
+            }
+            for (int64_t d = 0; d < D; d++) qg[d] *= m->attn_scale;
         }
-        for (int64_t d = 0; d < D; d++) q[d] *= m->attn_scale;
         const float *K = c->kc[b * m->L + j->l] + (kh * c->cap + lo) * D;
         const float *Vv = c->vc[b * m->L + j->l] + (kh * c->cap + lo) * D;
-        int64_t t = 0;
-        for (; t + 8 <= n; t += 8) dot8rows(q, K + t * D, D, sc + t);
-        for (; t < n; t++) sc[t] = dotD(q, K + t * D, D);
-        float mx = -INFINITY;
-        for (t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
-        const float sum = exp_shift(sc, n, mx);
-        for (t = 0; t < n; t++) sc[t] = sc[t] / sum;
-        weighted_rows(sc, Vv, n, D, local);
+        group_scores(q, (int)GS, K, n, D, sc, ss);
+        for (int64_t g = 0; g < GS; g++) {
+            float *sg = sc + g * ss, mx = -INFINITY;
+            for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+            const float sum = exp_shift(sg, n, mx);
+            for (int64_t t = 0; t < n; t++) sg[t] = sg[t] / sum;
+        }
+        group_weighted(sc, ss, (int)GS, Vv, n, D, local);
         break;
     }
     case J_ACT:
@@ -1168,8 +1255,8 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
         break;
     }
     case J_ATTN: {
-        const int64_t hh = i / T, r = i % T;
-        memcpy(c->att + r * H * D + hh * D, local, D * sizeof(float));
+        const int64_t r = i % T;
+        memcpy(c->att + r * H * D + i / T * c->gs * D, local, c->gs * D * sizeof(float));
         break;
     }
     case J_ACT:
@@ -1315,7 +1402,8 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
         attended += start[b] + (S + 1) / 2;
     }
     attended = attended / B + 1;
-    int64_t local = D + maxcap;
+    c->gs = attn_group(H, Hkv), c->ss = maxcap;
+    int64_t local = c->gs * (D + maxcap);
     const int64_t needs[] = {2 * D, E, I, MAX_ROWS * CHUNK_PANELS_MAX * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
     if (runner_begin(&u, threads, local) != 0) return -2;
@@ -1326,7 +1414,10 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
         job_rows(&u, J_NORM, l, T, E, 3 * T * E, x, m->ln1[l], h);
         job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
         job_rows(&u, J_KV, l, Hkv * T, 2 * D, 4 * Hkv * T * D, NULL, NULL, NULL); /* keys (normed, rotated) and values into the cache */
-        job_rows(&u, J_ATTN, l, H * T, D + maxcap, 2 * H * T * D * attended, NULL, NULL, NULL);
+        /* cost in a matrix product's multiply-adds: one of attention's takes about 4 (its cache rows come from
+           beyond L2 once the weights have streamed through, and the softmax adds its own), so a one-token step
+           past a few dozen positions runs its attention on the pool */
+        job_rows(&u, J_ATTN, l, H / c->gs * T, c->gs * (D + maxcap), 8 * H * T * D * attended, NULL, NULL, NULL);
         const float *bo = m->bo ? m->bo[l] : NULL;
         if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed into x */
             job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo);

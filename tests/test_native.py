@@ -20,14 +20,15 @@ if shutil.which("cc") is None and shutil.which("gcc") is None:
                 allow_module_level=True)
 
 
-def _f16_checkpoint(path, seed):
+def _f16_checkpoint(path, seed, heads=4, kv_heads=2, hidden=128):
     """A small llama whose weights are float16 values (as the bundled checkpoints'), a char tokenizer, EOS 95.
     Sized so that native_step.c's kernels all run: 16 panels of logits (8 at a time for one or two rows, 4
     for three to five), 20 of gate/up (a remainder), a head_dim of 32 (the attention's register path)."""
     import torch
     import transformers
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=160, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=160, num_hidden_layers=2,
+                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=512)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -93,6 +94,29 @@ def test_native_calls_match_onnx_runtime_across_a_regrowth(native_engines, march
     assert nat.cache.capacity >= 200 and nat.cache.generation >= 1  # grew past its first 128 rows
     for a, b in zip(ref.cache.rows(0), nat.cache.rows(0)):  # the committed K/V rows agree too
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(8, 2, 256), (6, 2, 192), (16, 2, 256)])
+def test_grouped_attention_changes_no_bit(tmp_path, heads, kv_heads, hidden, monkeypatch):
+    """Attention chunks take 4, 2 or 1 query heads of one kv head together (native_step.c's attn_group: 4 for 4
+    and 8 heads per kv head, 1 for 3): every call's logits equal, bit for bit, those of the build with one head
+    per chunk (-DES_ATTN_GROUP=1), and ONNX Runtime's within the tolerance. head_dim 32 or 16: the register
+    path and the column tail."""
+    from edgespec.export.onnx_export import export_engine
+    _f16_checkpoint(tmp_path / "ck", 5, heads, kv_heads, hidden)
+    export_engine(tmp_path / "ck", tmp_path / "e", max_context=256, progress=False)
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, 96, (1, 60))
+    chunks = [toks[:, :37]] + [toks[:, i:i + 1] for i in range(37, 42)] + [toks[:, 42:48], toks[:, 48:60]]
+    ref, grouped = _run_both(tmp_path / "e", chunks)
+    monkeypatch.setenv("EDGESPEC_NATIVE_CFLAGS", "-DES_ATTN_GROUP=1")
+    one = open_engine(tmp_path / "e", "cpu-native").decoder()
+    grouped.cache.rewind_to(0)
+    for chunk in chunks:
+        a, b = np.array(grouped(chunk)), np.array(one(chunk))
+        grouped.cache.commit(chunk.shape[1])
+        one.cache.commit(chunk.shape[1])
+        assert np.array_equal(a, b)
 
 
 def test_a_row_does_not_depend_on_the_calls_s(native_engines):
