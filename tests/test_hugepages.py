@@ -82,12 +82,11 @@ def _thp_setting() -> str | None:
 @pytest.mark.skipif(_thp_setting() not in ("always", "madvise"),
                     reason=f"transparent huge pages are {_thp_setting() or 'not available'} here")
 def test_the_arena_gets_huge_pages(tmp_path):
-    """On `madvise` (Linux' common default) only a private mapping that asked gets them: numpy's own arrays and
-    a shared anonymous mapping (shmem) do not."""
+    """On `madvise` (Linux' common default) a private mapping that asked gets them (a shared anonymous mapping,
+    shmem, would not). numpy's own arrays are not checked: numpy advises them too, and the kernel grants that on
+    some machines and not on others."""
     from edgespec.backends.hugepages import huge_bytes
     path = tmp_path / "w.npz"
     np.savez(path, w=np.ones(16 << 20, np.uint8))
     got = read_npz(path, huge=True)["w"]
     assert huge_bytes(got) >= 2 << 20, "no huge page behind the arena"
-    if _thp_setting() == "madvise":
-        assert huge_bytes(read_npz(path, huge=False)["w"]) == 0

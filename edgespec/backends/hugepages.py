@@ -4,7 +4,8 @@ A decode step streams every weight from DRAM once per token. With 4 KiB pages th
 misses the TLB, every 4 KiB, and the core's hardware prefetcher restarts at each page; with 2 MiB pages it does
 neither for 512 times as long (bench/results/NOTES.md, "huge pages"). Linux backs an anonymous mapping with huge
 pages when /sys/kernel/mm/transparent_hugepage/enabled is `always`, or `madvise` and the mapping asked for them
-(MADV_HUGEPAGE); numpy's own allocations do not ask, so on the common `madvise` setting they get 4 KiB pages.
+(MADV_HUGEPAGE). numpy advises its own large allocations too, but whether the kernel grants them varies by machine
+(on ours they get 4 KiB pages, on CI's most of them come huge): the arena makes it the same everywhere.
 
     read_npz(path, huge=True)  -> {name: array}: every array a view into one arena, each 64-byte aligned, the
                                   arena's start 2 MiB aligned; huge=False (or no MADV_HUGEPAGE on this
