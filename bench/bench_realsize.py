@@ -46,7 +46,13 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
   3. final: each row's fastest configuration (bench_peers.select_best: among those whose tokens matched edgespec's
      own plain at the same precision on every sweep prompt, if any did) on every prompt, --repeats times, one
      process per (row, repeat), rows rotated each repeat;
-  4. bandwidth and load again; the report.
+  4. bandwidth and load again;
+  5. head to head: for each ratio target (int4 fastest against llama.cpp's and GenAI's fastest, fp16 fastest
+     against llama.cpp's, each plain row against llama.cpp's plain at its precision), its two rows again on the
+     same chunk of prompts back to back, which goes first alternating, --paired-rounds x --paired-chunks times
+     (default 2 x 4). This machine's read bandwidth moves within seconds, so two passes minutes apart can differ by
+     a third; the target is judged by the median of the per-chunk ratios, with the final passes' ratio beside it;
+     then the report.
 
 Rows. edgespec: plain, draft, draft+lookup, ngram x provider cpu-native (edgespec/backends/native.py) and cpu (ONNX
 Runtime) x weight precision. A row is labelled by the weights it reads: cpu rows by the engine folder's precision,
@@ -96,7 +102,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "lib"))
 
 from bench_peers import (Config, Mode, Progress, _brief, _iso, _mmss, _rel, _tps, check_same_run,  # noqa: E402
-                         chunk_tps, llamacpp_modes, merge_repeats, run_system, select_best, summarize)
+                         chunk_indices, chunk_tps, llamacpp_modes, merge_repeats, paired_summary, run_system,
+                         select_best, summarize)
 from host import machine, machine_load  # noqa: E402
 from host import read_bandwidth as _read_bandwidth  # noqa: E402
 
@@ -120,7 +127,7 @@ SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plai
              llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
              genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
-             membw_reps=3)
+             membw_reps=3, paired_rounds=1, paired_chunks=2)
 
 
 def _list(s: str) -> list[str]:
@@ -407,11 +414,11 @@ def reference_row(precision: str, ok: set[str]) -> str | None:
 
 
 # ---- the targets of issue 28 -----------------------------------------------------------------------------------
-def targets(systems: dict, rows: list[Row], roofline: dict) -> list[dict]:
-    """Issue 28's targets, each met or not (or not measurable, saying which side is missing): int4: edgespec's
-    fastest speculative row >= 1.5x the fastest llama.cpp q4_0 and GenAI int4 rows, with output identical to
-    edgespec's own int4 plain; fp16: edgespec's fastest >= 2x llama.cpp's fastest f16; plain >= llama.cpp plain at
-    each precision (per provider); each edgespec plain row >= 85% of the DRAM roofline."""
+def comparisons(systems: dict, rows: list[Row]) -> list[dict]:
+    """The ratio targets of issue 28 as {target, a, b, threshold} (a or b None where that side has no row that ran):
+    int4: edgespec's fastest speculative row against the fastest llama.cpp q4_0 and GenAI int4 rows (1.5x); fp16:
+    edgespec's fastest against llama.cpp's fastest f16 (2x); plain against llama.cpp plain at each precision, per
+    provider (1x)."""
     by = {r.name: r for r in rows}
     tps = {n: _tps(s) for n, s in systems.items() if _tps(s)}
 
@@ -419,36 +426,53 @@ def targets(systems: dict, rows: list[Row], roofline: dict) -> list[dict]:
         names = [n for n in tps if n in by and pred(by[n])]
         return max(names, key=tps.get, default=None)
 
-    def ratio(text, a, b, threshold, extra=None) -> dict:
-        t = {"target": text, "threshold": threshold, "a": a, "b": b}
-        if not a or not b:
-            return dict(t, met=None, why="no edgespec row ran" if not a else "no peer row ran")
-        v = tps[a] / tps[b]
-        t.update(a_tokens_per_s=tps[a], b_tokens_per_s=tps[b], value=v, met=bool(v >= threshold))
-        if extra:
-            t.update(extra)
-        return t
-
     out = []
     es_spec = fastest(lambda r: r.mode.system == "edgespec" and r.precision == "int4" and r.kind != "plain")
-    same = systems.get(es_spec, {}).get("identical_prompts") if es_spec else None
     for system, prec in (("llama.cpp", "int4"), ("ORT GenAI", "int4")):
-        t = ratio(f"int4: edgespec's fastest speculative mode >= 1.5x {system}'s fastest {prec} mode", es_spec,
-                  fastest(lambda r, s=system: r.mode.system == s and r.precision == prec), 1.5,
-                  {"edgespec_identical_to_own_int4_plain": same})
-        if t.get("met") and same and same.split("/")[0] != same.split("/")[1]:
-            t.update(met=False, why=f"fast enough, but its output differs from edgespec's int4 plain ({same})")
-        out.append(t)
-    out.append(ratio("fp16: edgespec's fastest mode >= 2x llama.cpp's fastest f16 mode",
-                     fastest(lambda r: r.mode.system == "edgespec" and r.precision == "fp16"),
-                     fastest(lambda r: r.mode.system == "llama.cpp" and r.precision == "fp16"), 2.0))
+        out.append({"target": f"int4: edgespec's fastest speculative mode >= 1.5x {system}'s fastest {prec} mode",
+                    "a": es_spec, "b": fastest(lambda r, s=system: r.mode.system == s and r.precision == prec),
+                    "threshold": 1.5})
+    out.append({"target": "fp16: edgespec's fastest mode >= 2x llama.cpp's fastest f16 mode",
+                "a": fastest(lambda r: r.mode.system == "edgespec" and r.precision == "fp16"),
+                "b": fastest(lambda r: r.mode.system == "llama.cpp" and r.precision == "fp16"), "threshold": 2.0})
     for prec in ("fp16", "int8", "int4"):
         lp = f"llama.cpp plain {GGUF_TYPE[prec]}"
         for prov in PROVIDERS:
             a = f"edgespec plain {prec} {prov}"
             if a in by:
-                out.append(ratio(f"{prec}: edgespec plain ({prov}) >= llama.cpp plain {GGUF_TYPE[prec]}",
-                                 a if a in tps else None, lp if lp in tps else None, 1.0))
+                out.append({"target": f"{prec}: edgespec plain ({prov}) >= llama.cpp plain {GGUF_TYPE[prec]}",
+                            "a": a if a in tps else None, "b": lp if lp in tps else None, "threshold": 1.0})
+    return out
+
+
+def targets(systems: dict, rows: list[Row], roofline: dict, paired: dict | None = None) -> list[dict]:
+    """Issue 28's targets, each met or not (or not measurable, saying which side is missing): the ratios of
+    `comparisons` (the int4 ones also need output identical to edgespec's own int4 plain) and each edgespec plain
+    row >= 85% of the DRAM roofline. `paired` ({"a | b": bench_peers.paired_summary}) judges a ratio by its
+    head-to-head median where that ran; the ratio of the final passes' medians stays beside it."""
+    tps = {n: _tps(s) for n, s in systems.items() if _tps(s)}
+    paired = paired or {}
+    out = []
+    for c in comparisons(systems, rows):
+        t, a, b = dict(c), c["a"], c["b"]
+        if not a or not b:
+            out.append(dict(t, met=None, why="no edgespec row ran" if not a else "no peer row ran"))
+            continue
+        v = tps[a] / tps[b]
+        t.update(a_tokens_per_s=tps[a], b_tokens_per_s=tps[b], value=v, value_final_passes=v, judged_by="final passes")
+        h = paired.get(f"{a} | {b}")
+        if h and h.get("ratio_median") is not None:
+            t.update(value=h["ratio_median"], judged_by="head to head",
+                     paired={k: h[k] for k in ("ratio_median", "ratio_q1", "ratio_q3", "ratio_min", "ratio_max",
+                                               "trials_ok", "failed_trials", "a_tokens_per_s_median",
+                                               "b_tokens_per_s_median")})
+        t["met"] = bool(t["value"] >= c["threshold"])
+        if c["target"].startswith("int4: edgespec's fastest"):
+            same = systems.get(a, {}).get("identical_prompts")
+            t["edgespec_identical_to_own_int4_plain"] = same
+            if t["met"] and same and same.split("/")[0] != same.split("/")[1]:
+                t.update(met=False, why=f"fast enough, but its output differs from edgespec's int4 plain ({same})")
+        out.append(t)
     for name, r in (roofline.get("rows") or {}).items():
         if name.startswith("edgespec") and "share" in r:
             out.append({"target": f"{name} >= 85% of the DRAM roofline", "a": name, "value": r["share"],
@@ -630,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--membw-reps", type=int, default=7)
     ap.add_argument("--adjacent-mib", type=int, default=256,
                     help="the read loop's buffer right before and after each final plain pass (0: not measured)")
+    ap.add_argument("--paired-rounds", type=int, default=2,
+                    help="head to head: rounds over the prompt chunks for each ratio target's two rows (0: none)")
+    ap.add_argument("--paired-chunks", type=int, default=4, help="head to head: prompt chunks (interleaved)")
     ap.add_argument("--timeout", type=int, default=900, help="per runner process, seconds")
     ap.add_argument("--build-timeout", type=int, default=3600, help="per export or peer build, seconds")
     return ap
@@ -642,6 +669,10 @@ def parse_args(argv: list[str]):
     args = ap.parse_args(argv)
     if bool(args.preset) == bool(args.target) or bool(args.target) != bool(args.draft):
         ap.error("give --preset NAME, or --target CKPT and --draft CKPT")
+    n = args.code_prompts + args.prose_prompts
+    if args.paired_rounds < 0 or not 1 <= args.paired_chunks <= n:
+        ap.error(f"--paired-rounds must be >= 0 and --paired-chunks between 1 and the prompt count ({n}), got "
+                 f"{args.paired_rounds} and {args.paired_chunks}")
     bad = [p for p in _list(args.precisions) if p not in PRECISIONS]
     if bad:
         ap.error(f"--precisions: expected some of {PRECISIONS}, got {bad}")
@@ -821,6 +852,42 @@ def main(argv=None) -> int:
                 s["threads"] = cfg.get("threads")
         systems[r.name] = s
 
+    # 4. head to head: each ratio target's two rows again, back to back on the same chunk of prompts (which goes
+    # first alternates), so that the machine's bandwidth, which moves within seconds here, falls on both sides of
+    # every ratio; the targets are judged by the median of these ratios
+    by_row = {r.name: r for r in final}
+    pairs = [(c["a"], c["b"]) for c in comparisons(systems, rows) if c["a"] in by_row and c["b"] in by_row]
+    pairs = list(dict.fromkeys(pairs)) if args.paired_rounds > 0 else []
+    paired: dict = {}
+    if pairs:
+        cfiles = []
+        for ci, idx in enumerate(chunk_indices(n, args.paired_chunks)):
+            cfiles.append(rdir / f"chunk-{ci}.json")
+            cfiles[-1].write_text(json.dumps([prompts[i] for i in idx]))
+        per_side = args.paired_rounds * n
+        bar = Progress(sum(est(by_row[x], per_side * args.max_new_tokens) + 5.0 * args.paired_rounds
+                           * args.paired_chunks for pair in pairs for x in pair))
+        for a, b in pairs:
+            trials = []
+            for rnd in range(args.paired_rounds):
+                for ci, cfile in enumerate(cfiles):
+                    order = (a, b) if (rnd + ci) % 2 == 0 else (b, a)
+                    got = {}
+                    for nm in order:
+                        bar.show(f"head to head {rnd + 1}/{args.paired_rounds} chunk {ci + 1}: {nm}")
+                        got[nm] = run_system(nm, cmd(by_row[nm], best[nm], cfile), args.timeout)
+                        bar.done += est(by_row[nm], per_side * args.max_new_tokens) / (
+                            args.paired_rounds * len(cfiles)) + 5.0
+                    trials.append({"round": rnd, "chunk": ci, "first": order[0],
+                                   "a_tokens_per_s": chunk_tps(got[a]), "b_tokens_per_s": chunk_tps(got[b]),
+                                   "errors": [_brief(o["error"]) for o in got.values() if "error" in o],
+                                   "run_id": run["id"], "started": min(o["started"] for o in got.values()),
+                                   "ended": max(o["ended"] for o in got.values())})
+                    raw.setdefault("head_to_head", {}).setdefault(f"{a} | {b}", []).append(got)
+            paired[f"{a} | {b}"] = dict(paired_summary(a, b, trials), a_config=best[a].label, b_config=best[b].label)
+        print(file=sys.stderr)
+        load["after_head_to_head"] = machine_load()
+
     roofline = {"bandwidth_measurements": bw, "mean_context_tokens": mean_ctx,
                 "read_gbs_best": {t: best_bandwidth(bw, int(t)) for t in ("1", "2")}, "rows": {}}
     for r in rows:
@@ -862,12 +929,17 @@ def main(argv=None) -> int:
               | {f"draft {d.dtype}": d.record | ({"error": d.error} if d.error else {}) for d in drafts},
               "peer_builds": peer_builds,
               "systems": systems, "sweep": {"modes": sweep}, "roofline": roofline,
-              "targets": targets(systems, rows, roofline), "load": load, "machine": machine(),
+              "head_to_head": list(paired.values()), "targets": targets(systems, rows, roofline, paired),
+              "load": load, "machine": machine(),
               "method": {"selection": "each row's fastest sweep configuration among those whose tokens matched "
                                       "edgespec's own plain at the same precision on every sweep prompt (if none "
                                       "matched: the fastest, flagged)",
                          "schedule": "sweep: configurations interleaved across rows; final: one process per (row, "
-                                     "repeat), rows rotated each repeat"},
+                                     "repeat), rows rotated each repeat; head to head: each ratio target's two rows "
+                                     "on the same chunk of prompts back to back, which goes first alternating, "
+                                     f"{args.paired_rounds} round(s) x {args.paired_chunks} chunks",
+                         "judged_by": "the head-to-head median of per-chunk ratios where it ran, else the ratio "
+                                      "of the final passes' medians"},
               "raw": _rel(str(rdir / "raw.json"))}
     write_report(report, args.out)
     print(markdown(report))
@@ -920,6 +992,13 @@ def markdown(r: dict) -> str:
             mark = {True: "met", False: "NOT met", None: "not measured"}[t.get("met")]
             if "value" not in t:
                 rows.append(f"- {t['target']}: {mark} ({t.get('why', '')})")
+            elif "b" in t and t.get("b") and t.get("paired"):
+                h = t["paired"]
+                rows.append(f"- {t['target']}: **{t['value']:.2f}x** head to head (median of {h['trials_ok']} "
+                            f"back-to-back chunks, quartiles {h['ratio_q1']:.2f}-{h['ratio_q3']:.2f}x; {t['a']} "
+                            f"{h['a_tokens_per_s_median']:.1f} vs {t['b']} {h['b_tokens_per_s_median']:.1f} tok/s); "
+                            f"final passes {t['value_final_passes']:.2f}x ({t['a_tokens_per_s']:.1f} vs "
+                            f"{t['b_tokens_per_s']:.1f}): {mark}" + (f" ({t['why']})" if t.get("why") else ""))
             elif "b" in t and t.get("b"):
                 rows.append(f"- {t['target']}: **{t['value']:.2f}x** ({t['a']} {t['a_tokens_per_s']:.1f} vs {t['b']} "
                             f"{t['b_tokens_per_s']:.1f} tok/s): {mark}" + (f" ({t['why']})" if t.get("why") else ""))

@@ -323,6 +323,42 @@ def test_targets_compare_best_against_best_per_precision_and_flag_differing_outp
     assert lc["met"] is False and "differs from edgespec's int4 plain (7/8)" in lc["why"]
 
 
+def test_a_ratio_is_judged_by_its_head_to_head_median_with_the_final_passes_beside_it(tmp_path):
+    systems = {"edgespec plain fp16 cpu-native": ok(18.0, "edgespec", "fp16", "plain"),
+               "llama.cpp plain f16": ok(20.0, "llama.cpp", "fp16", "plain"),
+               "edgespec plain int4 cpu-native": ok(80.0, "edgespec", "int4", "plain"),
+               "llama.cpp plain q4_0": ok(60.0, "llama.cpp", "int4", "plain")}
+    pairs = [(c["a"], c["b"]) for c in br.comparisons(systems, _rows(systems)) if c["a"] and c["b"]]
+    assert pairs == [("edgespec plain fp16 cpu-native", "llama.cpp plain f16")] * 2 + [  # fastest and plain at fp16
+        ("edgespec plain int4 cpu-native", "llama.cpp plain q4_0")]
+    trials = [{"a_tokens_per_s": a, "b_tokens_per_s": b} for a, b in ((25.0, 24.0), (17.0, 16.0), (21.0, 20.0),
+                                                                       (10.0, None))]
+    h = br.paired_summary("edgespec plain fp16 cpu-native", "llama.cpp plain f16", trials)
+    paired = {"edgespec plain fp16 cpu-native | llama.cpp plain f16": h}
+    t = {x["target"]: x for x in br.targets(systems, _rows(systems), {"rows": {}}, paired)}
+    fp16 = t["fp16: edgespec plain (cpu-native) >= llama.cpp plain f16"]
+    assert fp16["value"] == pytest.approx(21 / 20) and fp16["met"] is True and fp16["judged_by"] == "head to head"
+    assert fp16["value_final_passes"] == pytest.approx(0.9) and fp16["paired"]["trials_ok"] == 3
+    assert fp16["paired"]["failed_trials"] == 1
+    int4 = t["int4: edgespec plain (cpu-native) >= llama.cpp plain q4_0"]  # no head to head: the final passes
+    assert int4["judged_by"] == "final passes" and int4["value"] == pytest.approx(80 / 60)
+    rep = dict(_report(systems), targets=list(t.values()))
+    br.write_report(rep, tmp_path / "r.json")
+    md = (tmp_path / "r.md").read_text()
+    assert "**1.05x** head to head (median of 3 back-to-back chunks" in md and "final passes 0.90x" in md
+    assert "met" in md.split("head to head (median of 3")[1].split("\n")[0]
+
+
+def test_head_to_head_settings_are_checked():
+    a = br.parse_args(["--preset", "qwen2.5-0.5b"])
+    assert (a.paired_rounds, a.paired_chunks) == (2, 4)
+    with pytest.raises(SystemExit):
+        br.parse_args(["--preset", "qwen2.5-0.5b", "--paired-chunks", "9"])  # 8 prompts
+    with pytest.raises(SystemExit):
+        br.parse_args(["--preset", "qwen2.5-0.5b", "--paired-rounds", "-1"])
+    assert br.parse_args(["--preset", "qwen2.5-0.5b", "--smoke"]).paired_chunks == 2
+
+
 def _report(systems):
     return {"run": RUN, "checkpoints": {"name": "qwen2.5-0.5b", "target": "t", "draft": "d"},
             "prompts": {"count": 8, "sweep_prompt_indices": [0, 7]}, "max_new_tokens": 64, "repeats": 1,
