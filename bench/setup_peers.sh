@@ -190,10 +190,15 @@ int main(void) {
     unsigned char cfg[64];
     memset(cfg, 0, sizeof cfg);
     cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;  /* palette 1; tile 0: 16 rows of 64 bytes */
+    /* the barrier keeps the stores: gcc -O1 otherwise drops all but cfg[0] (its _tile_loadconfig builtin is not
+     * taken to read the whole 64 bytes), tile 0 stays unconfigured and tilezero faults on a CPU whose AMX works */
+    __asm__ volatile("" : : "r"(cfg) : "memory");
     _tile_loadconfig(cfg);
     _tile_zero(0);
+    float out[16 * 16];
+    _tile_stored(0, out, 64);
     _tile_release();
-    return 0;
+    return out[0] == 0.0f ? 0 : 3;
 }
 EOF
 )
@@ -234,11 +239,14 @@ setup_llamacpp() {
     local dir=.venv-llamacpp
     local src="${LLAMACPP_DIR}/src-${LLAMA_CPP_PYTHON_VERSION}" build="${LLAMACPP_DIR}/build-${LLAMA_CPP_PYTHON_VERSION}"
     local stamp="${dir}/.edgespec-peers-stamp" want
+    local amx_off=""
     if amx_faults; then
         echo "==> this CPU lists AMX but faults on AMX instructions: llama.cpp is built without AMX (-mno-amx-*)"
-        LLAMACPP_CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-                               "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+        amx_off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     fi
+    # always given, empty or not: CMake keeps CMAKE_C_FLAGS in its cache, so a build configured once with the
+    # -mno-amx-* flags would keep them after the probe passes
+    LLAMACPP_CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=${amx_off}" "-DCMAKE_CXX_FLAGS=${amx_off}")
     want="$("$PYTHON" -V 2>&1) llama-cpp-python==${LLAMA_CPP_PYTHON_VERSION} ${LLAMACPP_CMAKE_FLAGS[*]} ${LLAMACPP_TARGETS[*]} ${LLAMACPP_REQS[*]}"
     if [ -x "${dir}/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] \
         && "${dir}/bin/python" -c "$LLAMACPP_CHECK" "$LLAMA_CPP_PYTHON_VERSION" >/dev/null 2>&1; then

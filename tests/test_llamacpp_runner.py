@@ -366,3 +366,58 @@ def test_the_runner_imports_without_touching_stdout():
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "still stdout"
+
+
+# ---- setup_peers.sh's AMX probe -------------------------------------------------------------------------------
+
+def _amx_probe_source() -> str:
+    text = (ROOT / "bench" / "setup_peers.sh").read_text()
+    start = text.index("AMX_PROBE=$(cat <<'EOF'\n") + len("AMX_PROBE=$(cat <<'EOF'\n")
+    return text[start:text.index("\nEOF\n", start)]
+
+
+def _cc_with_amx():
+    cc = shutil.which("cc")
+    if cc is None or subprocess.run([cc, "-mamx-tile", "-E", "-x", "c", "/dev/null"], capture_output=True).returncode:
+        pytest.skip("needs a C compiler that knows -mamx-tile")
+    return cc
+
+
+def test_the_amx_probe_configures_the_tile_it_zeroes(tmp_path):
+    """The probe decides whether llama.cpp is built with AMX. gcc -O1 once dropped its tile configuration's stores
+    (all but the palette byte), so tile 0 was unconfigured, tilezero faulted on a CPU whose AMX works, and llama.cpp
+    was built without AMX there. The compiled probe must write the tile's 64 column bytes and 16 rows."""
+    cc = _cc_with_amx()
+    (tmp_path / "probe.c").write_text(_amx_probe_source())
+    subprocess.run([cc, "-O1", "-mamx-tile", "-S", "probe.c", "-o", "probe.s"], cwd=tmp_path, check=True)
+    asm = (tmp_path / "probe.s").read_text()
+    before = asm[:asm.index("ldtilecfg")]
+    assert "$64," in before and "$16," in before, "the tile configuration's stores were optimised away"
+
+
+def test_the_amx_probe_passes_where_amx_works(tmp_path):
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if " amx_tile" not in flags:
+        pytest.skip("this CPU does not list amx_tile")
+    cc = _cc_with_amx()
+    (tmp_path / "probe.c").write_text(_amx_probe_source())
+    subprocess.run([cc, "-O1", "-mamx-tile", "probe.c", "-o", "probe"], cwd=tmp_path, check=True)
+    # a known-good use of the tiles beside it: where that runs, AMX works and the probe must say so
+    (tmp_path / "good.c").write_text(textwrap.dedent("""\
+        #include <immintrin.h>
+        #include <sys/syscall.h>
+        #include <unistd.h>
+        static struct { unsigned char palette, start, reserved[14]; unsigned short colsb[16]; unsigned char rows[16]; }
+            cfg = {1, 0, {0}, {64}, {16}};
+        int main(void) {
+            if (syscall(SYS_arch_prctl, 0x1023, 18)) return 2;
+            _tile_loadconfig(&cfg);
+            _tile_zero(0);
+            _tile_release();
+            return 0;
+        }
+        """))
+    subprocess.run([cc, "-O1", "-mamx-tile", "good.c", "-o", "good"], cwd=tmp_path, check=True)
+    if subprocess.run([str(tmp_path / "good")], capture_output=True).returncode != 0:
+        pytest.skip("AMX faults on this machine (a VM that does not pass the tile state through)")
+    assert subprocess.run([str(tmp_path / "probe")], capture_output=True).returncode == 0
