@@ -187,14 +187,16 @@ def plan(args) -> list[Mode]:
 LLAMACPP_SWEEP = dict(llamacpp_precisions="f16,q8_0,q4_0", llamacpp_threads="1,2", llamacpp_draft_threads="0,1",
                       llamacpp_draft_ks="2,3,4,6,8", llamacpp_draft_p_mins="0,0.75", llamacpp_draft_precisions="same",
                       llamacpp_lookup_types="ngram-simple,ngram-cache", llamacpp_ngram_sizes="2,3,4",
-                      llamacpp_lookup_lengths="4,8,16")  # main()'s defaults
+                      llamacpp_lookup_lengths="4,8,16", llamacpp_repack="on")  # main()'s defaults
 
 
 def llamacpp_modes(args) -> list[Mode]:
     """llama.cpp's modes, one per weight precision (--llamacpp-precisions; "" or "none": no llama.cpp rows):
     plain over threads; draft over draft length (--spec-draft-n-max) × p_min × draft precision × threads (with
     draft threads: 0 = the target's, llama.cpp's default, plus each smaller count); lookup over its --spec-type
-    (ngram-simple: n-gram size × draft length; ngram-cache, llama-lookup's cache, has neither) × threads."""
+    (ngram-simple: n-gram size × draft length; ngram-cache, llama-lookup's cache, has neither) × threads; each of
+    them with and/or without llama.cpp's weight repacking (--llamacpp-repack on,off: on a CPU with AMX the repacked
+    q4_0 / q8_0 weights run on AMX kernels, and which is faster at one row is the machine's to say)."""
     get = lambda k: getattr(args, k, LLAMACPP_SWEEP[k])  # noqa: E731 (a Namespace from before llama.cpp: defaults)
     precs = [p for p in get("llamacpp_precisions").split(",") if p and p != "none"]
     threads = _ints(get("llamacpp_threads"))
@@ -227,6 +229,13 @@ def llamacpp_modes(args) -> list[Mode]:
                  tuple(Config(f"{lab}, threads {t}", ("--mode", "lookup", "--precision", p) + la + targ(t, 0))
                        for t in threads for lab, la in lookups)),
         ]
+    repacks = [x.strip() for x in get("llamacpp_repack").split(",") if x.strip()]
+    if not repacks or set(repacks) - {"on", "off"}:
+        raise SystemExit(f"--llamacpp-repack: expected on and/or off (comma-separated), got {get('llamacpp_repack')!r}")
+    out = [Mode(m.name, m.system, m.runner,
+                tuple(Config(c.label + ("" if r == "on" else ", no repack"), c.argv + (() if r == "on" else
+                                                                                   ("--no-repack",)))
+                      for r in repacks for c in m.configs)) for m in out]
     return [m for m in out if m.configs]
 
 
@@ -641,6 +650,8 @@ def main(argv=None) -> int:
                     help="llama.cpp lookup: the n-gram looked up (size-n)")
     ap.add_argument("--llamacpp-lookup-lengths", default=LLAMACPP_SWEEP["llamacpp_lookup_lengths"],
                     help="llama.cpp lookup: the draft length after a match (size-m)")
+    ap.add_argument("--llamacpp-repack", default=LLAMACPP_SWEEP["llamacpp_repack"],
+                    help="llama.cpp: on, off or on,off: its weight repacking (llama-server --no-repack when off)")
     ap.add_argument("--edgespec-providers", default="cpu,cpu-native",
                     help="edgespec speculative modes: the target's providers swept (plain runs on each as its own mode)")
     ap.add_argument("--runoff", type=int, default=3, help="after the sweep, each mode's N fastest configurations "

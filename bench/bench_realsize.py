@@ -126,7 +126,7 @@ SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plai
              llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4",
              llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
-             genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
+             llamacpp_repack="on", genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
              membw_reps=3, paired_rounds=1, paired_chunks=2)
 
 
@@ -353,7 +353,7 @@ def llamacpp_rows(args, unavailable: dict[str, str]) -> list[Row]:
     ns = argparse.Namespace(**{k: getattr(args, k) for k in ("llamacpp_draft_threads", "llamacpp_draft_ks",
                                                              "llamacpp_draft_p_mins", "llamacpp_lookup_types",
                                                              "llamacpp_ngram_sizes", "llamacpp_lookup_lengths",
-                                                             "llamacpp_draft_precisions")},
+                                                             "llamacpp_draft_precisions", "llamacpp_repack")},
                             llamacpp_precisions=",".join(precs))
     plain = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns), llamacpp_threads=args.llamacpp_threads))}
     spec = {m.name: m for m in llamacpp_modes(argparse.Namespace(**vars(ns),
@@ -641,6 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the draft GGUF's types swept (same: the target's): a draft's precision cannot change the "
                          "output, and edgespec's drafts are int8 and int4 (--draft-dtype): each side picks its fastest")
     lc.add_argument("--llamacpp-lookup-types", default="ngram-simple,ngram-cache")
+    lc.add_argument("--llamacpp-repack", default="on,off",
+                    help="its weight repacking swept (off: llama-server --no-repack; on an AMX CPU, no AMX weights)")
     lc.add_argument("--llamacpp-ngram-sizes", default="3")
     lc.add_argument("--llamacpp-lookup-lengths", default="8,16", help="ngram-simple: draft length after a match")
     ga = ap.add_argument_group("ONNX Runtime GenAI sweep")

@@ -459,6 +459,21 @@ def test_llamacpp_has_a_plain_draft_and_lookup_mode_per_precision_each_swept(mon
                                "--threads", "2")
 
 
+def test_llamacpp_repack_sweeps_every_mode_with_and_without_it(monkeypatch):
+    narrow = dict(llamacpp_precisions="q4_0", llamacpp_threads="2", llamacpp_draft_threads="0",
+                  llamacpp_draft_ks="4", llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",
+                  llamacpp_lookup_types="ngram-cache")
+    on = _plan(monkeypatch, **narrow)  # the default: repacking on, no --no-repack anywhere
+    assert not any("--no-repack" in c.argv for n, m in on.items() if n.startswith("llama.cpp") for c in m.configs)
+    both = _plan(monkeypatch, llamacpp_repack="on,off", **narrow)
+    for kind in ("plain", "draft", "lookup"):
+        cs = both[f"llama.cpp {kind} q4_0"].configs
+        assert len(cs) == 2 and "--no-repack" not in cs[0].argv and cs[1].argv == cs[0].argv + ("--no-repack",)
+        assert cs[1].label == cs[0].label + ", no repack"
+    with pytest.raises(SystemExit, match="expected on and/or off"):
+        _plan(monkeypatch, llamacpp_repack="yes", **narrow)
+
+
 def test_llamacpp_sweep_options_narrow_it_and_none_leaves_it_out(monkeypatch):
     modes = _plan(monkeypatch, llamacpp_precisions="q4_0", llamacpp_threads="2", llamacpp_draft_threads="0",
                   llamacpp_draft_ks="4", llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same,q8_0",

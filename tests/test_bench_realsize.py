@@ -121,7 +121,8 @@ def test_peer_rows_follow_the_precisions_and_a_failed_build_keeps_its_rows_unava
     assert [r.name for r in br.llamacpp_rows(args(precisions="int4"), {})] == [
         "llama.cpp plain q4_0", "llama.cpp draft q4_0", "llama.cpp lookup q4_0"]
     lc = {r.name: r for r in br.llamacpp_rows(args(llamacpp_threads="1,2", llamacpp_spec_threads="2"), {})}
-    assert [c.label for c in lc["llama.cpp plain q4_0"].mode.configs] == ["q4_0, threads 1", "q4_0, threads 2"]
+    assert [c.label for c in lc["llama.cpp plain q4_0"].mode.configs] == [  # repacking on and off by default
+        "q4_0, threads 1", "q4_0, threads 2", "q4_0, threads 1, no repack", "q4_0, threads 2, no repack"]
     assert {c.argv[c.argv.index("--threads") + 1] for n in ("draft", "lookup")
             for c in lc[f"llama.cpp {n} f16"].mode.configs} == {"2"}
     # the draft GGUF's type is swept: the target's ("same") and the others named, each once
@@ -129,7 +130,8 @@ def test_peer_rows_follow_the_precisions_and_a_failed_build_keeps_its_rows_unava
         d = br.llamacpp_rows(args(llamacpp_draft_precisions="same,q8_0,q4_0"), {})
         got = [c.argv[c.argv.index("--draft-precision") + 1] for r in d if r.name == f"llama.cpp draft {g}"
                for c in r.mode.configs]
-        assert list(dict.fromkeys(got)) == want and len(got) == len(want) * 4  # x draft max 4, 8 x p_min 0, 0.75
+        # x draft max 4, 8 x p_min 0, 0.75 x repacking on, off
+        assert list(dict.fromkeys(got)) == want and len(got) == len(want) * 8
     g = {r.name: r for r in br.genai_rows(args(genai_precisions="int4,fp16", genai_threads="0,2",
                                                genai_spec_threads="0,2"),
                                           {"ORT GenAI draft fp16": "did not build"})}

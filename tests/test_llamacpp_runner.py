@@ -202,6 +202,7 @@ def test_each_mode_gets_its_llama_server_flags():
     assert m[m.index("--spec-ngram-mod-n-match") + 1] == "8" and "--spec-ngram-simple-size-n" not in m
     c = lr.server_args(parse("--mode", "lookup", "--lookup-type", "ngram-cache"), Path("t"), None, 64)
     assert c[c.index("--spec-type") + 1] == "ngram-cache" and not any(x.startswith("--spec-ngram") for x in c)
+    assert "--no-repack" not in a and "--no-repack" in lr.server_args(parse("--no-repack"), Path("t"), None, 64)
     e = lr.server_args(parse("--server-extra", "-fa", "off"), Path("t"), None, 64)
     assert e[-2:] == ["-fa", "off"]
 

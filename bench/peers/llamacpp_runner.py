@@ -274,6 +274,8 @@ def server_args(args, target: Path, draft: Path | None, ctx: int) -> list[str]:
         elif args.lookup_type == "ngram-mod":
             a += ["--spec-ngram-mod-n-match", str(args.ngram_size), "--spec-ngram-mod-n-max", str(args.lookup_max),
                   "--spec-ngram-mod-n-min", str(args.lookup_min)]
+    if args.no_repack:  # no extra buffer types: the weights stay as loaded (no AMX or repacked layouts)
+        a += ["--no-repack"]
     return a + list(args.server_extra or [])
 
 
@@ -409,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="lookup: the draft's length (size-m; ngram-mod: n-max)")
     ap.add_argument("--lookup-min", type=int, default=1, help="lookup ngram-mod: n-min")
     ap.add_argument("--ngram-min-hits", type=int, default=1, help="lookup: --spec-ngram-*-min-hits")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="llama-server --no-repack: no weight repacking (on an AMX CPU, no AMX weights)")
     ap.add_argument("--ignore-eos", action="store_true", help="decode --max-new-tokens even past EOS")
     ap.add_argument("--ctx-size", type=int, default=0,
                     help="context (-c); 0 = the longest prompt + max new tokens + draft room, rounded up to 256")
