@@ -176,29 +176,32 @@ EOF
 )
 
 # AMX: a CPU that lists amx_tile makes -march=native compile ggml's AMX kernels, which q8_0 / q4_0 weights then
-# run on; where the machine (a VM that does not pass the tile state through) faults on AMX instructions, llama.cpp
-# dies loading them (SIGILL for q8_0, SIGSEGV for q4_0, seen on this project's 2-core machine). A 10-line probe
-# (ask the kernel for the tile state, load a tile configuration, zero a tile) decides, before the build: if it
-# faults, AMX is compiled out (-mno-amx-*); everything else stays native.
+# run on. Whether they run depends on the CPU (a VM may not pass the tile state through) and on the compiler:
+# ggml-cpu/amx/mmq.cpp's ggml_tile_config_init fills a local tile configuration and loads it, and GCC 12 (Debian
+# 12's cc) drops those stores because it does not take _tile_loadconfig to read them, so the tiles stay
+# unconfigured and llama.cpp dies at its first tilezero (SIGILL for q4_0 and q8_0), on a CPU whose AMX works.
+# The probe does what that function does, built as llama.cpp is (-O3 -march=native); if it faults, AMX is
+# compiled out (-mno-amx-*) and llama.cpp's q4_0 / q8_0 weights run on its repacked AVX-512 kernels instead.
 AMX_PROBE=$(cat <<'EOF'
 #include <immintrin.h>
-#include <string.h>
+#include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+typedef struct {  /* ggml-cpu/amx/common.h's tile_config_t */
+    uint8_t palette_id, start_row, reserved_0[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
 int main(void) {
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */)) return 2;
-    unsigned char cfg[64];
-    memset(cfg, 0, sizeof cfg);
-    cfg[0] = 1; cfg[16] = 64; cfg[48] = 16;  /* palette 1; tile 0: 16 rows of 64 bytes */
-    /* the barrier keeps the stores: gcc -O1 otherwise drops all but cfg[0] (its _tile_loadconfig builtin is not
-     * taken to read the whole 64 bytes), tile 0 stays unconfigured and tilezero faults on a CPU whose AMX works */
-    __asm__ volatile("" : : "r"(cfg) : "memory");
-    _tile_loadconfig(cfg);
+    _Alignas(64) tile_config_t tc = {0};  /* as ggml_tile_config_init: a local, filled, then loaded */
+    tc.palette_id = 1;
+    tc.rows[0] = 16;
+    tc.colsb[0] = 64;
+    _tile_loadconfig(&tc);
     _tile_zero(0);
-    float out[16 * 16];
-    _tile_stored(0, out, 64);
     _tile_release();
-    return out[0] == 0.0f ? 0 : 3;
+    return 0;
 }
 EOF
 )
@@ -209,7 +212,7 @@ amx_faults() {  # true when -march=native would compile AMX in and this machine 
     local d rc
     d=$(mktemp -d) || return 1
     printf '%s\n' "$AMX_PROBE" > "$d/probe.c"
-    if ! cc -O1 -mamx-tile "$d/probe.c" -o "$d/probe" >/dev/null 2>&1; then rm -rf "$d"; return 1; fi
+    if ! cc -O3 -march=native "$d/probe.c" -o "$d/probe" >/dev/null 2>&1; then rm -rf "$d"; return 1; fi
     "$d/probe" >/dev/null 2>&1
     rc=$?
     rm -rf "$d"
