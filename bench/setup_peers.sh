@@ -244,7 +244,7 @@ setup_llamacpp() {
     local stamp="${dir}/.edgespec-peers-stamp" want
     local amx_off=""
     if amx_faults; then
-        echo "==> this CPU lists AMX but faults on AMX instructions: llama.cpp is built without AMX (-mno-amx-*)"
+        echo "==> AMX code built by this cc faults here (the CPU, or the compiler: see above): llama.cpp is built without AMX (-mno-amx-*)"
         amx_off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     fi
     # always given, empty or not: CMake keeps CMAKE_C_FLAGS in its cache, so a build configured once with the
