@@ -195,8 +195,8 @@ def llamacpp_modes(args) -> list[Mode]:
     plain over threads; draft over draft length (--spec-draft-n-max) × p_min × draft precision × threads (with
     draft threads: 0 = the target's, llama.cpp's default, plus each smaller count); lookup over its --spec-type
     (ngram-simple: n-gram size × draft length; ngram-cache, llama-lookup's cache, has neither) × threads; each of
-    them with and/or without llama.cpp's weight repacking (--llamacpp-repack on,off: on a CPU with AMX the repacked
-    q4_0 / q8_0 weights run on AMX kernels, and which is faster at one row is the machine's to say)."""
+    them with and/or without llama.cpp's weight repacking (--llamacpp-repack on,off: repacked weights take other
+    kernels (AMX where built in, interleaved AVX layouts), and which is faster at one row is the machine's to say)."""
     get = lambda k: getattr(args, k, LLAMACPP_SWEEP[k])  # noqa: E731 (a Namespace from before llama.cpp: defaults)
     precs = [p for p in get("llamacpp_precisions").split(",") if p and p != "none"]
     threads = _ints(get("llamacpp_threads"))
