@@ -51,6 +51,26 @@ def read_stats(path: Path | None, config: dict, where: Path) -> dict:
                          f"got keys {sorted(d) if isinstance(d, dict) else type(d).__name__}")
 
 
+def refuse_loading_gaps(path: Path, info: dict) -> None:
+    """transformers fills a missing or misshapen weight with a random one and only prints a table; an export gated
+    against that same model would pass. Refuse it in one line naming the weights."""
+    def names(keys):
+        keys = sorted(keys)
+        return f"{keys[:6]}{' ...' if len(keys) > 6 else ''}"
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing {names(info['missing_keys'])}")
+    if info.get("mismatched_keys"):
+        problems.append("of the wrong shape " + "; ".join(
+            f"{k}: expected {tuple(want)}, got {tuple(got)}" for k, got, want in sorted(info["mismatched_keys"])[:4]))
+    if info.get("unexpected_keys"):
+        problems.append(f"unexpected {names(info['unexpected_keys'])}")
+    if info.get("error_msgs"):
+        problems.append("errors " + " ".join(" ".join(str(m).split()) for m in info["error_msgs"][:2]))
+    if problems:
+        raise VLMFormatError(f"{path}: the weights do not fit config.json's Llava model: " + "; ".join(problems))
+
+
 def llava_source(path: str | Path, prompt_template: str | None = None, action_stats: Path | None = None,
                  n_bins: int = 256, vocab_end: int | None = None) -> VLMSource:
     import torch
@@ -71,7 +91,10 @@ def llava_source(path: str | Path, prompt_template: str | None = None, action_st
     pre = json.loads(pre_path.read_text()) if pre_path.is_file() else {}
     if "image_mean" not in pre or "image_std" not in pre:
         raise VLMFormatError(f"{pre_path}: needs image_mean and image_std (the vision tower's normalisation)")
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model, info = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                                output_loading_info=True, ignore_mismatched_sizes=True)
+    refuse_loading_gaps(path, info)
+    model = model.eval()
     cfg = model.config
     image_id = int(cfg.image_token_id)
     if tok.token_to_id(IMAGE_TOKEN) != image_id:

@@ -80,6 +80,13 @@ PROMPTS = {
               "helpful, detailed, and polite answers to the user's questions. USER: What action should the robot "
               "take to {instruction}? ASSISTANT:",
 }
+# configuration_prismatic.py: llm_backbone_id -> the transformers config class its text_config fills (a saved
+# text_config holds only what differs from that class's defaults: openvla-7b's has no hidden_size)
+LLM_CONFIG_CLASS = {
+    "llama2-7b-pure": "llama", "llama2-13b-pure": "llama", "llama2-7b-chat": "llama", "llama2-13b-chat": "llama",
+    "vicuna-v15-7b": "llama", "vicuna-v15-13b": "llama",
+    "mistral-v0.1-7b-pure": "mistral", "mistral-v0.1-7b-instruct": "mistral", "phi-2-3b": "phi",
+}
 EMPTY_PIECE = "\u2581"  # "▁": the id predict_action appends after the prompt (29871 in Llama 2's vocabulary)
 
 
@@ -223,6 +230,30 @@ def _vit_arch(shapes: dict, prefix: str, timm_id: str, image_size: int, act_over
                    act=act, eps=fam.eps, mean=mean, std=std)
 
 
+def full_text_config(config: dict, cfg_path: Path) -> dict:
+    """config.json's text_config completed with the defaults of its transformers config class, as OpenVLA's
+    PrismaticConfig does (`CONFIG_MAPPING[kind](**text_config)`, or the class's defaults when text_config is
+    absent); the class is text_config's model_type, else the one llm_backbone_id names."""
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise OpenVLAFormatError(f"{cfg_path}: text_config must be an object (the language model's config), got "
+                                 f"{type(text).__name__}")
+    text = dict(text or {})
+    llm = config.get("llm_backbone_id")
+    kind = text.pop("model_type", None) or LLM_CONFIG_CLASS.get(llm)
+    if kind is None:
+        raise OpenVLAFormatError(f"{cfg_path}: text_config has no model_type and llm_backbone_id {llm!r} is not one "
+                                 f"OpenVLA defines; known: {sorted(LLM_CONFIG_CLASS)}")
+    from transformers import AutoConfig
+    try:
+        full = AutoConfig.for_model(kind, **{k: v for k, v in text.items() if not k.startswith("_")}).to_dict()
+    except (ValueError, TypeError) as e:
+        raise OpenVLAFormatError(f"{cfg_path}: text_config is not a valid {kind!r} config: "
+                                 f"{' '.join(str(e).split())}") from None
+    full["model_type"] = kind
+    return full
+
+
 def read_checkpoint(path: str | Path, prompt_template: str | None = None) -> OpenVLACheckpoint:
     """An OpenVLA-layout folder's declarations and weight shapes, checked; one OpenVLAFormatError naming what was
     expected and what was found."""
@@ -253,10 +284,7 @@ def read_checkpoint(path: str | Path, prompt_template: str | None = None) -> Ope
                                  f"and image sizes, got {timm_ids} and {sizes}")
     if len(set(sizes)) != 1:
         raise OpenVLAFormatError(f"{cfg_path}: image_sizes {sizes} differ; this importer takes one image size")
-    text = config.get("text_config")
-    if not isinstance(text, dict) or "vocab_size" not in text or "hidden_size" not in text:
-        raise OpenVLAFormatError(f"{cfg_path}: text_config must hold the language model's config (vocab_size, "
-                                 f"hidden_size, ...), got {type(text).__name__}")
+    text = full_text_config(config, cfg_path)
     norm_stats = config.get("norm_stats")
     if not isinstance(norm_stats, dict) or not norm_stats:
         raise OpenVLAFormatError(f"{cfg_path}: norm_stats must map dataset names to action statistics, got "
@@ -481,6 +509,12 @@ def load_state(model, ck: OpenVLACheckpoint) -> list[str]:
             state[k] = v.to(torch.float32)
     if "language_model.lm_head.weight" not in state and getattr(model.language_model.config, "tie_word_embeddings", False):
         state["language_model.lm_head.weight"] = state["language_model.model.embed_tokens.weight"]
+    want = model.state_dict()
+    wrong = [f"{k}: expected {tuple(want[k].shape)}, got {tuple(v.shape)}" for k, v in state.items()
+             if k in want and tuple(want[k].shape) != tuple(v.shape)]
+    if wrong:
+        raise OpenVLAFormatError(f"{ck.path}: {len(wrong)} weight{'s do' if len(wrong) > 1 else ' does'} not fit config.json: "
+                                 f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:

@@ -78,7 +78,20 @@ def test_train_vla_trains_from_the_files_and_records_where_they_came_from(expert
     assert (cfg.episodes, cfg.val_episodes, cfg.horizon, cfg.noise_std) == (4, 2, 8, 0.01)
     report = json.loads((out / "train.json").read_text())
     assert report["train_samples"] == 4 * EPISODE_STEPS and report["data"]["train"] == str(expert_files[0])
+    assert report["fast_fit"] is None  # a bins policy has no FAST tokenizer
     assert (out / "encoder.safetensors").is_file() and (out / "target" / "config.json").is_file()
+
+
+def test_train_vla_fast_records_the_tokenizer_fit(expert_files, tmp_path):
+    """A FAST policy's train.json keeps its tokenizer's fit: tokens per chunk and the round-trip error with its
+    bound (fast_tokens.FitReport), so the bound is on file beside the policy, not only printed."""
+    from edgespec.export.training.train_vla import main
+    out = tmp_path / "fast"
+    assert main(["--train", str(expert_files[0]), "--val", str(expert_files[1]), "--out", str(out), "--work",
+                 str(tmp_path / "work-fast"), "--threads", "1", "--actions", "fast", "--fast-vocab", "300"]) == 0
+    fit = json.loads((out / "train.json").read_text())["fast_fit"]
+    assert fit["chunks"] == 4 * EPISODE_STEPS and 1 <= fit["tokens_per_chunk_mean"] <= fit["tokens_per_chunk_max"]
+    assert 0 <= fit["max_abs_error"] <= fit["error_bound"]
 
 
 def test_bundled_policy_config_still_loads():

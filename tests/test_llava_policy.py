@@ -82,6 +82,33 @@ def test_bad_llava_inputs(ckpts, tmp_path):
         export_llava(bare, tmp_path / "o5", action_stats=stats, progress=False)
 
 
+def test_weights_that_do_not_fit_are_refused(ckpts, tmp_path):
+    """transformers would fill a missing or misshapen weight randomly (and the gate, run against that same model,
+    would pass): the import refuses it in one line naming the weight."""
+    from safetensors.torch import load_file, save_file
+    name = "language_model.model.layers.1.mlp.down_proj.weight"
+    for case in ("missing", "shape", "extra"):
+        d = tmp_path / case
+        shutil.copytree(ckpts["clip-qwen2"], d)
+        w = load_file(str(d / "model.safetensors"))
+        if case == "missing":
+            w.pop(name)
+        elif case == "shape":
+            w[name] = w[name][:, :8].contiguous()
+        else:
+            w["language_model.model.layers.9.mlp.up_proj.weight"] = w[name].clone()
+        save_file(w, str(d / "model.safetensors"))
+        with pytest.raises(VLMFormatError) as e:
+            export_llava(d, tmp_path / f"o-{case}", unnorm_key="bridge_orig", progress=False)
+        msg = str(e.value)
+        assert "\n" not in msg and "the weights do not fit config.json's Llava model" in msg
+        assert {"missing": "missing ['model.language_model.layers.1.mlp.down_proj.weight']",
+                "shape": "of the wrong shape model.language_model.layers.1.mlp.down_proj.weight: expected (128, 256), "
+                         "got (128, 8)",
+                "extra": "unexpected ["}[case] in msg, msg
+        assert not (tmp_path / f"o-{case}").exists()
+
+
 def test_horizon_reshapes_repeating_statistics(ckpts, tmp_path):
     """A chunked fine-tune: 4 x 2 statistics repeating every step export as H=4, D=2; ones that do not repeat are
     refused."""

@@ -156,6 +156,30 @@ def test_speculative_equals_plain_with_a_draft_decoder(engine):
     assert drafted > 0
 
 
+def test_relaxed_acceptance_on_an_openvla_policy(engine):
+    """Relaxed acceptance on an OpenVLA-format policy: more drafts kept than exact, every kept draft within the
+    radius of the target's choice, and the gripper (OpenVLA's binary 7th dimension) never relaxed."""
+    from edgespec import load_policy
+    exact = load_policy(engine, draft=True, gamma=4, stop_below=0.0)
+    relaxed = load_policy(engine, draft=True, gamma=4, stop_below=0.0, mode="relaxed", radius=60)
+    assert relaxed.manifest.binary_dims == [6]
+    r = relaxed._radius[:relaxed.horizon * relaxed.dims].reshape(relaxed.horizon, relaxed.dims)
+    assert (r[:, 6] == 0).all() and (r[:, :6] == 60).all()
+    bound = relaxed.worst_case_deviation()
+    assert bound[6] == 0.0 and (bound[:6] > 0).all()
+    rng = np.random.default_rng(11)
+    kept_exact = kept_relaxed = 0
+    for i in range(6):
+        img = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        instr = ["put the spoon in the bowl", "close the top drawer"][i % 2]
+        exact.act(img, None, instr)
+        relaxed.act(img, None, instr)
+        kept_exact += exact.last_info["accepted"]
+        kept_relaxed += relaxed.last_info["accepted"]
+        assert relaxed.last_info["max_dev_bins"] <= 60
+    assert kept_relaxed > kept_exact
+
+
 def test_fp16_export_with_its_gates(ckpt, draft_lm, tmp_path):
     meta = export_openvla(ckpt, tmp_path / "fp16", unnorm_key="fractal20220817_data", dtype="fp16",
                           draft=draft_lm, progress=False)
@@ -239,6 +263,45 @@ def test_bad_checkpoints_are_refused_by_name(ckpt, tmp_path):
         export_openvla(no_tok, tmp_path / "o3", unnorm_key="bridge_orig", progress=False)
     with pytest.raises(ValueError, match="needs width 128 and vocabulary 1024"):
         export_openvla(ckpt, tmp_path / "o4", unnorm_key="bridge_orig", draft=_wide_draft(tmp_path), progress=False)
+
+
+def test_text_config_is_completed_from_its_class_defaults(ckpt, tmp_path):
+    """config.json's text_config holds only what differs from its transformers class's defaults (openvla-7b's:
+    model_type, pad_token_id, torch_dtype, vocab_size); the import fills the rest as OpenVLA's PrismaticConfig does."""
+    from transformers import LlamaConfig
+    defaults = LlamaConfig().to_dict()
+    full = text_config(TinyOpenVLA())
+    sparse = {k: v for k, v in full.items() if k == "model_type" or defaults.get(k, object()) != v}
+    assert "hidden_size" in sparse and "hidden_act" not in sparse and "bos_token_id" not in sparse
+    out = _broken(ckpt, tmp_path, "sparse", lambda c: c.update(text_config=sparse))
+    ck = read_checkpoint(out)
+    assert (ck.llm_dim, ck.text_config["hidden_act"], ck.text_config["num_hidden_layers"]) == (128, "silu", 2)
+    meta = export_openvla(out, tmp_path / "o-sparse", unnorm_key="bridge_orig", progress=False)
+    assert meta["end_to_end_gate"]["passed"]
+    # openvla-7b's own text_config: the rest is Llama 2 7B's (LlamaConfig's defaults), which this checkpoint is not
+    seven_b = {"model_type": "llama", "pad_token_id": 32000, "torch_dtype": "bfloat16", "vocab_size": 32064}
+    with pytest.raises(OpenVLAFormatError, match="into a language model of width 4096"):
+        read_checkpoint(_broken(ckpt, tmp_path, "7b", lambda c: c.update(text_config=seven_b)))
+    with pytest.raises(OpenVLAFormatError, match="into a language model of width 4096"):
+        read_checkpoint(_broken(ckpt, tmp_path, "none", lambda c: (c.pop("text_config"),
+                                                                    c.update(llm_backbone_id="llama2-7b-pure"))))
+    with pytest.raises(OpenVLAFormatError, match="llm_backbone_id 'gpt-9' is not one OpenVLA defines; known: "):
+        read_checkpoint(_broken(ckpt, tmp_path, "gpt", lambda c: (c.pop("text_config"),
+                                                                   c.update(llm_backbone_id="gpt-9"))))
+
+
+def test_a_weight_of_the_wrong_shape_is_one_line(ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+    out = _broken(ckpt, tmp_path, "shape")
+    w = load_file(str(out / "model.safetensors"))
+    name = "language_model.model.layers.1.mlp.down_proj.weight"
+    w[name] = w[name][:, :8].contiguous()
+    save_file(w, str(out / "model.safetensors"))
+    with pytest.raises(OpenVLAFormatError) as e:
+        export_openvla(out, tmp_path / "o-shape", unnorm_key="bridge_orig", progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and f"1 weight does not fit config.json: {name}: expected (128, 256), got (128, 8)" in msg
+    assert not (tmp_path / "o-shape").exists()
 
 
 def _wide_draft(tmp_path):

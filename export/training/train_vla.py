@@ -26,6 +26,7 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     flat = train["chunk"].reshape(-1, cfg.dims)
     stats = ActionStats(np.quantile(flat, 0.01, axis=0), np.quantile(flat, 0.99, axis=0))
-    fast = None
+    fast = fit = None
     if cfg.actions == "bins":
         tok = ActionTokenizer.native(cfg.n_bins, stats)
         ids_train = tok.encode(train["chunk"]).reshape(len(train["chunk"]), -1)  # (N, H*D) time-major
@@ -219,6 +220,8 @@ def main(argv=None) -> int:
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in pair.modules().items()}
     report = {"params": n_params, "history": history, "train_samples": int(len(ids_train)),
               "data": {"train": str(args.train), "val": str(args.val)}, "wall_s": round(time.time() - t_start, 1),
+              "fast_fit": None if fit is None else {k: (list(v) if isinstance(v, tuple) else v)
+                                                    for k, v in asdict(fit).items()},
               "command": "python -m edgespec.export.training.train_vla " + " ".join(argv if argv is not None
                                                                             else sys.argv[1:])}
     save(pair, cfg, stats, out, report, fast)
