@@ -33,6 +33,20 @@ SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# what transformers' config class of each family assumes for a field config.json leaves out (a saved config holds
+# only what differs from them); tests/test_checkpoint_errors.py compares them with the classes themselves
+FAMILY_DEFAULTS = {
+    "llama": {"bos_token_id": 1, "eos_token_id": 2},
+    "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "max_window_layers": 28},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768, "max_window_layers": 28},
+    "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+             "bos_token_id": 1, "eos_token_id": 32000},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+                    "sliding_window": 4096, "bos_token_id": 2, "eos_token_id": 1},
+    "smollm3": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rope_theta": 2_000_000.0,
+                "bos_token_id": 128000, "eos_token_id": 128001},
+}
 REFUSED = {  # model_type -> why it is refused (a family close to a supported one)
     "gemma3": "the multimodal Gemma 3 (image + text); export its text model (model_type gemma3_text)",
     "gemma2": "Gemma 2's attention and final logit soft-capping are not implemented",
@@ -295,25 +309,42 @@ class ModelSpec:
         return p + ("pre_feedforward_layernorm.weight" if self.sandwich_norm else "post_attention_layernorm.weight")
 
 
-def _field(cfg: dict, name: str, source: str, kind=int, default=None, required: bool = False):
-    """cfg[name] converted by kind; a missing required field or a wrong type names the field."""
-    if name not in cfg or cfg[name] is None:
+def _count(cfg: dict, name: str, source: str, minimum: int = 1, required: bool = False) -> int | None:
+    """cfg[name] as an integer >= minimum (None when absent and not required); 3.0 is 3, 3.5 or "3" is refused."""
+    v = cfg.get(name)
+    if v is None:
         if required:
             raise KeyError(name)
-        return default
+        return None
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())) or v < minimum:
+        raise CheckpointError(f"{source}: field {name!r} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _number(d: dict, name: str, default, source: str, where: str = "", positive: bool = True) -> float | None:
+    """d[name] (or default when absent) as a float, > 0 unless positive=False; names the field when it is not."""
+    v = d.get(name)
+    if v is None:
+        v = default
+    if v is None:
+        return None
     try:
-        return kind(cfg[name])
+        f = float(v)
     except (TypeError, ValueError):
-        raise CheckpointError(f"{source}: field {name!r} must be {kind.__name__}, got {cfg[name]!r}") from None
+        f = float("nan")
+    if isinstance(v, bool) or not np.isfinite(f) or (positive and f <= 0):
+        raise CheckpointError(f"{source}: field {where}{name!r} must be a {'positive ' if positive else ''}number, "
+                              f"got {v!r}")
+    return f
 
 
 def _rope_from(params: dict, cfg: dict, source: str, theta_default: float) -> RopeSpec:
     rtype = params.get("rope_type", params.get("type", "default"))
     if rtype in ("su", "yarn") and cfg.get("model_type") == "phi3":
         rtype = "longrope"  # transformers' Phi-3 reads its old names so
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", theta_default)))
+    theta = _number(params, "rope_theta", _number(cfg, "rope_theta", theta_default, source), source, "rope ")
     orig = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
-    factor = params.get("factor")
+    factor = _number(params, "factor", None, source, "rope ")
     if rtype == "longrope" and factor is None and orig:  # Phi-3: the ratio of the two position limits
         factor = float(cfg["max_position_embeddings"]) / float(orig)
     if rtype == "yarn" and orig is None:
@@ -331,10 +362,20 @@ def _rope_from(params: dict, cfg: dict, source: str, theta_default: float) -> Ro
 
 
 def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
-    hidden = _field(cfg, "hidden_size", source, required=True)
-    heads = _field(cfg, "num_attention_heads", source, required=True)
-    n_layers = _field(cfg, "num_hidden_layers", source, required=True)
-    head_dim = _field(cfg, "head_dim", source) or hidden // heads
+    cfg = {**FAMILY_DEFAULTS[mt], **cfg}  # an explicit null stays null, as in transformers
+    hidden = _count(cfg, "hidden_size", source, required=True)
+    heads = _count(cfg, "num_attention_heads", source, required=True)
+    n_layers = _count(cfg, "num_hidden_layers", source, required=True)
+    head_dim = _count(cfg, "head_dim", source)
+    if head_dim is None:
+        if hidden % heads:
+            raise CheckpointError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                                  f"and there is no head_dim")
+        head_dim = hidden // heads
+    for name in ("rope_parameters", "rope_scaling"):
+        if cfg.get(name) is not None and not isinstance(cfg[name], dict):
+            raise CheckpointError(f"{source}: field {name!r} must be an object (rope_type, factor, ...) or null, "
+                                  f"got {cfg[name]!r}")
     gemma, phi, qwen = mt == "gemma3_text", mt == "phi3", mt in ("qwen2", "qwen3")
 
     act_name = cfg.get("hidden_activation" if gemma else "hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
@@ -361,11 +402,13 @@ def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
             local = RopeSpec(theta=float(cfg.get("rope_local_base_freq", 10_000.0)))
     else:
         full = local = _rope_from(params, cfg, source, 10_000.0)
-    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_dim * float(prf))
+    prf = _number(params, "partial_rotary_factor", _number(cfg, "partial_rotary_factor", 1.0, source), source)
+    if prf > 1:
+        raise CheckpointError(f"{source}: field 'partial_rotary_factor' must be in (0, 1], got {prf!r}")
+    rotary_dim = int(head_dim * prf)
 
     # which layers slide, and which have a rotary at all
-    window = _field(cfg, "sliding_window", source)
+    window = _count(cfg, "sliding_window", source)
     if mt in ("qwen2", "qwen3", "smollm3") and not cfg.get("use_sliding_window", False):
         window = None
     types = cfg.get("layer_types")
@@ -375,10 +418,10 @@ def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
                                   f"({n_layers}), got {types!r}")
         sliding = [t == "sliding_attention" for t in types]
     elif gemma:
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = _count(cfg, "sliding_window_pattern", source) or 6
         sliding = [bool((i + 1) % pattern) for i in range(n_layers)]
     elif qwen:
-        first = int(cfg.get("max_window_layers", n_layers))
+        first = _count(cfg, "max_window_layers", source, minimum=0)
         sliding = [i >= first for i in range(n_layers)]
     else:  # mistral, phi3, llama (no window field), smollm3 (see below)
         sliding = [True] * n_layers
@@ -386,7 +429,7 @@ def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
     if mt == "smollm3":
         nope = cfg.get("no_rope_layers")
         if nope is None:
-            interval = int(cfg.get("no_rope_layer_interval", 4))
+            interval = _count(cfg, "no_rope_layer_interval", source) or 4
             nope = [int((i + 1) % interval != 0) for i in range(n_layers)]
         if not (isinstance(nope, list) and len(nope) == n_layers):
             raise CheckpointError(f"{source}: no_rope_layers must hold one 0/1 per layer ({n_layers}), got {nope!r}")
@@ -402,11 +445,11 @@ def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
 
     attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
-    return cls(model_type=mt, vocab_size=_field(cfg, "vocab_size", source, required=True), hidden_size=hidden,
-               intermediate_size=_field(cfg, "intermediate_size", source, required=True), num_layers=n_layers,
-               num_heads=heads, num_kv_heads=_field(cfg, "num_key_value_heads", source) or heads, head_dim=head_dim,
-               rms_norm_eps=_field(cfg, "rms_norm_eps", source, float, 1e-6),
-               max_position_embeddings=_field(cfg, "max_position_embeddings", source, int, 2048),
+    return cls(model_type=mt, vocab_size=_count(cfg, "vocab_size", source, required=True), hidden_size=hidden,
+               intermediate_size=_count(cfg, "intermediate_size", source, required=True), num_layers=n_layers,
+               num_heads=heads, num_kv_heads=_count(cfg, "num_key_value_heads", source) or heads, head_dim=head_dim,
+               rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6, source),
+               max_position_embeddings=_count(cfg, "max_position_embeddings", source) or 2048,
                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", mt in ("gemma3_text", "smollm3"))),
                qkv_bias=(mt == "qwen2") or (attention_bias and mt != "phi3"),
                o_bias=attention_bias and mt not in ("qwen2", "phi3"),
