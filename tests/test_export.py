@@ -47,6 +47,29 @@ def test_precision_variants_report_agreement(tiny_checkpoints, tmp_path, dtype, 
     assert sorted(os.listdir(tmp_path / dtype)) == ["engine.json", "model.onnx"] + native  # the fp32 copy is gone
 
 
+def test_a_bf16_checkpoint_exports_as_its_float32_values(tiny_checkpoints, tmp_path):
+    """Qwen, Llama and Gemma ship bfloat16 weights: the export widens them exactly, so the engine equals the export
+    of the same values stored as float32 (its parity gate passes and the logits agree to rounding)."""
+    import shutil
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file, save_file
+    src = tiny_checkpoints["llama"][0]
+    bf16, f32 = tmp_path / "bf16-ckpt", tmp_path / "f32-ckpt"
+    for d, dt in ((bf16, torch.bfloat16), (f32, torch.float32)):
+        shutil.copytree(src, d)
+        for f in d.glob("*.safetensors"):
+            save_file({k: v.to(torch.bfloat16).to(dt) for k, v in load_file(str(f)).items()}, str(f))
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["torch_dtype"] = "bfloat16" if dt == torch.bfloat16 else "float32"
+        (d / "config.json").write_text(json.dumps(cfg))
+    a = export_engine(bf16, tmp_path / "e-bf16", dtype="fp16", progress=False)
+    b = export_engine(f32, tmp_path / "e-f32", dtype="fp16", progress=False)
+    assert a.extra["validation"]["parity"]["max_abs_diff"] < 1e-4
+    assert a.extra["export_memory"]["peak_rss_bytes"] > 0
+    assert a.extra["validation"]["agreement_vs_fp32"] == b.extra["validation"]["agreement_vs_fp32"]
+    assert (tmp_path / "e-bf16" / "model.onnx").read_bytes() == (tmp_path / "e-f32" / "model.onnx").read_bytes()
+
+
 def test_agreement_rows_are_held_out_from_demo_training(tmp_path, monkeypatch):
     """The precision gate's text rows come only from files that train_demo.py's own split keeps out of
     training (its validation files), never from the training data."""
