@@ -180,11 +180,11 @@ def export_llava(path: str | Path, out_dir: str | Path, unnorm_key: str | None =
 
 def write_llava_checkpoint(out: str | Path, vision: str = "clip", text: str = "qwen2", seed: int = 0) -> Path:
     """A small random Llava checkpoint of transformers' classes (for tests): vision "clip" | "siglip", text "llama" |
-    "qwen2", the tokenizer of export/openvla_ckpt.py plus "<image>", a preprocessor_config.json, and OpenVLA-style
+    "qwen2" | "mistral", the tokenizer of export/openvla_ckpt.py plus "<image>", a preprocessor_config.json, and OpenVLA-style
     norm_stats in config.json."""
     import torch
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config,
-                              SiglipVisionConfig)
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, MistralConfig,
+                              Qwen2Config, SiglipVisionConfig)
 
     from .openvla_ckpt import PAD_MULTIPLE, build_tokenizer, default_norm_stats
 
@@ -200,7 +200,10 @@ def write_llava_checkpoint(out: str | Path, vision: str = "clip", text: str = "q
     tc = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
               pad_token_id=text_vocab, tie_word_embeddings=False)
-    text_config = Qwen2Config(**tc) if text == "qwen2" else LlamaConfig(**tc)
+    classes = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig}
+    if text not in classes:
+        raise ValueError(f"text must be one of {sorted(classes)}, got {text!r}")
+    text_config = classes[text](**tc)
     cfg = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_id=text_vocab + 1,
                       vision_feature_layer=-2, projector_hidden_act="gelu",
                       vision_feature_select_strategy="default" if vision == "clip" else "full")  # SigLIP has no CLS

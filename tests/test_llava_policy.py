@@ -22,10 +22,11 @@ from edgespec.export.prismatic import VLMFormatError  # noqa: E402
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("llava")
     return {"clip-qwen2": write_llava_checkpoint(root / "clip-qwen2"),
-            "siglip-llama": write_llava_checkpoint(root / "siglip-llama", vision="siglip", text="llama", seed=1)}
+            "siglip-llama": write_llava_checkpoint(root / "siglip-llama", vision="siglip", text="llama", seed=1),
+            "clip-mistral": write_llava_checkpoint(root / "clip-mistral", text="mistral", seed=2)}
 
 
-@pytest.mark.parametrize("name", ["clip-qwen2", "siglip-llama"])
+@pytest.mark.parametrize("name", ["clip-qwen2", "siglip-llama", "clip-mistral"])
 def test_export_matches_transformers_forward(ckpts, name, tmp_path):
     """The export's end-to-end gate compares against transformers' LlavaForConditionalGeneration (image token
     expanded, its own feature merge); here the loaded policy is checked once more on other observations."""
