@@ -25,8 +25,9 @@ def test_quiet_machine_stays_on_every_core_and_only_probes_one_thread():
     used = drive(gov, 400, lambda t, i: 0.010 if t == 2 else 0.013)
     assert gov.current((1, 1)) == 2 and gov.switches == 0
     assert used[:16] == [2] * 16  # the first probe comes after probe_every calls on the current count
-    assert used[16:20] == [1] * 4
-    assert used.count(1) == 4 * (400 // 20)  # 4 probe calls in every 20
+    # 1 thread is 30% slower: after 3 of the 4 probe calls its median cannot win, and the probe stops there
+    assert used[16:19] == [1] * 3 and used[19:35] == [2] * 16
+    assert used.count(1) == 3 * (400 // 19)  # 3 probe calls in every 19
 
 
 def test_a_busy_core_moves_it_to_one_thread_and_back_when_the_core_frees():
@@ -36,10 +37,11 @@ def test_a_busy_core_moves_it_to_one_thread_and_back_when_the_core_frees():
     cost = lambda t, i: (0.012 if t == 2 else 0.009) if i < 200 else (0.007 if t == 2 else 0.009)  # noqa: E731
     used = drive(gov, 400, cost)
     assert used[16:20] == [1] * 4 and used[20:36] == [1] * 16  # the first probe wins: 1 thread from then on
-    assert used[36:40] == [2] * 4  # ... which goes on probing 2
+    assert used[36:39] == [2] * 3 and used[39] == 1  # ... which goes on probing 2 (a losing probe: 3 calls)
     back = next(i for i in range(200, 400) if used[i:i + 16] == [2] * 16)  # 16 calls on 2 in a row: switched back
     assert back < 200 + 2 * 20  # within two periods of the change
-    assert used[-20:].count(1) == 4  # from then on 1 thread only in probes
+    tail = "".join(str(t) for t in used[back:]).rstrip("1")  # a probe cut short by the end of the calls aside
+    assert {len(r) for r in tail.split("2") if r} == {3}  # from then on 1 thread only in losing probes
     assert gov.switches == 2 and gov.current((1, 1)) == 2
 
 
@@ -65,6 +67,35 @@ def test_a_median_not_a_single_outlier_decides():
     # 1 thread is slower except for one lucky call in each probe: the median keeps 2
     drive(gov, 200, lambda t, i: 0.010 if t == 2 else (0.001 if i % 13 == 0 else 0.014))
     assert gov.switches == 0
+
+
+def test_the_ladder_of_counts():
+    from edgespec.backends.threads import ladder
+    assert ladder(2) == [2, 1] and ladder(3) == [3, 2, 1] and ladder(4) == [4, 3, 2, 1]
+    assert ladder(8) == [8, 7, 6, 4, 2, 1] and ladder(12) == [12, 11, 10, 6, 3, 1]
+    assert ladder(16) == [16, 15, 14, 8, 4, 2, 1]
+
+
+def test_on_eight_cores_beside_a_busy_process_it_finds_seven_threads():
+    """A Jetson-class CPU (8 cores) with one core taken: 8 threads wait for the one that shares a core, 7 are the
+    fastest, 1 is several times slower. A choice between every core and one would stay on 8."""
+    gov = ThreadGovernor(8, GovernorConfig(probe_every=16, probe_calls=4))
+    speed = {8: 0.020, 7: 0.010, 6: 0.0115, 4: 0.017, 2: 0.034, 1: 0.068}
+    used = drive(gov, 600, lambda t, i: speed[t])
+    assert gov.current((1, 1)) == 7 and gov.switches == 1
+    assert used[16:20] == [7] * 4  # the first probe takes the next count down, and wins
+    probes = [t for t in used[20:] if t != 7]
+    assert set(probes) == {8, 6, 4, 2, 1}
+    # every losing probe stops after 3 calls (its median cannot win): the slow counts cost little
+    runs = [len(r) for r in "".join("p" if t != 7 else "." for t in used[20:]).split(".") if r]
+    assert set(runs) == {3}
+
+
+def test_each_probe_takes_the_next_other_count():
+    gov = ThreadGovernor(4, GovernorConfig(probe_every=4, probe_calls=2))
+    used = drive(gov, 60, lambda t, i: 0.01 if t == 4 else 0.02)  # 4 stays fastest
+    probes = [t for t in used if t != 4]
+    assert probes[:6] == [3, 3, 2, 2, 1, 1] and gov.switches == 0  # 2 calls each (the median needs both)
 
 
 @pytest.mark.parametrize("field,value", [("probe_every", 0), ("probe_calls", 0), ("recent", 0), ("margin", 1.0),
