@@ -23,12 +23,10 @@ one process schedule, and nothing from any other run:
      times: a ratio per trial, so the machine's drift over minutes falls on both sides of each ratio (the
      final's medians are minutes apart).
 
-The defaults (195 sweep configurations on 6 prompts, a runoff of each mode's 3 fastest twice, then 13 rows × 3
-repeats on 24 prompts × 128 tokens, then 36 head-to-head trials) took 40 minutes on the 2-core CPU in run
-47a123ad3a60 (29 without the runoff); the script
-prints its estimate first and a progress bar after. llama.cpp's default sweep adds 156 configurations (3
-precisions × (2 plain + 30 draft + 20 lookup)) and 9 rows, not yet timed in a full run (--llamacpp-precisions
-none leaves them out).
+The defaults (405 sweep configurations on 6 prompts, llama.cpp's included, a runoff of each mode's 3 fastest
+twice, then 23 rows × 3 repeats on 24 prompts × 128 tokens, then 36 head-to-head trials) took 32.5 minutes on a
+2-core Xeon VM in run 3e9f9d0a5de9; the script prints its estimate first (73 minutes there, an overestimate)
+and a progress bar after. --llamacpp-precisions none leaves llama.cpp's 156 configurations and 9 rows out.
 
 Draft models: edgespec's demo draft is its int8 weight-only engine (MatMulNBits, blocks of 32, accuracy level
 4). GenAI's draft is swept at fp32 and int8 (--genai-draft-precisions), each built by GenAI's own model builder

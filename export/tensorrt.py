@@ -18,6 +18,55 @@ from edgespec.profiles import ProfileSpec, default_profiles, ort_trt_options, pr
 from edgespec.speculation import from_args, speculation_flags
 
 
+# ONNX operators (default domain) that TensorRT 10's ONNX parser takes: the "Y" rows of onnx-tensorrt's
+# docs/operators.md at its 10.1 release
+TENSORRT_OPS = frozenset("""
+    Abs Acos Acosh Add And ArgMax ArgMin Asin Asinh Atan Atanh AveragePool BatchNormalization Cast CastLike Ceil
+    Celu Clip Concat Constant ConstantOfShape Conv ConvTranspose Cos Cosh CumSum DeformConv DepthToSpace
+    DequantizeLinear Div Dropout Einsum Elu Equal Erf Exp Expand EyeLike Flatten Floor Gather GatherElements
+    GatherND Gelu Gemm GlobalAveragePool GlobalLpPool GlobalMaxPool Greater GreaterOrEqual GridSample
+    GroupNormalization GRU HardSigmoid HardSwish Hardmax Identity If ImageScaler InstanceNormalization IsInf
+    IsNaN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax Loop LRN LSTM LpNormalization LpPool
+    MatMul Max MaxPool Mean MeanVarianceNormalization Min Mish Mod Mul Neg NonMaxSuppression NonZero Not OneHot
+    Or Pad ParametricSoftplus Pow PRelu QuantizeLinear RandomNormal RandomNormalLike RandomUniform
+    RandomUniformLike Range Reciprocal ReduceLogSum ReduceLogSumExp ReduceMax ReduceMean ReduceMin ReduceProd
+    ReduceSum ReduceSumSquare Relu Reshape Resize ReverseSequence RNN RoiAlign Round ScaledTanh Scan Scatter
+    ScatterElements ScatterND Selu Shape Shrink Sigmoid Sign Sin Sinh Size Slice Softmax Softplus Softsign
+    SpaceToDepth Split Sqrt Squeeze Sub Sum Tan Tanh ThresholdedRelu Tile TopK Transpose Trilu Unsqueeze Upsample
+    Where Xor""".split())
+TENSORRT_OPSETS = (9, 20)  # TensorRT 10.0 parses opsets 9..20
+# inputs the parser needs as constants (an initializer or a Constant node): op -> input positions
+CONSTANT_INPUTS = {"Slice": (3,), "Squeeze": (1,), "Unsqueeze": (1,), "ReduceMean": (1,), "ReduceSum": (1,),
+                   "ReduceMax": (1,), "ReduceMin": (1,), "TopK": (1,)}
+
+
+def tensorrt_problems(model) -> list[str]:
+    """What in an ONNX model (onnx.ModelProto, weights not needed) TensorRT's ONNX parser refuses: ops outside the
+    default domain or TENSORRT_OPS, an opset outside TENSORRT_OPSETS, axes (or K) that are not constants.
+    Empty: the graph is one TensorRT can parse, as far as a check without TensorRT can tell."""
+    problems = []
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and not TENSORRT_OPSETS[0] <= imp.version <= TENSORRT_OPSETS[1]:
+            problems.append(f"opset {imp.version} (TensorRT 10 parses {TENSORRT_OPSETS[0]}..{TENSORRT_OPSETS[1]})")
+    constants = {t.name for t in model.graph.initializer}
+    constants |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    seen = set()
+    for n in model.graph.node:
+        if n.domain not in ("", "ai.onnx"):
+            key = f"{n.domain}.{n.op_type}"
+            if key not in seen:
+                problems.append(f"{key} (not a standard ONNX op)")
+                seen.add(key)
+            continue
+        if n.op_type not in TENSORRT_OPS and n.op_type not in seen:
+            problems.append(f"{n.op_type} (not an op TensorRT 10 parses)")
+            seen.add(n.op_type)
+        for i in CONSTANT_INPUTS.get(n.op_type, ()):
+            if i < len(n.input) and n.input[i] and n.input[i] not in constants:
+                problems.append(f"{n.op_type} node {n.name!r}: input {i} ({n.input[i]}) must be a constant")
+    return problems
+
+
 def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = True, workspace_gib: float = 4.0) -> dict:
     """Parse model.onnx, build a TensorRT plan with the given profiles, write model.plan. Needs a GPU."""
     from edgespec.backends.trt import import_tensorrt
@@ -29,6 +78,10 @@ def build_engine(engine_dir: Path, profiles: list[ProfileSpec], fp16: bool = Tru
     if m.flavor != "portable":  # ONNX Runtime's contrib ops (GroupQueryAttention, ...) are not TensorRT layers
         raise ValueError(f"{engine_dir} is a {m.flavor!r}-flavour graph (ONNX Runtime contrib ops); TensorRT builds "
                          f"the portable graph: re-export with `edgespec export ... --flavor portable`")
+    import onnx
+    problems = tensorrt_problems(onnx.load(str(engine_dir / m.model_file), load_external_data=False))
+    if problems:
+        raise ValueError(f"{engine_dir / m.model_file}: TensorRT cannot parse this graph: {'; '.join(problems[:6])}")
     trt = import_tensorrt()  # an EngineError that says what to install when tensorrt is missing
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

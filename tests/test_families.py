@@ -130,3 +130,35 @@ def test_the_ort_flavours_standard_attention_matches_transformers(tiny_checkpoin
     dec.cache.commit(30)
     got = np.concatenate([got, np.array(dec(ids[:, 30:]))], axis=1)
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_portable_graph_of_every_family_is_one_tensorrt_parses(families, name):
+    """No GPU here: the portable graph is checked against what TensorRT 10's ONNX parser takes (its op list, opset
+    range, constant axes). The ort flavour is refused by name: ONNX Runtime's contrib ops are not TensorRT layers."""
+    import onnx
+
+    from edgespec.export.tensorrt import tensorrt_problems
+    engines = families[name][2]
+    portable = onnx.load(str(engines["portable"] / "model.onnx"), load_external_data=False)
+    assert tensorrt_problems(portable) == []
+    ort = tensorrt_problems(onnx.load(str(engines["ort"] / "model.onnx"), load_external_data=False))
+    assert "com.microsoft.GroupQueryAttention (not a standard ONNX op)" in ort
+
+
+def test_tensorrt_problems_names_what_the_parser_refuses():
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgespec.export.tensorrt import tensorrt_problems
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    axes = helper.make_tensor_value_info("axes", TensorProto.INT64, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    starts = helper.make_tensor("starts", TensorProto.INT64, [1], [0])
+    ends = helper.make_tensor("ends", TensorProto.INT64, [1], [2])
+    nodes = [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["s"], name="cut"),
+             helper.make_node("Det", ["s"], ["y"], name="det")]
+    graph = helper.make_graph(nodes, "g", [x, axes], [y], initializer=[starts, ends])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert tensorrt_problems(model) == ["opset 21 (TensorRT 10 parses 9..20)", "Slice node 'cut': input 3 (axes) must "
+                                        "be a constant", "Det (not an op TensorRT 10 parses)"]
