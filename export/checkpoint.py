@@ -37,7 +37,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # only what differs from them); tests/test_checkpoint_errors.py compares them with the classes themselves
 FAMILY_DEFAULTS = {
     "llama": {"bos_token_id": 1, "eos_token_id": 2},
-    "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "mistral": {"bos_token_id": 1, "eos_token_id": 2, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+                "sliding_window": 4096},
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "max_window_layers": 28},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768, "max_window_layers": 28},
     "phi3": {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
@@ -321,8 +322,8 @@ def _count(cfg: dict, name: str, source: str, minimum: int = 1, required: bool =
     return int(v)
 
 
-def _number(d: dict, name: str, default, source: str, where: str = "", positive: bool = True) -> float | None:
-    """d[name] (or default when absent) as a float, > 0 unless positive=False; names the field when it is not."""
+def _number(d: dict, name: str, default, source: str, where: str = "") -> float | None:
+    """d[name] (or default when absent or null) as a float > 0; names the field when it is not one."""
     v = d.get(name)
     if v is None:
         v = default
@@ -332,9 +333,8 @@ def _number(d: dict, name: str, default, source: str, where: str = "", positive:
         f = float(v)
     except (TypeError, ValueError):
         f = float("nan")
-    if isinstance(v, bool) or not np.isfinite(f) or (positive and f <= 0):
-        raise CheckpointError(f"{source}: field {where}{name!r} must be a {'positive ' if positive else ''}number, "
-                              f"got {v!r}")
+    if isinstance(v, bool) or not np.isfinite(f) or f <= 0:
+        raise CheckpointError(f"{source}: field {where}{name!r} must be a positive number, got {v!r}")
     return f
 
 

@@ -180,8 +180,8 @@ def export_llava(path: str | Path, out_dir: str | Path, unnorm_key: str | None =
 
 def write_llava_checkpoint(out: str | Path, vision: str = "clip", text: str = "qwen2", seed: int = 0) -> Path:
     """A small random Llava checkpoint of transformers' classes (for tests): vision "clip" | "siglip", text "llama" |
-    "qwen2" | "mistral", the tokenizer of export/openvla_ckpt.py plus "<image>", a preprocessor_config.json, and OpenVLA-style
-    norm_stats in config.json."""
+    "qwen2" | "mistral", the tokenizer of export/openvla_ckpt.py plus "<image>", a preprocessor_config.json, and
+    OpenVLA-style norm_stats in config.json."""
     import torch
     from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, MistralConfig,
                               Qwen2Config, SiglipVisionConfig)

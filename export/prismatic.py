@@ -513,7 +513,8 @@ def load_state(model, ck: OpenVLACheckpoint) -> list[str]:
     wrong = [f"{k}: expected {tuple(want[k].shape)}, got {tuple(v.shape)}" for k, v in state.items()
              if k in want and tuple(want[k].shape) != tuple(v.shape)]
     if wrong:
-        raise OpenVLAFormatError(f"{ck.path}: {len(wrong)} weight{'s do' if len(wrong) > 1 else ' does'} not fit config.json: "
+        verb = "weights do" if len(wrong) > 1 else "weight does"
+        raise OpenVLAFormatError(f"{ck.path}: {len(wrong)} {verb} not fit config.json: "
                                  f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("rotary_emb.inv_freq")]
