@@ -499,10 +499,11 @@ def checkpoints(args) -> tuple[Path, Path, str]:
     """(target, draft, name): the preset's stand-in pair (made if missing; the tool keeps a folder holding the same
     recipe), or --target / --draft."""
     if args.preset:
-        subprocess.run([sys.executable, "-m", "edgespec.export.standin", "--preset", args.preset, "--no-progress"],
-                       check=True, cwd=ROOT, stdout=sys.stderr)
-        base = ROOT / ".cache" / "standins" / args.preset
-        return base / "target", base / "draft", args.preset
+        subprocess.run([sys.executable, "-m", "edgespec.export.standin", "--preset", args.preset, "--vocab",
+                        args.vocab, "--no-progress"], check=True, cwd=ROOT, stdout=sys.stderr)
+        from edgespec.export.standin import default_out
+        base = default_out(args.preset, args.vocab)
+        return base / "target", base / "draft", base.name
     t = Path(args.target).resolve()
     return t, Path(args.draft).resolve(), f"{t.parent.name}-{t.name}"  # folders are often named "target"
 
@@ -602,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_argument_group("checkpoints")
     src.add_argument("--preset", help="a stand-in preset (python -m edgespec.export.standin --list)")
+    src.add_argument("--vocab", choices=("source", "real"), default="source",
+                     help="with --preset: the demo's 4096-token vocabulary or the real model's, padded (its LM-head "
+                          "bytes and a narrower draft: docs/standins.md); results go to realsize-PRESET-real-vocab")
     src.add_argument("--target", help="instead of --preset: the target's Hugging Face folder")
     src.add_argument("--draft", help="with --target: the draft's Hugging Face folder")
     ap.add_argument("--out", type=Path, default=None, help="default bench/results/realsize-<preset>.json")
@@ -671,6 +675,8 @@ def parse_args(argv: list[str]):
     args = ap.parse_args(argv)
     if bool(args.preset) == bool(args.target) or bool(args.target) != bool(args.draft):
         ap.error("give --preset NAME, or --target CKPT and --draft CKPT")
+    if args.vocab != "source" and not args.preset:
+        ap.error(f"--vocab {args.vocab} applies to --preset only (a --target keeps its own vocabulary)")
     n = args.code_prompts + args.prose_prompts
     if args.paired_rounds < 0 or not 1 <= args.paired_chunks <= n:
         ap.error(f"--paired-rounds must be >= 0 and --paired-chunks between 1 and the prompt count ({n}), got "

@@ -12,6 +12,7 @@ class TextTokenizer:
 
         self.path = Path(path)
         self.tok = Tokenizer.from_file(str(self.path))
+        self.size = self.tok.get_vocab_size(with_added_tokens=True)  # ids 0..size-1 decode
 
     @classmethod
     def from_engine(cls, engine_dir: Path, manifest: Manifest) -> "TextTokenizer | None":
@@ -21,7 +22,12 @@ class TextTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
+        ids = list(map(int, ids))
+        bad = [i for i in ids if not 0 <= i < self.size]
+        if bad:  # tokenizers would drop them silently
+            raise ValueError(f"{self.path}: ids {bad[:5]} have no token: expected ids in [0, {self.size}) (a model "
+                             f"whose vocabulary is padded past its tokenizer chose a padding id)")
+        return self.tok.decode(ids, skip_special_tokens=False)
 
     def token_to_id(self, s: str) -> int | None:
         return self.tok.token_to_id(s)

@@ -28,12 +28,20 @@ greedy output is the demo's). The construction (docs/standins.md has the algebra
   layers     source layer i -> new layer i*L'//L; the others are dead: o_proj and down_proj all zero, so the
              layer adds nothing to the residual
 
+  vocabulary (optional, vocab_size=V' > V) ids [V, V') are padding, as real checkpoints pad theirs (Qwen2.5's
+             151936 rows hold 151665 tokens): their embedding and LM-head rows copy the row of one "sink" id, the
+             source's least likely token on a calibration text, so a padded id's logit equals the sink's and never
+             wins a greedy choice (ties go to the lower, real id). For greedy benchmarks only: the copies together
+             take real probability (for the demo at 128256 ids, 3% on average, up to 20% at a flat position; the
+             tokenizer cannot decode a padded id). standin.json records the sink's margin and that probability
+
 Everything else (the "dead" weights: columns that multiply zeros, heads and channels whose outputs go nowhere,
 whole dead layers but their two output projections) is seeded Gaussian noise with the std of the source tensor
 it stands beside, so every matrix looks and costs like a real one. Output: float16 safetensors in HF's sharded
 layout (model-0000k-of-0000N.safetensors + model.safetensors.index.json), written tensor by tensor (peak memory is
 the source plus one tensor), a LlamaConfig config.json, the source's tokenizer files, and standin.json (the
-recipe). The vocabulary stays the source's (4096 for the demo pair), not the real model's.
+recipe). By default the vocabulary stays the source's (4096 for the demo pair); a preset with vocab="real" pads it
+to the real model's and takes a draft narrow enough to stay 10-30x smaller with that vocabulary.
 """
 from __future__ import annotations
 
@@ -130,6 +138,22 @@ class Preset:
     draft: Shape
     real: RealModel
     differs: str  # how the target's shape differs from the real model's (beyond the vocabulary)
+    # the draft with the real vocabulary: its embedding is V x E, so a draft as wide as `draft` would be only 5-8x
+    # smaller than the target; this one is 12-13x (None: `draft` already is)
+    real_vocab_draft: Shape | None = None
+
+    def shape(self, role: str, vocab: str = "source") -> Shape:
+        """The target's or draft's shape for vocab "source" (the demo's 4096) or "real"."""
+        if role not in ("target", "draft"):
+            raise StandinError(f"role: expected 'target' or 'draft', got {role!r}")
+        if vocab not in VOCABS:
+            raise StandinError(f"vocab: expected one of {', '.join(VOCABS)}, got {vocab!r}")
+        if role == "draft" and vocab == "real" and self.real_vocab_draft is not None:
+            return self.real_vocab_draft
+        return getattr(self, role)
+
+
+VOCABS = ("source", "real")
 
 
 PRESETS: dict[str, Preset] = {
@@ -141,12 +165,14 @@ PRESETS: dict[str, Preset] = {
                 "LlamaConfig needs hidden_size % num_attention_heads == 0 (896 = 16*56; 12 heads would have kept the "
                 "projections' size exactly but 896/12 is not whole); q width 1024 instead of 896, so each layer has "
                 "0.46M (3%) more parameters; KV cache 2x the real one; no q/k/v biases; rope_theta 10000 (the "
-                "source's) instead of 1e6"),
+                "source's) instead of 1e6",
+        real_vocab_draft=Shape(256, 4, 2, 64, 768, 4)),
     "llama-3.2-1b": Preset(
         target=Shape(2048, 32, 8, 64, 8192, 16),
         draft=Shape(768, 12, 4, 64, 2048, 8),
         real=RealModel("meta-llama/Llama-3.2-1B", Shape(2048, 32, 8, 64, 8192, 16), 128256, tied=True),
-        differs="the real shape; rope is the source's (default, theta 10000) instead of llama3 scaling at 500000"),
+        differs="the real shape; rope is the source's (default, theta 10000) instead of llama3 scaling at 500000",
+        real_vocab_draft=Shape(512, 8, 4, 64, 2048, 8)),
     "llama-3.2-3b": Preset(
         target=Shape(3072, 24, 8, 128, 8192, 28),
         draft=Shape(1024, 8, 4, 128, 2816, 12),
@@ -262,11 +288,77 @@ def q_head_map(s: Shape, shape: Shape) -> np.ndarray:
     return (h // g) * g2 + h % g
 
 
+# ---------------------------------------------------------------------------------------------- the vocabulary
+
+# The calibration text the sink is chosen on: Python and English, what the demo pair was trained on and is
+# benchmarked with. A source without tokenizer.json is calibrated on seeded random ids instead.
+CALIBRATION_TEXT = '''import json
+from pathlib import Path
+
+
+def load_config(path: str) -> dict:
+    \"\"\"Read a JSON config file and return its settings, with defaults for missing keys.\"\"\"
+    with open(Path(path), encoding="utf-8") as f:
+        data = json.load(f)
+    for key, value in {"threads": 2, "verbose": False}.items():
+        data.setdefault(key, value)
+    return data
+
+
+class Counter:
+    def __init__(self):
+        self.counts = {}
+
+    def add(self, word):
+        self.counts[word] = self.counts.get(word, 0) + 1
+        return self.counts[word]
+'''
+
+
+def _calibration_ids(src: Source, n_random: int = 256) -> np.ndarray:
+    """(B, T) token ids: the calibration text through the source's tokenizer, else seeded random ids."""
+    limit = int(src.config.get("max_position_embeddings") or 2048)
+    tok = src.path / "tokenizer.json"
+    if tok.is_file():
+        from tokenizers import Tokenizer
+        ids = Tokenizer.from_file(str(tok)).encode(CALIBRATION_TEXT, add_special_tokens=False).ids[:limit]
+        if len(ids) >= 8:
+            return np.asarray([ids], np.int64)
+    rng = np.random.default_rng(1234)
+    return rng.integers(0, src.vocab_size, (4, min(n_random, limit)), dtype=np.int64)
+
+
+def pick_sink(src: Source, n_pad: int) -> dict:
+    """The id whose row the padded vocabulary copies: the source's token that stays furthest below the winner at
+    every position of the calibration text (its worst margin the largest), so a padded id never wins a greedy
+    choice there. -> {"sink", "calibration_tokens", "margin_min" (min over positions of max logit - the sink's),
+    "padded_probability_max" (the most probability the n_pad copies take at one position)}."""
+    import torch
+    import transformers
+    model = transformers.LlamaForCausalLM.from_pretrained(src.path, dtype=torch.float32).eval()
+    ids = _calibration_ids(src)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids)).logits.reshape(-1, src.vocab_size).double()  # (B*T, V)
+    del model
+    top = logits.max(-1, keepdim=True).values
+    margin = (top - logits).min(0).values  # (V,): each token's closest approach to the winner
+    sink = int(margin.argmax())
+    lse = torch.logsumexp(logits, -1)
+    pad = logits[:, sink] + math.log(n_pad)  # log of the padding's unnormalised mass
+    prob = torch.exp(pad - torch.logaddexp(lse, pad))
+    return {"sink": sink, "calibration_tokens": int(ids.size), "margin_min": round(float(margin[sink]), 4),
+            "padded_probability_max": float(f"{float(prob.max()):.3g}")}
+
+
 class _Inflater:
     """Makes each new tensor on demand (float16), from the source weights and a seed."""
 
-    def __init__(self, src: Source, weights: dict[str, np.ndarray], shape: Shape, seed: int):
+    def __init__(self, src: Source, weights: dict[str, np.ndarray], shape: Shape, seed: int,
+                 vocab_size: int | None = None, sink: int | None = None):
         self.src, self.w, self.shape, self.seed = src, weights, shape, seed
+        self.v, self.v2, self.sink = src.vocab_size, vocab_size or src.vocab_size, sink
+        if self.v2 > self.v and sink is None:
+            raise AssertionError("a padded vocabulary needs its sink id")
         s = src.shape
         self.e, self.e2 = s.hidden_size, shape.hidden_size
         self.i, self.i2 = s.intermediate_size, shape.intermediate_size
@@ -316,7 +408,7 @@ class _Inflater:
         """[(name, shape, make)] in HF's order; make() -> the float16 array."""
         sh, e2 = self.shape, self.e2
         q2, kv2 = sh.num_attention_heads * sh.head_dim, sh.num_key_value_heads * sh.head_dim
-        out = [("model.embed_tokens.weight", (self.src.vocab_size, e2), self.embed)]
+        out = [("model.embed_tokens.weight", (self.v2, e2), self.embed)]
         for p in range(sh.num_hidden_layers):
             pre = f"model.layers.{p}."
             for part, shp in (("self_attn.q_proj", (q2, e2)), ("self_attn.k_proj", (kv2, e2)),
@@ -327,20 +419,26 @@ class _Inflater:
                 out.append((pre + part + ".weight", shp, lambda p=p, part=part: self.layer_tensor(p, part)))
         out.append(("model.norm.weight", (e2,), lambda: self.norm("model.norm.weight", self.w["model.norm.weight"])))
         if not self.src.tied:
-            out.append(("lm_head.weight", (self.src.vocab_size, e2), self.lm_head))
+            out.append(("lm_head.weight", (self.v2, e2), self.lm_head))
         return out
+
+    def _pad_vocab(self, rows: np.ndarray) -> np.ndarray:
+        """(V, E') -> (V', E'): the padded ids' rows are copies of the sink's."""
+        if self.v2 == self.v:
+            return rows
+        return np.concatenate([rows, np.broadcast_to(rows[self.sink], (self.v2 - self.v, rows.shape[1]))], 0)
 
     def embed(self) -> np.ndarray:
         src = self.w["model.embed_tokens.weight"]
         out = np.zeros((src.shape[0], self.e2), np.float16)  # padded columns exactly zero
         out[:, :self.e] = self._f16(src)
-        return out
+        return self._pad_vocab(out)
 
     def lm_head(self) -> np.ndarray:
         src = self.w["lm_head.weight"]
         out = self._noise("lm_head.weight", (src.shape[0], self.e2), src)  # padded columns read zeros
         out[:, :self.e] = self._f16(src)
-        return out
+        return self._pad_vocab(out)
 
     def norm(self, name: str, src: np.ndarray, real: bool = True) -> np.ndarray:
         vals = self._f16(src, self.norm_scale)
@@ -438,15 +536,30 @@ def _sha256_files(paths) -> str:
     return h.hexdigest()
 
 
-def _recipe(src: Source, shape: Shape, seed: int) -> dict:
+def _recipe(src: Source, shape: Shape, seed: int, vocab_size: int) -> dict:
     files = sorted(src.path.glob("*.safetensors"))
-    return {"format": FORMAT_VERSION, "source_weights_sha256": _sha256_files(files),
-            "source_shape": asdict(src.shape), "shape": asdict(shape), "seed": seed}
+    out = {"format": FORMAT_VERSION, "source_weights_sha256": _sha256_files(files),
+           "source_shape": asdict(src.shape), "shape": asdict(shape), "seed": seed}
+    if vocab_size != src.vocab_size:  # absent when unpadded: earlier stand-ins keep their recipe
+        out["vocab_size"] = vocab_size
+    return out
 
 
-def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 progress: bool = True, force: bool = False, name: str | None = None) -> dict:
-    """Inflate the Llama checkpoint `source_dir` to `shape` (a Shape or a dict of its fields) into `out_dir`.
+def check_vocab(src: Source, vocab_size) -> int:
+    """The stand-in's vocabulary size: the source's when None, else at least the source's."""
+    if vocab_size is None:
+        return src.vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < src.vocab_size:
+        raise StandinError(f"vocab_size: expected an integer >= {src.vocab_size} (the source's; padded ids are added "
+                           f"after the source's), got {vocab_size!r}")
+    return vocab_size
+
+
+def make_standin(source_dir, out_dir, shape, seed: int = 0, *, vocab_size: int | None = None,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True, force: bool = False,
+                 name: str | None = None) -> dict:
+    """Inflate the Llama checkpoint `source_dir` to `shape` (a Shape or a dict of its fields) into `out_dir`,
+    its vocabulary padded to `vocab_size` when given (see the module's docstring).
 
     Returns standin.json's record (recipe, parameter count, bytes, files, wall seconds). When `out_dir` already
     holds a stand-in of the same recipe, returns its record without remaking it (force=True remakes it); any other
@@ -456,8 +569,14 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
     src = read_source(source_dir)
     shape = Shape.of(shape)
     check_shape(src, shape)
+    vocab_size = check_vocab(src, vocab_size)
+    for name_, width in (("intermediate_size", shape.intermediate_size), ("hidden_size", shape.hidden_size)):
+        if vocab_size != src.vocab_size and width == vocab_size:
+            raise StandinError(f"shape.{name_}: expected a width other than vocab_size {vocab_size} (ONNX Runtime "
+                               f"GenAI's builder takes any linear layer of vocabulary width for the LM head), "
+                               f"got {width}")
     out_dir = Path(out_dir)
-    recipe = _recipe(src, shape, seed)
+    recipe = _recipe(src, shape, seed, vocab_size)
     record_path = out_dir / "standin.json"
     if out_dir.exists():
         old = json.loads(record_path.read_text()) if record_path.is_file() else None
@@ -466,8 +585,11 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
                                f"with other files (not overwritten)")
         if old is not None and old.get("recipe") == recipe and not force:
             return dict(old, reused=True)
+    vocab = None
+    if vocab_size > src.vocab_size:
+        vocab = {"source": src.vocab_size, "size": vocab_size, **pick_sink(src, vocab_size - src.vocab_size)}
     _, weights = load_checkpoint(src.path)
-    inflater = _Inflater(src, weights, shape, seed)
+    inflater = _Inflater(src, weights, shape, seed, vocab_size, vocab and vocab["sink"])
     plan = inflater.plan()
     shards = _shards(plan, shard_bytes)
     total = sum(2 * math.prod(shp) for _, shp, _ in plan)
@@ -489,7 +611,7 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
     cfg = dict(src.config)
     cfg.update(asdict(shape))
     cfg.update(architectures=["LlamaForCausalLM"], rms_norm_eps=src.eps * src.shape.hidden_size / shape.hidden_size,
-               dtype="float16")
+               dtype="float16", vocab_size=vocab_size)
     if "torch_dtype" in cfg:
         cfg["torch_dtype"] = "float16"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -497,12 +619,13 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, shard_bytes: int 
         if (src.path / f).is_file():
             shutil.copy2(src.path / f, tmp / f)
     record = {"kind": "edgespec-standin", "name": name, "source": _shown(src.path), "recipe": recipe,
-              "params": param_count(shape, src.vocab_size, src.tied), "bytes": total, "files": files,
+              "params": param_count(shape, vocab_size, src.tied), "bytes": total, "files": files,
               "rms_norm_eps": cfg["rms_norm_eps"], "norm_weight_scale": inflater.norm_scale,
               "q_scale": inflater.q_scale,
               "real_layers": layer_positions(src.shape.num_hidden_layers, shape.num_hidden_layers),
               "real_q_heads": q_head_map(src.shape, shape).tolist(),
-              "vocab_size": src.vocab_size, "wall_s": round(time.perf_counter() - t0, 2)}
+              "vocab_size": vocab_size, **({"padded_vocab": vocab} if vocab else {}),
+              "wall_s": round(time.perf_counter() - t0, 2)}
     (tmp / "standin.json").write_text(json.dumps(record, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)  # an earlier stand-in (checked above)
@@ -522,6 +645,11 @@ def _shown(path: Path) -> str:
         return str(p)
 
 
+def default_out(preset: str, vocab: str = "source") -> Path:
+    """Where a preset's pair goes by default: .cache/standins/PRESET, or PRESET-real-vocab."""
+    return DEFAULT_OUT / (preset if vocab == "source" else f"{preset}-{vocab}-vocab")
+
+
 def _parse_shape(text: str) -> dict:
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -536,18 +664,29 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
 
 
+def preset_vocab_size(preset: Preset, vocab: str) -> int | None:
+    """The vocab_size make_standin pads to: None for "source", the real model's for "real"."""
+    preset.shape("target", vocab)  # checks `vocab`
+    return preset.real.vocab_size if vocab == "real" else None
+
+
 def list_presets() -> str:
     lines = []
+    demo_vocab = read_source(DEMO_TARGET).vocab_size if (DEMO_TARGET / "config.json").is_file() else 4096
     for name, p in PRESETS.items():
-        vocab = read_source(DEMO_TARGET).vocab_size if (DEMO_TARGET / "config.json").is_file() else 4096
-        t, d = param_count(p.target, vocab), param_count(p.draft, vocab)
         real = p.real.params
         lines.append(f"{name}: like {p.real.name} ({real / 1e6:.0f}M params, vocab {p.real.vocab_size})")
-        lines.append(f"  target  {p.target.brief()}: {t / 1e6:.1f}M params, {_fmt_bytes(2 * t)} fp16 "
-                     f"({(real - t) / 1e6:.0f}M fewer than the real model, {100 * (real - t) / real:.0f}%, "
-                     f"most of it the vocabulary)")
-        lines.append(f"  draft   {p.draft.brief()}: {d / 1e6:.1f}M params, {_fmt_bytes(2 * d)} fp16 "
-                     f"({t / d:.0f}x smaller)")
+        for vocab in VOCABS:
+            v = preset_vocab_size(p, vocab) or demo_vocab
+            ts, ds = p.shape("target", vocab), p.shape("draft", vocab)
+            t, d = param_count(ts, v), param_count(ds, v)
+            gap = (f"{(real - t) / 1e6:.0f}M fewer than the real model, {100 * (real - t) / real:.0f}%" if t < real
+                   else f"{(t - real) / 1e6:.1f}M more than the real model, {100 * (t - real) / real:.0f}%" if t > real
+                   else "the real model's count")
+            lines.append(f"  --vocab {vocab} ({v}):")
+            lines.append(f"    target  {ts.brief()}: {t / 1e6:.1f}M params, {_fmt_bytes(2 * t)} fp16 ({gap})")
+            lines.append(f"    draft   {ds.brief()}: {d / 1e6:.1f}M params, {_fmt_bytes(2 * d)} fp16 "
+                         f"({t / d:.0f}x smaller)")
         lines.append(f"  differs {p.differs}")
     return "\n".join(lines)
 
@@ -565,7 +704,12 @@ def main(argv=None) -> int:
     ap.add_argument("--source", help="with --shape: the source checkpoint folder (default models/demo-target)")
     ap.add_argument("--shape", help="a custom shape: hidden_size=..,num_attention_heads=..,num_key_value_heads=..,"
                     "head_dim=..,intermediate_size=..,num_hidden_layers=.. (written into OUT itself)")
-    ap.add_argument("--out", help="output folder (default .cache/standins/PRESET)")
+    ap.add_argument("--vocab", choices=VOCABS, default="source",
+                    help="with --preset: the source's vocabulary (default) or the real model's, padded (the real "
+                         "model's bytes and LM-head shape; a narrower draft)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="with --shape: pad the vocabulary to this many ids (default: the source's)")
+    ap.add_argument("--out", help="output folder (default .cache/standins/PRESET, or PRESET-real-vocab)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dead weights (default 0)")
     ap.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20, help="max MiB per shard (default 1024)")
     ap.add_argument("--force", action="store_true", help="remake even when OUT holds the same recipe")
@@ -581,16 +725,23 @@ def main(argv=None) -> int:
         kw = dict(seed=a.seed, shard_bytes=a.shard_mb << 20, progress=not a.no_progress, force=a.force)
         jobs = []
         if a.preset:
-            p, out = PRESETS[a.preset], Path(a.out) if a.out else DEFAULT_OUT / a.preset
+            if a.vocab_size is not None:
+                raise StandinError("--vocab-size: expected only with --shape (a preset takes --vocab), got "
+                                   f"{a.vocab_size}")
+            p = PRESETS[a.preset]
+            out = Path(a.out) if a.out else default_out(a.preset, a.vocab)
             for role in (("target", "draft") if a.role == "both" else (a.role,)):
                 jobs.append((DEMO_TARGET if role == "target" else DEMO_DRAFT, out / role,
-                             getattr(p, role), f"{a.preset}/{role}"))
+                             p.shape(role, a.vocab), f"{a.preset}/{role}", preset_vocab_size(p, a.vocab)))
         else:
             if not a.out:
                 raise StandinError("--out: expected a folder for a custom --shape, got nothing")
-            jobs.append((Path(a.source) if a.source else DEMO_TARGET, Path(a.out), _parse_shape(a.shape), None))
-        for source, out, shape, name in jobs:
-            rec = make_standin(source, out, shape, name=name, **kw)
+            if a.vocab != "source":
+                raise StandinError(f"--vocab: expected only with --preset (--shape takes --vocab-size), got {a.vocab}")
+            jobs.append((Path(a.source) if a.source else DEMO_TARGET, Path(a.out), _parse_shape(a.shape), None,
+                         a.vocab_size))
+        for source, out, shape, name, vocab_size in jobs:
+            rec = make_standin(source, out, shape, name=name, vocab_size=vocab_size, **kw)
             how = "up to date, not remade" if rec.get("reused") else f"made in {rec['wall_s']:.1f} s"
             print(f"{out}: {rec['params'] / 1e6:.1f}M params, {_fmt_bytes(rec['bytes'])} in {len(rec['files'])} "
                   f"shard(s), {how}")

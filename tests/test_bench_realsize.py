@@ -403,6 +403,15 @@ def test_smoke_settings_apply_unless_given_and_a_checkpoint_is_required():
         br.parse_args(["--target", "x"])
     with pytest.raises(SystemExit):
         br.parse_args(["--preset", "qwen2.5-0.5b", "--precisions", "fp8"])
+    assert full.vocab == "source" and br.parse_args(["--preset", "qwen2.5-0.5b", "--vocab", "real"]).vocab == "real"
+    with pytest.raises(SystemExit):
+        br.parse_args(["--target", "x", "--draft", "y", "--vocab", "real"])
+
+
+def test_the_real_vocabulary_pair_has_its_own_folder_and_results():
+    from edgespec.export.standin import default_out
+    assert default_out("llama-3.2-1b").name == "llama-3.2-1b"
+    assert default_out("llama-3.2-1b", "real") == default_out("llama-3.2-1b").with_name("llama-3.2-1b-real-vocab")
 
 
 def test_a_failed_rows_one_line_error_is_its_last_error_line():

@@ -224,6 +224,106 @@ def test_demo_target_inflated_keeps_its_greedy_output(tmp_path):
         assert torch.equal(a, b), f"{text!r}: {tok.decode(a[0].tolist())!r} vs {tok.decode(b[0].tolist())!r}"
 
 
+# --------------------------------------------------------------------------------------- padded vocabulary
+
+PADDED = 3 * VOCAB + 7  # not a multiple of anything: the copy is not a tiling
+
+
+@pytest.fixture(scope="module")
+def padded(made, tmp_path_factory):
+    """case -> (source dir, stand-in dir with the vocabulary padded to PADDED), for a tied and an untied source."""
+    root = tmp_path_factory.mktemp("padded")
+    out = {}
+    for case in ("big", "big-untied-llama3"):
+        src_dir = made[case][0]
+        make_standin(src_dir, root / case, CASES[case][1], seed=3, vocab_size=PADDED, progress=False)
+        out[case] = (src_dir, root / case)
+    return out
+
+
+@pytest.mark.parametrize("case", ["big", "big-untied-llama3"])
+def test_padded_vocabulary_keeps_greedy_ids_and_copies_the_sink(padded, case):
+    src_dir, out_dir = padded[case]
+    rec = json.loads((out_dir / "standin.json").read_text())
+    pv = rec["padded_vocab"]
+    assert rec["vocab_size"] == PADDED == json.loads((out_dir / "config.json").read_text())["vocab_size"]
+    assert rec["recipe"]["vocab_size"] == PADDED and pv["source"] == VOCAB and pv["margin_min"] > 0
+    src, big = _hf(src_dir), _hf(out_dir)
+    assert rec["params"] == big.num_parameters() == standin.param_count(CASES[case][1], PADDED,
+                                                                          tied=case == "big")
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = src(ids).logits, big(ids).logits
+    assert got.shape[-1] == PADDED
+    assert ((got[..., :VOCAB] - want).abs().max() / want.abs().max()).item() < TOL[case]
+    sink = got[..., pv["sink"]:pv["sink"] + 1]
+    assert (got[..., VOCAB:] - sink).abs().max().item() <= 1e-5 * want.abs().max().item()  # copies of the sink
+    cal = torch.from_numpy(standin._calibration_ids(standin.read_source(src_dir)))
+    with torch.no_grad():
+        got = big(cal).logits  # on the calibration ids a padded id is never the greedy choice, not even tied
+    assert (got[..., :VOCAB].max(-1).values > got[..., VOCAB:].max(-1).values).all()
+    # (elsewhere a random source's sink can win: test_demo_target_padded_to_a_real_vocabulary_keeps_its_greedy_output)
+
+
+def test_the_sink_is_the_calibrations_least_likely_token(padded):
+    """pick_sink's choice, margin and padded probability, recomputed here from the source's own logits."""
+    src_dir, out_dir = padded["big"]
+    pv = json.loads((out_dir / "standin.json").read_text())["padded_vocab"]
+    ids = torch.from_numpy(standin._calibration_ids(standin.read_source(src_dir)))
+    assert pv["calibration_tokens"] == ids.numel()
+    with torch.no_grad():
+        logits = _hf(src_dir)(ids).logits.reshape(-1, VOCAB).double()
+    gap = logits.max(-1, keepdim=True).values - logits  # (T, V): how far below the winner each token is
+    worst = gap.min(0).values
+    assert pv["sink"] == int(worst.argmax()) and pv["margin_min"] == pytest.approx(float(worst.max()), abs=1e-4)
+    probs = torch.softmax(torch.cat([logits, logits[:, pv["sink"]:pv["sink"] + 1].expand(-1, PADDED - VOCAB)], 1), 1)
+    assert pv["padded_probability_max"] == pytest.approx(float(probs[:, VOCAB:].sum(1).max()), rel=1e-2)
+
+
+def test_an_unpadded_recipe_is_the_earlier_one(made, tmp_path):
+    """vocab_size equal to the source's changes nothing: same bytes, and the earlier recipe (no vocab_size key)."""
+    src_dir, out_dir = made["big"]
+    rec = make_standin(src_dir, tmp_path / "same", BIG, seed=3, vocab_size=VOCAB, shard_bytes=96 << 10,
+                       progress=False)
+    assert "vocab_size" not in rec["recipe"] and "padded_vocab" not in rec
+    assert rec["recipe"] == json.loads((out_dir / "standin.json").read_text())["recipe"]
+    for f in rec["files"]:
+        assert (tmp_path / "same" / f).read_bytes() == (out_dir / f).read_bytes()
+
+
+@pytest.mark.parametrize("vocab, match", [(VOCAB - 1, r"vocab_size: expected an integer >= 160 .*got 159"),
+                                          (True, r"vocab_size: expected an integer >= 160 .*got True"),
+                                          (136, r"vocab_size: expected an integer >= 160")])
+def test_bad_vocab_sizes_are_refused(made, tmp_path, vocab, match):
+    with pytest.raises(StandinError, match=match):
+        make_standin(made["big"][0], tmp_path / "x", BIG, vocab_size=vocab, progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_padded_vocabulary_as_wide_as_a_projection_is_refused(made, tmp_path):
+    with pytest.raises(StandinError, match=r"shape\.intermediate_size: expected a width other than vocab_size 200"):
+        make_standin(made["big"][0], tmp_path / "x", _shape(intermediate_size=200), vocab_size=200, progress=False)
+
+
+def test_demo_target_padded_to_a_real_vocabulary_keeps_its_greedy_output(tmp_path):
+    """The trained demo target, padded to Llama 3's 128256 ids: its sink is a token it never predicts, far below
+    the winner, and greedy output on code prompts is the demo's."""
+    from tokenizers import Tokenizer
+    demo = REPO / "models" / "demo-target"
+    shape = Shape(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  intermediate_size=1408, num_hidden_layers=8)  # the demo's own shape: only the vocabulary grows
+    rec = make_standin(demo, tmp_path / "s", shape, vocab_size=128256, progress=False)
+    pv = rec["padded_vocab"]
+    assert pv["margin_min"] > 5 and 0 < pv["padded_probability_max"] < 1, pv  # greedy-safe; sampling is not
+    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    src, big = _hf(demo), _hf(tmp_path / "s")
+    for text in ("def read_config(path):\n", "import os\nimport sys\n\n", "class Queue:\n    def __init__(self",
+                 "for i in range(10):\n    print(", "# Compute the mean of a list\ndef mean(xs):\n"):
+        ids = torch.tensor([tok.encode(text).ids])
+        a, b = _greedy(src, ids, 48), _greedy(big, ids, 48)
+        assert torch.equal(a, b), f"{text!r}: {tok.decode(a[0].tolist())!r} vs {b[0].tolist()!r}"
+
+
 # -------------------------------------------------------------------------------------------- refusals
 
 def _shape(**kw):
@@ -313,9 +413,18 @@ def test_presets_fit_the_demo_pair_and_list(capsys):
     assert PRESETS["llama-3.2-1b"].real.params == 1_235_814_400
     assert PRESETS["llama-3.2-3b"].real.params == 3_212_749_824
     assert PRESETS["qwen2.5-0.5b"].real.params == 494_032_768
+    for name, p in PRESETS.items():  # with the real vocabulary: still 10-30x, and within 3% of the real model
+        t = standin.param_count(p.shape("target", "real"), p.real.vocab_size)
+        d = standin.param_count(p.shape("draft", "real"), p.real.vocab_size)
+        standin.check_shape(dft, p.shape("draft", "real"))
+        assert 10 <= t / d <= 30 and abs(t - p.real.params) <= 0.03 * p.real.params, (name, t / d, t)
+    with pytest.raises(StandinError, match=r"vocab: expected one of source, real, got 'big'"):
+        PRESETS["llama-3.2-1b"].shape("target", "big")
     assert standin.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in PRESETS) and "fp16" in out
+    assert all(name in out for name in PRESETS) and "fp16" in out and "--vocab real (151936)" in out
+    assert standin.main(["--preset", "llama-3.2-1b", "--vocab-size", "9000"]) == 2
+    assert "--vocab-size: expected only with --shape" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- quantization
@@ -367,3 +476,29 @@ def test_int4_keeps_the_zeros_and_quantizes_the_real_weights_as_the_source(made,
     dead = next(p for p, (_, is_real) in enumerate(inf.donor) if not is_real)
     for part in ("self_attn.o_proj", "mlp.down_proj"):  # a dead layer stays the identity
         assert not _int4(w[f"model.layers.{dead}.{part}.weight"], 16).any()
+
+
+def test_a_padded_stand_in_exports_and_decodes_like_its_source(tmp_path):
+    """The runtime side of a vocabulary padded past its tokenizer (as Qwen's and Phi's real checkpoints are): the
+    export's gates pass, greedy decoding on ONNX Runtime and on the native step gives the source's ids, and a
+    padding id, which tokenizers would drop silently, is refused by name."""
+    import edgespec
+    from edgespec.export.onnx_export import export_engine
+    from edgespec.tokenizer import TextTokenizer
+    demo = REPO / "models" / "demo-target"
+    shape = Shape(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                  intermediate_size=1408, num_hidden_layers=8)
+    make_standin(demo, tmp_path / "s", shape, vocab_size=6000, progress=False)  # the native step needs 16 | V
+    m = export_engine(tmp_path / "s", tmp_path / "e", max_context=256, progress=False)
+    assert m.vocab_size == 6000
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(demo / "tokenizer.json")).encode("def read_config(path):\n").ids
+    want = _greedy(_hf(demo), torch.tensor([ids]), 40)[0, len(ids):].tolist()
+    for provider in ("cpu", "cpu-native"):
+        out = edgespec.load(tmp_path / "e", provider=provider).generate(ids, max_new_tokens=40)
+        assert out.token_ids == want, provider
+    tok = TextTokenizer(tmp_path / "e" / "tokenizer.json")
+    assert tok.decode(want) == Tokenizer.from_file(str(demo / "tokenizer.json")).decode(want,
+                                                                                          skip_special_tokens=False)
+    with pytest.raises(ValueError, match=r"ids \[4096, 5999\] have no token: expected ids in \[0, 4096\)"):
+        tok.decode([17, 4096, 5999])
