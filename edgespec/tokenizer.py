@@ -1,6 +1,7 @@
 """Text tokenizer of an engine folder (tokenizers' tokenizer.json), and the draft/target compatibility check."""
 from __future__ import annotations
 
+from itertools import groupby
 from pathlib import Path
 
 from .contract import EngineError, Manifest
@@ -22,12 +23,15 @@ class TextTokenizer:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
+        """The text of `ids`. An id the tokenizer does not hold (a model whose vocabulary is padded past its
+        tokenizer, as Qwen's and Phi's are, chose a padding id) shows as "<|id:N|>", where tokenizers would drop
+        it silently."""
         ids = list(map(int, ids))
-        bad = [i for i in ids if not 0 <= i < self.size]
-        if bad:  # tokenizers would drop them silently
-            raise ValueError(f"{self.path}: ids {bad[:5]} have no token: expected ids in [0, {self.size}) (a model "
-                             f"whose vocabulary is padded past its tokenizer chose a padding id)")
-        return self.tok.decode(ids, skip_special_tokens=False)
+        out = []
+        for held, run in groupby(ids, key=lambda i: 0 <= i < self.size):
+            run = list(run)
+            out.append(self.tok.decode(run, skip_special_tokens=False) if held else "".join(f"<|id:{i}|>" for i in run))
+        return "".join(out)
 
     def token_to_id(self, s: str) -> int | None:
         return self.tok.token_to_id(s)

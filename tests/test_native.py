@@ -164,11 +164,15 @@ def test_stale_rows_never_reach_the_output(native_engines):
     np.testing.assert_array_equal(np.array(d(toks[:, 10:20])), clean)
 
 
-def test_nonfinite_logits_give_no_id_and_their_rows_are_zeroed(native_engines):
-    d = open_engine(native_engines[0], "cpu-native").decoder()
+def test_nonfinite_logits_give_no_id_and_their_rows_are_zeroed(native_engines, tmp_path):
+    import shutil
+    shutil.copytree(native_engines[0], tmp_path / "e")  # its own weights: loads of one file share theirs
+    d = open_engine(tmp_path / "e", "cpu-native").decoder()
     d.ids(np.array([[1, 2, 3]]))
     d.cache.commit(3)
-    d.engine.arrays["layers.1.ln1"][:] = np.inf  # the weights the C step reads
+    w = d.engine.arrays["layers.1.ln1"]  # the weights the C step reads
+    w.flags.writeable = True
+    w[:] = np.inf
     ids = d.ids(np.array([[4, 5]]))
     assert (ids == -1).all()
     for j in range(len(d.cache.buffers)):
@@ -246,3 +250,25 @@ def test_a_folder_with_format_1_native_weights_still_loads(native_engines, tmp_p
     toks = np.random.default_rng(4).integers(0, 96, (1, 30))
     new, fmt1 = (open_engine(f, "cpu-native").decoder() for f in (target, old))
     assert np.array_equal(np.array(new(toks)), np.array(fmt1(toks)))
+
+
+def test_two_loads_of_one_folder_share_its_weights_until_both_are_gone(native_engines, tmp_path):
+    """A second load of the same native.npz (another draft mode of one policy) reads no second copy: its arrays
+    are the first load's, read-only; a copy of the folder elsewhere gets its own; and once no engine holds them,
+    the next load reads the file again (the sharing pins nothing)."""
+    import gc
+    import shutil
+    a, b = (open_engine(native_engines[0], "cpu-native") for _ in range(2))
+    key = "layers.0.wq" if "layers.0.wq" in a.arrays else next(iter(a.arrays))
+    assert a.arrays[key].ctypes.data == b.arrays[key].ctypes.data
+    assert not a.arrays[key].flags.writeable
+    shutil.copytree(native_engines[0], tmp_path / "copy")
+    c = open_engine(tmp_path / "copy", "cpu-native")
+    assert c.arrays[key].ctypes.data != a.arrays[key].ctypes.data
+    ids = np.array([[1, 2, 3, 4]])
+    assert np.array_equal(a.decoder().ids(ids), b.decoder().ids(ids))
+    from edgespec.backends import native_folder
+    n = len(native_folder._SHARED)
+    del a, b
+    gc.collect()
+    assert len(native_folder._SHARED) == n - 1  # c's entry stays while c lives

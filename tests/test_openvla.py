@@ -466,3 +466,58 @@ def test_feature_head_for_a_prompt_policy_is_exact(ckpt, tmp_path):
     random_text_head(64, embed.shape[0]).save(head)
     with pytest.raises(ValueError, match=r"--feature-head .* was trained on a target with a \(\d+, 64\) embedding"):
         export_openvla(ckpt, tmp_path / "bad", unnorm_key="bridge_orig", feature_head=head, progress=False)
+
+
+def test_the_export_holds_one_copy_of_the_language_model(ckpt, draft_lm, tmp_path, monkeypatch):
+    """Memory at real size: while export_engine runs, the torch reference's language model holds no weights (the
+    exporter reads its own copy from disk); the gate's staged policies are loaded one at a time, after the
+    reference ran; and the caller's model is whole again afterwards, equal to before."""
+    import gc
+    import weakref
+
+    from edgespec import policy as policy_mod
+    from edgespec.export import vlm_policy
+    from edgespec.export.openvla import openvla_source
+    from conftest import random_draft_head, random_text_head
+
+    src = openvla_source(ckpt)
+    before = {n: p.detach().clone() for n, p in src.language_model.named_parameters()}
+    held_during_export = []
+    real_export = vlm_policy.export_engine
+
+    def export_engine(*a, **kw):
+        if kw.get("role") == "target":
+            held_during_export.append(sum(p.numel() for p in src.language_model.parameters()))
+        return real_export(*a, **kw)
+
+    live, most_live, reference_calls_after_a_policy, held_at_policy = weakref.WeakSet(), [0], [], []
+    real_policy, real_ref = policy_mod.Policy, src.reference_action_ids
+
+    class CountedPolicy(real_policy):
+        def __init__(self, *a, **kw):
+            gc.collect()
+            held_at_policy.append(sum(p.numel() for p in src.language_model.parameters()))
+            super().__init__(*a, **kw)
+            live.add(self)
+            most_live[0] = max(most_live[0], len(live))
+
+    def reference_action_ids(*a, **kw):
+        reference_calls_after_a_policy.append(len(live))
+        return real_ref(*a, **kw)
+
+    monkeypatch.setattr(vlm_policy, "export_engine", export_engine)
+    monkeypatch.setattr(policy_mod, "Policy", CountedPolicy)
+    monkeypatch.setattr(src, "reference_action_ids", reference_action_ids)
+    head, feature = tmp_path / "draft_head.npz", tmp_path / "feature_head.npz"
+    random_draft_head(1, 128, 256, 1, 7, seed=3).save(head)
+    import dataclasses
+    w = random_text_head(128, int(read_checkpoint(ckpt).text_config["vocab_size"]), seed=4)
+    acts = np.arange(src.vocab_end - src.n_bins, src.vocab_end)  # a feature head proposes action ids only
+    dataclasses.replace(w, lm=w.embed[acts], vocab=acts).save(feature)
+    meta = vlm_policy.export_vlm_policy(src, tmp_path / "eng", unnorm_key="bridge_orig", draft=draft_lm,
+                                        draft_head=head, feature_head=feature, progress=False)
+    assert held_during_export == [0]
+    assert most_live[0] == 1 and set(reference_calls_after_a_policy) == {0} and held_at_policy == [0, 0, 0]
+    assert meta["end_to_end_gate"]["passed"] and meta["end_to_end_gate"]["ids_enforced"]
+    after = dict(src.language_model.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)

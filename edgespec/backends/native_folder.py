@@ -5,6 +5,7 @@ points each of them at its copy of the arrays.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +62,34 @@ def read_native(engine_dir: str | Path, check_hashes: bool = True, provider: str
         raise EngineError(f"{path}: native weights of format {fmt} ({info.get('weights', 'float16')}); this "
                           f"edgespec reads formats 1 and 2 (float16) and {FORMAT} "
                           f"(re-add them with `python -m edgespec.export.native {f.dir} --checkpoint ...`)")
-    f.arrays = read_npz(path, hugepages_wanted())  # one arena on huge pages: the weights stream without TLB misses
-    if fmt == 1 and "scalars" in f.arrays and f.arrays["scalars"].shape == (2,):
-        upgrade_format1(f.arrays, m)
+    f.arrays = _shared_arrays(path, m, fmt)
     f.info, f.intermediate = info, check_native(m, info, f.arrays, str(path), f"{f.dir}/engine.json")
     return f
+
+
+class _Arrays(dict):
+    """native.npz's arrays by name; a dict subclass so that _SHARED can hold it weakly."""
+
+
+# Every folder loaded in this process, while some engine still holds its arrays: a second load of the same file
+# (another draft mode of one policy, a second edgespec.load) shares the first's read-only weights instead of
+# reading another copy, which at 3B in float16 is 5.7 GB each.
+_SHARED: "weakref.WeakValueDictionary[tuple, _Arrays]" = weakref.WeakValueDictionary()
+
+
+def _shared_arrays(path: Path, m: Manifest, fmt: int) -> _Arrays:
+    st = path.stat()
+    huge = hugepages_wanted()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, huge)
+    arrays = _SHARED.get(key)
+    if arrays is None:
+        arrays = _Arrays(read_npz(path, huge))  # one arena on huge pages: the weights stream without TLB misses
+        if fmt == 1 and "scalars" in arrays and arrays["scalars"].shape == (2,):
+            upgrade_format1(arrays, m)
+        for a in arrays.values():
+            a.flags.writeable = False  # shared: no engine may change another's weights
+        _SHARED[key] = arrays
+    return arrays
 
 
 def check_native(m: Manifest, info: dict, arrays: dict, where: str, against: str = "its manifest") -> int:
