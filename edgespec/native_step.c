@@ -696,6 +696,103 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
         }
     }
 }
+#elif defined(ES_AVX2)
+/* One panel per pass: the outputs of R rows x NP panels would not fit sixteen registers. */
+static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
+
+/* AVX2 without VNNI (AMD Zen 2/3, Intel client and pre-Ice Lake server cores): the same integer sums and the same
+   float chain per column as the AVX-512 kernel, eight columns per register, so the same bits. A group is 16 columns
+   x 4 weights, 32 bytes per eight columns. The sums are exact integers whatever their order:
+     int4: maddubs(u, x) adds two u (0..15) x x (-127..127) products into int16; eight of them per column and block
+           reach at most 8 x 3810 = 30480, inside int16, and one madd with ones widens each column's pair;
+     int8: u is q + 128 with q in -127..127 (quantize_blocks), so q = u ^ 0x80 as int8 and maddubs(|x|, sign(q, x))
+           adds two q x products (at most 2 x 127 x 127 = 32258), widened to int32 at once; the sum of q x is the
+           AVX-512 kernel's -128 sum(x) + sum(u x). */
+/* RT (1..4, a constant at each call) rows over one panel: each group's weights are loaded and unpacked once for
+   the RT rows. outs[r]: row r's 16 outputs. */
+static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const *xq, const float *const *dx,
+                                                             const int32_t *const *xs, const int RT, const uint8_t *p,
+                                                             int64_t nb, int kind, float *const *outs) {
+    const int64_t bb = block_bytes(kind);
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    const int32_t off = weight_offset(kind);
+    const int pf = PF_ON(RT);
+    __m256 t0[4], t1[4]; /* columns 0..7, 8..15 */
+    for (int r = 0; r < RT; r++) t0[r] = t1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = p + b * bb;
+        if (pf)
+            for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + o);
+        __m256i a0[4], a1[4];
+        if (kind == ES_Q8) {
+            for (int r = 0; r < RT; r++) a0[r] = a1[r] = _mm256_setzero_si256();
+            for (int g = 0; g < QB / 4; g++) {
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + g * 64)), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 + g * 64)), flip);
+                for (int r = 0; r < RT; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
+                    const __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
+                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
+                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+                }
+            }
+        } else {
+            __m256i s0[4], s1[4]; /* int16 pairs */
+            for (int r = 0; r < RT; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            for (int g = 0; g < QB / 8; g++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 32 + g * 64));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + g * 64));
+                const __m256i l0 = _mm256_and_si256(w0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+                const __m256i l1 = _mm256_and_si256(w1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+                for (int r = 0; r < RT; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
+                    memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
+                    const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
+                    s0[r] = _mm256_add_epi16(s0[r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1)));
+                    s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1)));
+                }
+            }
+            for (int r = 0; r < RT; r++) {
+                const __m256i start = _mm256_set1_epi32(-off * xs[r][b]);
+                a0[r] = _mm256_add_epi32(start, _mm256_madd_epi16(s0[r], ones));
+                a1[r] = _mm256_add_epi32(start, _mm256_madd_epi16(s1[r], ones));
+            }
+        }
+        const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int r = 0; r < RT; r++) {
+            const __m256 d = _mm256_set1_ps(dx[r][b]);
+            t0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(d, sc0), t0[r]);
+            t1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(d, sc1), t1[r]);
+        }
+    }
+    for (int r = 0; r < RT; r++) {
+        _mm256_storeu_ps(outs[r], t0[r]);
+        _mm256_storeu_ps(outs[r] + 8, t1[r]);
+    }
+}
+
+static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
+                  int np, int64_t K, int kind, float *out) {
+    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
+    for (int q = 0; q < np; q++)
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            float *outs[4];
+            const int rt = R - r0 < 4 ? R - r0 : 4;
+            for (int r = 0; r < rt; r++) outs[r] = out + ((r0 + r) * np + q) * PANEL;
+            const int8_t *const *x = xq + r0;
+            const float *const *d = dx + r0;
+            const int32_t *const *xsum = xs + r0;
+            switch (rt) {
+            case 4: qrows_avx2(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
+            case 3: qrows_avx2(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
+            case 2: qrows_avx2(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
+            default: qrows_avx2(x, d, xsum, 1, p + q * ps, nb, kind, outs);
+            }
+        }
+}
 #else
 static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
