@@ -2,7 +2,7 @@
 
     python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
         [--prefetch 0,2048] [--panels-row1 0] [--prefetch-rows 1] [--shape 8192x2048] [--gb 1.3]
-        [--threads 2] [--repeats 3]
+        [--threads 2] [--repeats 3] [--marches native,x86-64]
 
 A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
 verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over a
@@ -11,7 +11,8 @@ every pass reads DRAM), one call per matrix, for each weight kind and row count.
 own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line
 being read, which leaves the hardware prefetcher alone), and so does each --panels-row1 value (`-DES_QPANELS_ROW1=n`:
 the panels a one-row integer product computes per pass, each its own weight stream; 0 leaves the library's own
-choice per kind; float16 products ignore it); the variants, kinds and row counts are interleaved within
+choice per kind; float16 products ignore it), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
+portable C kernels, haswell AVX2 without AVX-512); the variants, kinds and row counts are interleaved within
 each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
 beside --out.
 """
@@ -31,21 +32,23 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 SHAPE = "8192x2048"  # out x in: a Llama-3.2-1B MLP matrix (gate, up)
 
 
-def variant(distance: int, panels_row1: int = 0):
-    """native_step.c built with ES_PREFETCH = distance and (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1, each
-    pair its own cached library."""
+def variant(distance: int, panels_row1: int = 0, march: str = "native"):
+    """native_step.c built with ES_PREFETCH = distance, (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1 and
+    -march=`march`, each combination its own cached library."""
     from edgespec.backends import native_lib
 
-    old = os.environ.get("EDGESPEC_NATIVE_CFLAGS")
+    saved = {k: os.environ.get(k) for k in ("EDGESPEC_NATIVE_CFLAGS", "EDGESPEC_NATIVE_MARCH")}
     row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
-    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{old or ''} -DES_PREFETCH={distance}{row1}".strip()
+    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}".strip()
+    os.environ["EDGESPEC_NATIVE_MARCH"] = march
     try:
         return native_lib.library()
     finally:
-        if old is None:
-            del os.environ["EDGESPEC_NATIVE_CFLAGS"]
-        else:
-            os.environ["EDGESPEC_NATIVE_CFLAGS"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def matrices(kind: str, N: int, K: int, gb: float, rng) -> list[np.ndarray]:
@@ -75,11 +78,11 @@ def markdown(report: dict) -> str:
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
              f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
-             "| kind | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s | GB/s of weights |",
-             "|---|---|---|---|---|---|---|"]
+             "| kind | -march | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s | GB/s of weights |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
-        lines.append(f"| {r['kind']} | {r['prefetch']} | {row1} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
+        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {row1} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -99,6 +102,8 @@ def main(argv=None) -> int:
                          "so each distance's effect shows at every row count)")
     ap.add_argument("--shape", default=SHAPE, help="one matrix's out x in (each a multiple of 32)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--marches", default="native", help="-march targets, comma-separated (x86-64: the portable C "
+                                                         "kernels; haswell: AVX2)")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     from host import command_line, machine, machine_load, write_results
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
         ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
     load = machine_load()
     rng = np.random.default_rng(0)
-    keys = [(d, f) for d in dists for f in row1s]
+    keys = [(d, f, m) for d in dists for f in row1s for m in a.marches.split(",")]
     libs = {k: variant(*k) for k in keys}
     cpu_default = libs[keys[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
     for lib in libs.values():
@@ -147,7 +152,8 @@ def main(argv=None) -> int:
         for k in keys:
             for r in rows:
                 t = best[(kind, k, r)]
-                best[(kind, k, r)] = {"kind": kind, "prefetch": k[0], "panels_row1": k[1], "rows": r, "ms": t * 1e3,
+                best[(kind, k, r)] = {"kind": kind, "march": k[2], "prefetch": k[0], "panels_row1": k[1], "rows": r,
+                                      "ms": t * 1e3,
                                       "matrices": len(mats), "gmacs": len(mats) * r * N * K / t / 1e9,
                                       "gbs": nbytes / t / 1e9}
         del mats

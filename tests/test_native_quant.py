@@ -476,10 +476,11 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
     before = library().es_prefetch_rows()
     assert bench.main(["--out", str(out), "--kinds", "float16,int4", "--rows", "1,3", "--prefetch", "0,512",
                        "--panels-row1", "0,4", "--shape", "256x128", "--gb", "0.0005", "--repeats", "1",
-                       "--prefetch-rows", "3"]) == 0
+                       "--prefetch-rows", "3"] + (["--marches", "native,x86-64"] if X86 else [])) == 0
     r = json.loads(out.read_text())
-    assert [(x["kind"], x["prefetch"], x["panels_row1"], x["rows"]) for x in r["results"]] == [
-        (k, d, f, n) for k in ("float16", "int4") for d in (0, 512) for f in (0, 4) for n in (1, 3)]
+    marches = ("native", "x86-64") if X86 else ("native",)
+    assert [(x["kind"], x["prefetch"], x["panels_row1"], x["march"], x["rows"]) for x in r["results"]] == [
+        (k, d, f, m, n) for k in ("float16", "int4") for d in (0, 512) for f in (0, 4) for m in marches for n in (1, 3)]
     for x in r["results"]:
         assert x["matrices"] >= 1 and x["ms"] > 0
         assert x["gmacs"] == pytest.approx(x["matrices"] * x["rows"] * 256 * 128 / (x["ms"] / 1e3) / 1e9)
