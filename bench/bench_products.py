@@ -39,7 +39,8 @@ def variant(distance: int, panels_row1: int = 0, march: str = "native"):
 
     saved = {k: os.environ.get(k) for k in ("EDGESPEC_NATIVE_CFLAGS", "EDGESPEC_NATIVE_MARCH")}
     row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
-    os.environ["EDGESPEC_NATIVE_CFLAGS"] = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}".strip()
+    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}"
+    os.environ["EDGESPEC_NATIVE_CFLAGS"] = flags.strip()
     os.environ["EDGESPEC_NATIVE_MARCH"] = march
     try:
         return native_lib.library()
@@ -78,11 +79,13 @@ def markdown(report: dict) -> str:
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
              f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
-             "| kind | -march | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s | GB/s of weights |",
+             "| kind | -march | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s "
+             "| GB/s of weights |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
-        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {row1} | {r['rows']} | {r['ms']:.1f} | {r['gmacs']:.1f} | "
+        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {row1} | {r['rows']} "
+                     f"| {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
 

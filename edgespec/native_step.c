@@ -733,8 +733,10 @@ static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const
                     int32_t x4;
                     memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
                     const __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
-                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
-                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+                    const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
+                    const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
+                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(p0, ones));
+                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(p1, ones));
                 }
             }
         } else {
@@ -750,8 +752,10 @@ static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const
                     memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
                     memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
                     const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
-                    s0[r] = _mm256_add_epi16(s0[r], _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1)));
-                    s1[r] = _mm256_add_epi16(s1[r], _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1)));
+                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1));
+                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1));
+                    s0[r] = _mm256_add_epi16(s0[r], p0);
+                    s1[r] = _mm256_add_epi16(s1[r], p1);
                 }
             }
             for (int r = 0; r < RT; r++) {

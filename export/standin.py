@@ -33,7 +33,8 @@ greedy output is the demo's). The construction (docs/standins.md has the algebra
              source's least likely token on a calibration text, so a padded id's logit equals the sink's and never
              wins a greedy choice (ties go to the lower, real id). For greedy benchmarks only: the copies together
              take real probability (for the demo at 128256 ids, 3% on average, up to 20% at a flat position; the
-             tokenizer has no token for a padded id, and edgespec's text shows it as <|id:N|>). standin.json records the sink's margin and that probability
+             tokenizer has no token for a padded id, and edgespec's text shows it as <|id:N|>). standin.json
+             records the sink's margin and that probability
 
 Everything else (the "dead" weights: columns that multiply zeros, heads and channels whose outputs go nowhere,
 whole dead layers but their two output projections) is seeded Gaussian noise with the std of the source tensor
