@@ -63,6 +63,16 @@
 #if defined(ES_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define ES_AVX512 1 /* a panel is one 16-lane register */
 #endif
+/* 64-bit Arm (a Jetson's Cortex-A78AE, Graviton, Apple): NEON for the products, four columns per register, and
+   the dot-product instructions (SDOT, Armv8.2's dotprod, -march=native where the core has them) for integer
+   weights. -DES_PORTABLE keeps the portable C on any CPU (the tests compare the builds bit for bit). */
+#if !defined(ES_AVX2) && defined(__aarch64__) && defined(__ARM_NEON) && !defined(ES_PORTABLE)
+#include <arm_neon.h>
+#define ES_NEON 1
+#if defined(__ARM_FEATURE_DOTPROD)
+#define ES_SDOT 1
+#endif
+#endif
 #define MAX_ROWS 12 /* rows of x per pass over a panel */
 #define CHUNK_PANELS_MAX 64 /* panels of a matrix product's chunk, at most */
 #define CHUNK_MIN_BYTES (64 << 10) /* weight bytes a chunk streams, at least, where the matrix has enough */
@@ -159,6 +169,17 @@ int es_prefetch_rows(void) { return atomic_load(&pf_rows); }
 #define ES_PF(ptr) __builtin_prefetch((const char *)(ptr) + ES_PREFETCH)
 #define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
+#ifdef ES_NEON
+/* one panel row (16 float16 weights) as four float32x4 (exact: every float16 is a float32) */
+static inline __attribute__((always_inline)) void neon_panel_row(const uint16_t *w, float32x4_t *out) {
+    const float16x8_t h0 = vreinterpretq_f16_u16(vld1q_u16(w)), h1 = vreinterpretq_f16_u16(vld1q_u16(w + 8));
+    out[0] = vcvt_f32_f16(vget_low_f16(h0));
+    out[1] = vcvt_high_f32_f16(h0);
+    out[2] = vcvt_f32_f16(vget_low_f16(h1));
+    out[3] = vcvt_high_f32_f16(h1);
+}
+#endif
+
 /* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
 __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
 #ifdef ES_AVX2
@@ -186,6 +207,21 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
         }
     }
     for (int j = 0; j < 2 * np; j++) _mm256_storeu_ps(y + 8 * j, a[j]);
+#elif defined(ES_NEON)
+    float32x4_t a[16]; /* np panels x 4 quarters: 4 np chains in flight */
+    for (int j = 0; j < 4 * np; j++) a[j] = vdupq_n_f32(0.f);
+    const int64_t stride = K * PANEL;
+    const int pf = PF_ON(1);
+    for (int64_t k = 0; k < K; k++) {
+        const float32x4_t xv = vdupq_n_f32(x[k]);
+        for (int q = 0; q < np; q++) {
+            if (pf && !(k & 1)) ES_PF(p + q * stride + k * PANEL);
+            float32x4_t w[4];
+            neon_panel_row(p + q * stride + k * PANEL, w);
+            for (int j = 0; j < 4; j++) a[4 * q + j] = vfmaq_f32(a[4 * q + j], xv, w[j]);
+        }
+    }
+    for (int j = 0; j < 4 * np; j++) vst1q_f32(y + 4 * j, a[j]);
 #else
     for (int q = 0; q < np; q++)
         for (int c = 0; c < PANEL; c++) {
@@ -253,6 +289,25 @@ static inline __attribute__((always_inline)) void rows_panel_r(const float *cons
             _mm256_storeu_ps(out + (r0 + r) * PANEL, a[r][0]);
             _mm256_storeu_ps(out + (r0 + r) * PANEL + 8, a[r][1]);
         }
+    }
+#elif defined(ES_NEON)
+    const int pf = PF_ON(R);
+    for (int r0 = 0; r0 < R; r0 += 6) { /* 32 registers: 6 rows x 4 quarters of the panel at a time */
+        const int n = R - r0 < 6 ? R - r0 : 6;
+        float32x4_t a[6][4];
+        for (int r = 0; r < 6; r++)
+            for (int j = 0; j < 4; j++) a[r][j] = vdupq_n_f32(0.f);
+        for (int64_t k = 0; k < K; k++) {
+            if (pf && !(k & 1)) ES_PF(p + k * PANEL);
+            float32x4_t w[4];
+            neon_panel_row(p + k * PANEL, w);
+            for (int r = 0; r < n; r++) {
+                const float32x4_t xv = vdupq_n_f32(x[r0 + r][k]);
+                for (int j = 0; j < 4; j++) a[r][j] = vfmaq_f32(a[r][j], xv, w[j]); /* a + x w, fused */
+            }
+        }
+        for (int r = 0; r < n; r++)
+            for (int j = 0; j < 4; j++) vst1q_f32(out + (r0 + r) * PANEL + 4 * j, a[r][j]);
     }
 #else
     for (int r = 0; r < R; r++)
@@ -794,6 +849,96 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
             case 3: qrows_avx2(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
             case 2: qrows_avx2(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
             default: qrows_avx2(x, d, xsum, 1, p + q * ps, nb, kind, outs);
+            }
+        }
+}
+#elif defined(ES_SDOT)
+static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
+
+/* Arm with the dot-product instructions: the same integer sums and float chain per column as the other kernels,
+   four columns per register, so the same bits. A group's 64 bytes are 16 columns x 4 weights, column c at bytes
+   4c..4c+3, so 16 bytes hold 4 columns and one SDOT adds each column's 4 products (w x) to its int32 lane:
+     int8: u = q + 128, so q = u ^ 0x80 as int8, and the lanes sum q x directly;
+     int4: each nibble u = q + 8 (0..15, an int8 as it is): the lanes sum u x, started at -8 sum(x).
+   RT (1..4, a constant at each call) rows over one panel; outs[r]: row r's 16 outputs. */
+static inline __attribute__((always_inline)) void qrows_sdot(const int8_t *const *xq, const float *const *dx,
+                                                             const int32_t *const *xs, const int RT, const uint8_t *p,
+                                                             int64_t nb, int kind, float *const *outs) {
+    const int64_t bb = block_bytes(kind);
+    const int32_t off = weight_offset(kind);
+    const uint8x16_t flip = vdupq_n_u8(0x80), low4 = vdupq_n_u8(15);
+    const int pf = PF_ON(RT);
+    float32x4_t t[4][4]; /* rows x quarters of the panel */
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < 4; j++) t[r][j] = vdupq_n_f32(0.f);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = p + b * bb;
+        if (pf)
+            for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + o);
+        int32x4_t a[4][4];
+        if (kind == ES_Q8) {
+            for (int r = 0; r < RT; r++)
+                for (int j = 0; j < 4; j++) a[r][j] = vdupq_n_s32(0);
+            for (int g = 0; g < QB / 4; g++) {
+                int8x16_t w[4];
+                for (int j = 0; j < 4; j++) w[j] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(blk + 32 + g * 64 + 16 * j), flip));
+                for (int r = 0; r < RT; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
+                    const int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4));
+                    for (int j = 0; j < 4; j++) a[r][j] = vdotq_s32(a[r][j], w[j], xv);
+                }
+            }
+        } else {
+            for (int r = 0; r < RT; r++)
+                for (int j = 0; j < 4; j++) a[r][j] = vdupq_n_s32(-off * xs[r][b]);
+            for (int g = 0; g < QB / 8; g++) {
+                int8x16_t lo[4], hi[4];
+                for (int j = 0; j < 4; j++) {
+                    const uint8x16_t raw = vld1q_u8(blk + 32 + g * 64 + 16 * j);
+                    lo[j] = vreinterpretq_s8_u8(vandq_u8(raw, low4));
+                    hi[j] = vreinterpretq_s8_u8(vshrq_n_u8(raw, 4));
+                }
+                for (int r = 0; r < RT; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
+                    memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
+                    const int8x16_t v0 = vreinterpretq_s8_s32(vdupq_n_s32(x0)), v1 = vreinterpretq_s8_s32(vdupq_n_s32(x1));
+                    for (int j = 0; j < 4; j++) a[r][j] = vdotq_s32(vdotq_s32(a[r][j], lo[j], v0), hi[j], v1);
+                }
+            }
+        }
+        float32x4_t sc[4]; /* the block's 16 float16 scales */
+        const float16x8_t s0 = vreinterpretq_f16_u8(vld1q_u8(blk)), s1 = vreinterpretq_f16_u8(vld1q_u8(blk + 16));
+        sc[0] = vcvt_f32_f16(vget_low_f16(s0));
+        sc[1] = vcvt_high_f32_f16(s0);
+        sc[2] = vcvt_f32_f16(vget_low_f16(s1));
+        sc[3] = vcvt_high_f32_f16(s1);
+        for (int r = 0; r < RT; r++) {
+            const float32x4_t d = vdupq_n_f32(dx[r][b]);
+            for (int j = 0; j < 4; j++) t[r][j] = vfmaq_f32(t[r][j], vcvtq_f32_s32(a[r][j]), vmulq_f32(d, sc[j]));
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int j = 0; j < 4; j++) vst1q_f32(outs[r] + 4 * j, t[r][j]);
+}
+
+static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
+                  int np, int64_t K, int kind, float *out) {
+    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
+    for (int q = 0; q < np; q++)
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            float *outs[4];
+            const int rt = R - r0 < 4 ? R - r0 : 4;
+            for (int r = 0; r < rt; r++) outs[r] = out + ((r0 + r) * np + q) * PANEL;
+            const int8_t *const *x = xq + r0;
+            const float *const *d = dx + r0;
+            const int32_t *const *xsum = xs + r0;
+            switch (rt) {
+            case 4: qrows_sdot(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
+            case 3: qrows_sdot(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
+            case 2: qrows_sdot(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
+            default: qrows_sdot(x, d, xsum, 1, p + q * ps, nb, kind, outs);
             }
         }
 }
