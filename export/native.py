@@ -32,7 +32,7 @@ import numpy as np
 
 from edgespec import contract as C
 from edgespec.backends.native_format import (ACTIVATIONS, FEATURES, FORMAT, NATIVE_FILE, PANEL, QB, WEIGHT_KINDS,
-                                              pack, pack_blocks, quantize_blocks)
+                                              head_rows, pack, pack_blocks, quantize_blocks)
 
 from .checkpoint import CheckpointError, ModelSpec, load_checkpoint
 
@@ -55,10 +55,19 @@ def native_features(spec: ModelSpec) -> list[str]:
     return [f for f in FEATURES if used[f]]
 
 
+def _padded_rows(w: np.ndarray, rows: int) -> np.ndarray:
+    """(V, E) -> (rows, E): zero rows appended (the lm_head's last panel, native_format.head_rows)."""
+    if rows == w.shape[0]:
+        return w
+    return np.concatenate([w, np.zeros((rows - w.shape[0], w.shape[1]), w.dtype)], 0)
+
+
 def native_record(spec: ModelSpec) -> dict:
     """The model's part of engine.json's extra["native"] (the loader reads native.npz's shapes from it)."""
+    rows = head_rows(spec.vocab_size)
     return {"format": FORMAT, "intermediate_size": spec.intermediate_size, "rotary_dim": spec.rotary_dim,
-            "ropes": len(spec.ropes()), "activation": spec.hidden_act, "features": native_features(spec)}
+            "ropes": len(spec.ropes()), "activation": spec.hidden_act, "features": native_features(spec),
+            **({"head_rows": rows} if rows != spec.vocab_size else {})}
 
 
 def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "float16",
@@ -69,13 +78,13 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "
     compute (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"native weights must be one of {sorted(WEIGHT_KINDS)}, got {kind!r}")
-    sizes = {"hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size,
-             "num_heads x head_dim": spec.num_heads * spec.head_dim}
+    sizes = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+             "num_heads x head_dim": spec.num_heads * spec.head_dim}  # the vocabulary: head_rows pads the lm_head
     odd = {k: v for k, v in sizes.items() if v % PANEL} | ({"head_dim": spec.head_dim} if spec.head_dim % 8 else {})
     if odd:
         raise CheckpointError(f"the native step needs multiples of {PANEL} (head_dim: of 8); got {odd}")
     if kind != "float16":
-        odd = {k: v for k, v in sizes.items() if k != "vocab_size" and v % QB}
+        odd = {k: v for k, v in sizes.items() if v % QB}
         if odd:
             raise CheckpointError(f"native {kind} weights need inputs in multiples of {QB} (blocks); got {odd}")
     unsupported = native_unsupported(spec)
@@ -100,7 +109,8 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "
         return pack_blocks(*quantize_blocks(w, as_kind), as_kind)
 
     out = {"embed": f16("model.embed_tokens.weight", weights["model.embed_tokens.weight"]),
-           "lm_head": packed("lm_head.weight", weights["lm_head.weight"], HEAD_WEIGHTS[kind]),
+           "lm_head": packed("lm_head.weight", _padded_rows(weights["lm_head.weight"], head_rows(spec.vocab_size)),
+                             HEAD_WEIGHTS[kind]),
            "norm": f32(weights["model.norm.weight"]),
            "inv_freq": np.array([inv for inv, _ in ropes], np.float32).reshape(len(ropes), spec.rotary_dim // 2),
            "rope_scale": np.array([scale for _, scale in ropes], np.float32),

@@ -241,6 +241,16 @@ def test_what_cuda_native_cannot_run_is_refused_by_name(folders, standin, tmp_pa
         gpu.ids(np.zeros((1, 257), np.int64))
 
 
+def test_a_vocabulary_off_the_panels_is_refused_by_cuda_native_and_runs_on_cpu_native(standin, tmp_path):
+    from edgespec.export.onnx_export import export_engine
+    make_f16_model(transformers.LlamaConfig(**{**SIZES, "vocab_size": 101}), tmp_path / "ck", 40)
+    export_engine(tmp_path / "ck", tmp_path / "odd", max_context=64, progress=False)
+    with pytest.raises(EngineError, match=r"cuda-native' needs a vocabulary that is a multiple of 16 .* got "
+                                          r"vocab_size 101; use provider 'cpu-native'"):
+        open_engine(tmp_path / "odd", "cuda-native")
+    assert open_engine(tmp_path / "odd", "cpu-native").decoder()(np.array([[3, 4]])).shape == (1, 2, 101)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_integer_weights_upload_as_blocks_and_equal_cpu_native(folders, standin, tmp_path, kind):
     """native.npz's int8 / int4 blocks uploaded as they are (the stand-in runs them through native_step.c)."""

@@ -185,3 +185,95 @@ def test_the_loader_checks_the_npz_against_engine_json(folders, tmp_path):
     m.write(bad)
     with pytest.raises(EngineError, match=r"layer_window \[8, 0, 8\] differs from engine.json's windows \[0, 0, 8\]"):
         open_engine(bad, "cpu-native", check_hashes=False)
+
+
+ODD_VOCAB = 101  # a fine-tune's added tokens: not a multiple of native_step.c's panels of 16
+
+
+@pytest.fixture(scope="module")
+def odd_vocab(tmp_path_factory):
+    """-> (transformers model, engine folder): a Qwen2 (tied embeddings, biases) with 101 ids."""
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("odd-vocab")
+    cfg = transformers.Qwen2Config(**{**H16, "vocab_size": ODD_VOCAB}, tie_word_embeddings=True)
+    model = _make(cfg, root / "ck", seed=71)
+    export_engine(root / "ck", root / "engine", max_context=96, progress=False)
+    return model, root / "engine"
+
+
+def test_a_vocabulary_off_the_panels_pads_the_lm_head_and_hands_out_its_own_columns(odd_vocab):
+    model, folder = odd_vocab
+    info = Manifest.read(folder).extra["native"]
+    assert info["head_rows"] == 112 and info["gate"]["passed"], info
+    _against_ort(folder)  # logits (1, S, 101) within the tolerance, ids equal
+    nat = open_engine(folder, "cpu-native").decoder()
+    logits = np.array(nat(np.array([[5, 17, 3]])))
+    assert logits.shape == (1, 3, ODD_VOCAB)
+    plain = edgespec.load(folder, provider="cpu-native")
+    spec = edgespec.load(folder, draft="ngram", gamma=3, provider="cpu-native")
+    for prompt in PROMPTS:
+        want = _hf_greedy(model, prompt)
+        assert plain.generate(prompt, max_new_tokens=NEW).token_ids == want, prompt
+        assert spec.generate(prompt, max_new_tokens=NEW).token_ids == want, prompt
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_twin(odd_vocab, tmp_path_factory):
+    """The odd-vocabulary model with its table padded to 112 ids by zero rows, exported: its logits' first 101
+    columns are the odd model's function, with no padding done by the exporter."""
+    from edgespec.export.onnx_export import export_engine
+    model, _ = odd_vocab
+    root = tmp_path_factory.mktemp("odd-vocab-twin")
+    twin = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**H16, "vocab_size": 112},
+                                                                  tie_word_embeddings=True)).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for k, v in twin.state_dict().items():
+            v.copy_(state[k] if state[k].shape == v.shape else
+                    torch.cat([state[k], torch.zeros(v.shape[0] - state[k].shape[0], *v.shape[1:])]))
+        twin.tie_weights()
+    twin.save_pretrained(root / "ck", safe_serialization=True)
+    shutil.copy(odd_vocab[1].parent / "ck" / "tokenizer.json", root / "ck" / "tokenizer.json")
+    export_engine(root / "ck", root / "engine", max_context=96, progress=False)
+    return root / "engine"
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8", "int4"])
+def test_every_weight_kind_pads_the_head_as_zero_rows(odd_vocab, odd_vocab_twin, tmp_path, kind):
+    """The padded folder's logits equal, bit for bit, the first 101 columns of a model whose own table has the
+    zero rows (quantization is per row, so the padding rows change no other row's blocks)."""
+    from edgespec.export.checkpoint import load_checkpoint
+    from edgespec.export.native import add_native
+    logits = {}
+    for name, src in (("odd", odd_vocab[1]), ("twin", odd_vocab_twin)):
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        if kind != "float16":
+            spec, weights = load_checkpoint(src.parent / "ck")
+            v = spec.vocab_size
+            rows = [np.random.default_rng(3).integers(0, v, 40)]
+            info = add_native(folder, spec, weights, None, kind, base=(rows, [np.zeros((40, v), np.float32)]),
+                              role="draft")  # a draft's gate records, never refuses: the comparison is below
+            assert info["weights"] == kind, info
+        logits[name] = np.array(open_engine(folder, "cpu-native").decoder()(np.array([PROMPTS[2]])))
+    assert Manifest.read(tmp_path / "odd").extra["native"]["head_rows"] == 112
+    assert logits["odd"].shape == (1, len(PROMPTS[2]), ODD_VOCAB)
+    assert np.array_equal(logits["odd"], logits["twin"][..., :ODD_VOCAB])
+    assert not logits["twin"][..., ODD_VOCAB:].any()  # the zero rows' logits
+
+
+def test_the_loader_checks_the_padded_head(odd_vocab, tmp_path):
+    from edgespec.contract import EngineError
+    bad = tmp_path / "bad"
+    shutil.copytree(odd_vocab[1], bad)
+    m = Manifest.read(bad)
+    m.extra["native"]["sha256"] = None
+    m.extra["native"]["head_rows"] = 128
+    m.write(bad)
+    with pytest.raises(EngineError, match=r"head_rows .* must be vocab_size 101 rounded up to a multiple of 16, "
+                                          r"112; got 128"):
+        open_engine(bad, "cpu-native", check_hashes=False)
+    del m.extra["native"]["head_rows"]
+    m.write(bad)
+    with pytest.raises(EngineError, match=r"lm_head: expected \(6, 64, 16\), got \(7, 64, 16\)"):
+        open_engine(bad, "cpu-native", check_hashes=False)

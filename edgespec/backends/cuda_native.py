@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..contract import EngineError
 from ..kvcache import KVCache
 from ..memory import Buffer
 from .base import Capabilities, Decoder, EmbeddingTable
@@ -65,6 +66,10 @@ class CudaNativeEngine(EmbeddingTable):
         """engine_dir's native weights, or `folder`'s (native_folder.in_memory: made where they run)."""
         f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
         self.dir, self.manifest, self.info, self.intermediate = f.dir, f.manifest, f.info, f.intermediate
+        if f.head_rows != f.manifest.vocab_size:
+            raise EngineError(f"{f.dir}: provider 'cuda-native' needs a vocabulary that is a multiple of 16 (its "
+                              f"logits are the lm_head's rows), got vocab_size {f.manifest.vocab_size}; use "
+                              f"provider 'cpu-native', 'cuda' or 'tensorrt' for this engine")
         self.rt = rt if rt is not None else runtime(device_id)
         for k in ("inv_freq", "rope_scale"):
             f.arrays[k] = np.ascontiguousarray(f.arrays[k], np.float32)

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
-from ..memory import HostMemory
+from ..memory import Buffer, HostMemory
 from .base import Capabilities, Decoder, EmbeddingTable
 from .native_folder import NativeFolder, model_struct, read_native
 from .native_lib import library
@@ -56,6 +56,7 @@ class NativeEngine(EmbeddingTable):
         f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
         self.dir, self.manifest, self.info, self.arrays, self.intermediate = (f.dir, f.manifest, f.info, f.arrays,
                                                                               f.intermediate)
+        self.head_rows = f.head_rows  # the step's logits rows: the vocabulary rounded up to whole panels
         for k in ("inv_freq", "rope_scale"):
             self.arrays[k] = np.ascontiguousarray(self.arrays[k], np.float32)
         self.threads = default_threads(threads)  # the most threads a call runs on
@@ -71,10 +72,14 @@ class NativeEngine(EmbeddingTable):
 
 
 class _Outputs:
-    """The last call's outputs, shaped like decoder._Binding's (logits, ids, hidden)."""
+    """The last call's outputs, shaped like decoder._Binding's (logits, ids, hidden). The step writes `rows`
+    logits per token (the lm_head's padded rows); `logits` is the vocabulary's columns of them."""
 
-    def __init__(self, memory: HostMemory, b: int, s: int, m: Manifest):
-        self.logits = memory.zeros((b, s, m.vocab_size), np.float32)
+    def __init__(self, memory: HostMemory, b: int, s: int, m: Manifest, rows: int):
+        self.full = memory.zeros((b, s, rows), np.float32)
+        v = m.vocab_size
+        self.logits = self.full if rows == v else Buffer((b, s, v), self.full.dtype, self.full.ptr,
+                                                         self.full.handle[..., :v])
         self.ids = memory.zeros((b, s), np.int64)
         self.hidden = memory.zeros((b, s, m.hidden_size), np.float32) if m.has_hidden else None
 
@@ -106,7 +111,7 @@ class NativeDecoder(Decoder):
         start = np.ascontiguousarray(cache.lengths, np.int64)  # a copy: (B,)
         out = self._outs.get(s)
         if out is None:
-            out = self._outs[s] = _Outputs(self.memory, b, s, self.m)
+            out = self._outs[s] = _Outputs(self.memory, b, s, self.m, e.head_rows)
         if s > self._scratch_s:
             need = e.lib.es_scratch_floats(ctypes.byref(e.model), b * s)
             if self._scratch.size < need:
@@ -118,7 +123,7 @@ class NativeDecoder(Decoder):
             values = [cache.buffers[2 * j + 1].handle[i].ctypes.data for i in range(b) for j in range(L)]
             self._pointers = (cache.generation, ((ctypes.c_void_p * (b * L))(*keys), (ctypes.c_void_p * (b * L))(*values)))
         ks, vs = self._pointers[1]
-        logits, nid = out.logits.handle, out.ids.handle
+        logits, nid = out.full.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
         gov = e.governor
         threads = gov.threads((b, s)) if gov is not None else e.threads

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..contract import EngineError, Manifest, file_sha256
 from .native_format import (ACTIVATIONS, FEATURES, FORMAT, LAYER_KEYS, OPTIONAL_KEYS, PANEL, QB, WEIGHT_KINDS,
-                            expected_shapes, manifest_windows, upgrade_format1)
+                            expected_shapes, head_rows, manifest_windows, upgrade_format1)
 from .hugepages import hugepages_wanted, read_npz
 from .native_lib import _Model
 from .providers import checked_folder
@@ -29,6 +29,11 @@ class NativeFolder:
     info: dict = field(default_factory=dict)
     arrays: dict = field(default_factory=dict)
     intermediate: int = 0
+
+    @property
+    def head_rows(self) -> int:
+        """The lm_head's rows, so the logits' row width in the step (native_format.head_rows)."""
+        return int(self.info.get("head_rows", self.manifest.vocab_size))
 
 
 def in_memory(manifest: Manifest, info: dict, arrays: dict[str, np.ndarray]) -> NativeFolder:
@@ -110,7 +115,11 @@ def check_native(m: Manifest, info: dict, arrays: dict, where: str, against: str
     unknown = sorted(set(info.get("features", [])) - set(FEATURES))
     if unknown:
         bad.append(f"features {unknown} are not computed by this edgespec's native step")
-    for what, n in (("hidden_size", m.hidden_size), ("vocab_size", m.vocab_size),
+    rows = info.get("head_rows", m.vocab_size)
+    if rows != head_rows(m.vocab_size):
+        bad.append(f"head_rows (the lm_head's packed rows) must be vocab_size {m.vocab_size} rounded up to a "
+                   f"multiple of {PANEL}, {head_rows(m.vocab_size)}; got {rows}")
+    for what, n in (("hidden_size", m.hidden_size),
                     ("num_heads x head_dim", m.num_heads * m.head_dim), ("intermediate_size", intermediate)):
         if n % PANEL:
             bad.append(f"{what} must be a multiple of {PANEL} (native_step.c's panels), got {n}")
@@ -151,7 +160,7 @@ def model_struct(f: NativeFolder, address: Callable[[str], int]) -> tuple[_Model
     for k in ("layer_rope", "layer_window"):
         a[k] = np.ascontiguousarray(a[k], np.int64)
     kind = info.get("weights", "float16")
-    st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, f.intermediate, m.vocab_size,
+    st = _Model(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, f.intermediate, f.head_rows,
                 m.num_layers, lo, hi, int(info.get("rotary_dim", m.head_dim)), a["rope_scale"].shape[0],
                 ACTIVATIONS[info.get("activation", "silu")], WEIGHT_KINDS[kind],
                 WEIGHT_KINDS[info.get("head_weights", kind)], eps, embed_scale, attn_scale,

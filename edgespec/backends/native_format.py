@@ -137,6 +137,13 @@ def matmul_reference(x: np.ndarray, packed: np.ndarray, kind: str) -> np.ndarray
     return y
 
 
+def head_rows(vocab_size: int) -> int:
+    """The lm_head's packed rows: the vocabulary rounded up to whole panels. The rows past the vocabulary are
+    zeros, so their logits are 0; the step's argmax never reads them, and the decoders hand out the vocabulary's
+    columns only (engine.json's extra.native.head_rows records it where it differs from vocab_size)."""
+    return -(-vocab_size // PANEL) * PANEL
+
+
 def packed_shape(n: int, k: int, kind: str) -> tuple:
     """The shape of an (N, K) matrix packed as `kind` (pack, pack_blocks)."""
     return (n // PANEL, k, PANEL) if kind == "float16" else (n // PANEL, k // QB, BLOCK_BYTES[kind])
@@ -151,7 +158,9 @@ def expected_shapes(m: Manifest, info: dict) -> dict[str, tuple]:
     rot, ropes = int(info.get("rotary_dim", d)), int(info.get("ropes", 1))
     kind = info.get("weights", "float16")
     packed = lambda n, k: packed_shape(n, k, kind)  # noqa: E731
-    shapes = {"embed": (v, e), "lm_head": packed_shape(v, e, info.get("head_weights", kind)), "norm": (e,), "inv_freq": (ropes, rot // 2),
+    rows = int(info.get("head_rows", v))
+    shapes = {"embed": (v, e), "lm_head": packed_shape(rows, e, info.get("head_weights", kind)), "norm": (e,),
+              "inv_freq": (ropes, rot // 2),
               "rope_scale": (ropes,), "layer_rope": (n_layers,), "layer_window": (n_layers,), "scalars": (3,)}
     optional = {"bqkv": ((h + 2 * hk) * d,), "bo": (e,), "qn": (d,), "kn": (d,), "post_attn": (e,), "post_mlp": (e,)}
     present = [k for f in info.get("features", []) for k in FEATURES.get(f, ())]
