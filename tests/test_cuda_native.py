@@ -241,14 +241,25 @@ def test_what_cuda_native_cannot_run_is_refused_by_name(folders, standin, tmp_pa
         gpu.ids(np.zeros((1, 257), np.int64))
 
 
-def test_a_vocabulary_off_the_panels_is_refused_by_cuda_native_and_runs_on_cpu_native(standin, tmp_path):
+def test_a_vocabulary_off_the_panels_equals_cpu_native(standin, tmp_path):
+    """101 ids: the lm_head padded to 112 rows; the logits handed out are the vocabulary's columns, bit for bit
+    cpu-native's, through accepts and rewinds, and a speculative run equals plain."""
     from edgespec.export.onnx_export import export_engine
-    make_f16_model(transformers.LlamaConfig(**{**SIZES, "vocab_size": 101}), tmp_path / "ck", 40)
+    make_f16_model(transformers.LlamaConfig(**{**SIZES, "vocab_size": 101, "eos_token_id": 100}), tmp_path / "ck", 40)
     export_engine(tmp_path / "ck", tmp_path / "odd", max_context=64, progress=False)
-    with pytest.raises(EngineError, match=r"cuda-native' needs a vocabulary that is a multiple of 16 .* got "
-                                          r"vocab_size 101; use provider 'cpu-native'"):
-        open_engine(tmp_path / "odd", "cuda-native")
-    assert open_engine(tmp_path / "odd", "cpu-native").decoder()(np.array([[3, 4]])).shape == (1, 2, 101)
+    cpu, gpu = _pair(tmp_path / "odd")
+    assert gpu.engine.head_rows == 112
+    assert gpu.layout.offsets["logits"][1] == gpu.layout.rows * 112 * 4  # the step writes every padded row
+    _same_call(cpu, gpu, np.array([[5, 17, 3, 60, 42]]))
+    assert gpu.last_logits().shape == (1, 5, 101)
+    for d in (cpu, gpu):
+        d.cache.commit(3)
+    _same_call(cpu, gpu, np.array([[7, 100]]))
+    plain = edgespec.load(tmp_path / "odd", provider="cuda-native")
+    spec = edgespec.load(tmp_path / "odd", draft="ngram", gamma=3, provider="cuda-native")
+    want = edgespec.load(tmp_path / "odd", provider="cpu-native").generate([5, 17, 3, 5, 17], max_new_tokens=20)
+    assert plain.generate([5, 17, 3, 5, 17], max_new_tokens=20).token_ids == want.token_ids
+    assert spec.generate([5, 17, 3, 5, 17], max_new_tokens=20).token_ids == want.token_ids
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import EngineError
 from ..kvcache import KVCache
 from ..memory import Buffer
 from .base import Capabilities, Decoder, EmbeddingTable
@@ -66,10 +65,7 @@ class CudaNativeEngine(EmbeddingTable):
         """engine_dir's native weights, or `folder`'s (native_folder.in_memory: made where they run)."""
         f = folder if folder is not None else read_native(engine_dir, check_hashes, self.provider)
         self.dir, self.manifest, self.info, self.intermediate = f.dir, f.manifest, f.info, f.intermediate
-        if f.head_rows != f.manifest.vocab_size:
-            raise EngineError(f"{f.dir}: provider 'cuda-native' needs a vocabulary that is a multiple of 16 (its "
-                              f"logits are the lm_head's rows), got vocab_size {f.manifest.vocab_size}; use "
-                              f"provider 'cpu-native', 'cuda' or 'tensorrt' for this engine")
+        self.head_rows = f.head_rows  # the step's logits rows: the vocabulary rounded up to whole panels
         self.rt = rt if rt is not None else runtime(device_id)
         for k in ("inv_freq", "rope_scale"):
             f.arrays[k] = np.ascontiguousarray(f.arrays[k], np.float32)
@@ -104,8 +100,8 @@ class ScratchLayout:
 
 def scratch_layout(E: int, H: int, Hkv: int, D: int, I: int, V: int, rows: int, nsplit: int) -> ScratchLayout:
     """The scratch for `rows` token rows: x, h, tmp (rows, E); qkv (rows, (H + 2 Hkv) D); q, att (rows, H D);
-    mlp (rows, I); part (rows H nsplit, D + 2); logits (rows, V) float32; params (B + rows, at most 2 rows) and
-    next (rows) int64."""
+    mlp (rows, I); part (rows H nsplit, D + 2); logits (rows, V: the lm_head's padded rows) float32; params
+    (B + rows, at most 2 rows) and next (rows) int64."""
     f = 4
     sizes = {"x": rows * E * f, "h": rows * E * f, "tmp": rows * E * f, "qkv": rows * (H + 2 * Hkv) * D * f,
              "q": rows * H * D * f, "att": rows * H * D * f, "mlp": rows * I * f,
@@ -171,7 +167,7 @@ class CudaNativeDecoder(Decoder):
         m, e = self.m, self.engine
         self._drop_graphs()
         lay = self.layout = scratch_layout(m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, e.intermediate,
-                                           m.vocab_size, rows, self._io.nsplit)
+                                           e.head_rows, rows, self._io.nsplit)
         self._scratch = self.memory.zeros((lay.nbytes,), np.uint8)
         self._views: dict = {}  # S -> the outputs' buffers in this scratch
         base = self._scratch.ptr
@@ -229,9 +225,10 @@ class CudaNativeDecoder(Decoder):
         self.kernel_s += ms
         self.engine.kernel_s += ms
         views = self._views.get(s)
-        if views is None:  # the (B, S, V) logits and (B, S, E) hidden state inside the scratch, made once per S
+        if views is None:  # the (B, S, head_rows) logits and (B, S, E) hidden state in the scratch, once per S
             m, mem, off = self.m, self.memory, self.layout.offsets
-            views = self._views[s] = (mem.sub(self._scratch, off["logits"][0], (b, s, m.vocab_size), np.float32),
+            views = self._views[s] = (mem.sub(self._scratch, off["logits"][0], (b, s, self.engine.head_rows),
+                                              np.float32),
                                       mem.sub(self._scratch, off["h"][0], (b, s, m.hidden_size), np.float32))
         out = _Outputs(self._next[:b * s].reshape(b, s).copy(), *views)
         self._called(s, out, t0, t1, start, valid)
@@ -249,6 +246,11 @@ class CudaNativeDecoder(Decoder):
 
     def _fetch_ids(self) -> np.ndarray:
         return self._last.ids
+
+    def last_logits(self) -> np.ndarray:
+        """(B, S, V) logits of the last call, on the host: the vocabulary's columns of the step's padded rows."""
+        full = self.memory.to_host(self._last.logits)  # (B, S, head_rows)
+        return full if self.engine.head_rows == self.m.vocab_size else full[..., :self.m.vocab_size]
 
     def __del__(self):
         try:
