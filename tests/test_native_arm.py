@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from edgespec.backends.native_format import QB, WEIGHT_KINDS, matmul_reference, pack, pack_blocks, quantize_blocks
-from edgespec.backends.native_lib import SOURCE
+from edgespec.backends import open_engine
+from edgespec.backends.native_lib import C_FLAGS, SOURCE
 
 HARNESS = Path(__file__).parent / "native" / "matmul_harness.c"
 ON_ARM = platform.machine() in ("aarch64", "arm64")
@@ -40,7 +41,7 @@ def arm_builds(tmp_path_factory):
     out = {}
     for name, (march, extra, _) in BUILDS.items():
         exe = root / f"harness-{name}"
-        cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", "-std=gnu11", str(SOURCE), str(HARNESS),
+        cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", *C_FLAGS, str(SOURCE), str(HARNESS),
                "-o", str(exe), "-lm"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr}"
@@ -95,3 +96,119 @@ def test_every_arm_build_computes_this_machines_bits(kind, arm_builds, tmp_path)
         parts = np.concatenate([_run(exe, kind, x[a:b], packed, k, n, 2, tmp_path)
                                 for a, b in ((0, 1), (1, 6), (6, 19), (19, 30))])
         assert np.array_equal(parts, here), (name, "rows split over calls of 1, 5, 13, 11 on 2 threads")
+
+
+# ---- whole forward passes ----
+
+FORWARD = Path(__file__).parent / "native" / "forward_harness.c"
+FORWARD_FAMILIES = ("gemma3", "qwen2", "phi3")  # between them every option of es_model (test_native_families.py)
+
+
+@pytest.fixture(scope="module")
+def arm_forward(tmp_path_factory):
+    """The forward harness built like the three builds above."""
+    root = tmp_path_factory.mktemp("arm-forward")
+    out = {}
+    for name in BUILDS:
+        march, extra, _ = BUILDS[name]
+        exe = root / f"forward-{name}"
+        cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", *C_FLAGS, str(SOURCE), str(FORWARD),
+               "-o", str(exe), "-lm"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr}"
+        out[name] = exe
+    return out
+
+
+@pytest.fixture(scope="module")
+def forward_folders(tmp_path_factory):
+    """(family, kind) -> engine folder with native weights of that kind."""
+    import transformers  # noqa: F401 - test_native_families' configs
+    from test_native_families import CONFIGS, _make
+    from edgespec.export.checkpoint import load_checkpoint
+    from edgespec.export.native import add_native
+    from edgespec.export.onnx_export import export_engine
+    root = tmp_path_factory.mktemp("arm-forward-folders")
+    out = {}
+    for i, name in enumerate(FORWARD_FAMILIES):
+        _make(CONFIGS[name](), root / "ck" / name, seed=90 + i)
+        base = out[(name, "float16")] = root / name / "float16"
+        export_engine(root / "ck" / name, base, max_context=96, progress=False)
+        spec, weights = load_checkpoint(root / "ck" / name)
+        rows = [np.random.default_rng(3).integers(0, spec.vocab_size, 40)]
+        for kind in ("int8", "int4"):
+            folder = out[(name, kind)] = root / name / kind
+            shutil.copytree(base, folder)
+            add_native(folder, spec, weights, None, kind, base=(rows, [np.zeros((40, spec.vocab_size), np.float32)]),
+                       role="draft")  # a draft's gate records, never refuses: the test is the bits
+    return out
+
+
+def _model_file(engine, path: Path) -> None:
+    """engine.model (es_model) and every array it points to, in forward_harness.c's MODEL format."""
+    import ctypes
+    from edgespec.backends.native_lib import _Model
+    arrays = {a.ctypes.data: a for a in engine.arrays.values()}
+    st = engine.model
+    parts = [np.int64(ctypes.sizeof(st)).tobytes(), ctypes.string_at(ctypes.addressof(st), ctypes.sizeof(st))]
+    relocs = []
+    for name, typ in _Model._fields_:
+        field, value = getattr(_Model, name), getattr(st, name)
+        if typ is ctypes.c_void_p and value:
+            relocs.append((field.offset, -1, [arrays[value]]))
+        elif typ is not ctypes.c_void_p and not isinstance(value, (int, float)) and value:  # a table of L arrays
+            relocs.append((field.offset, st.L, [arrays[value[i]] for i in range(st.L)]))
+    parts.append(np.int64(len(relocs)).tobytes())
+    for offset, count, arrs in relocs:
+        parts.append(np.array([offset, count], np.int64).tobytes())
+        for a in arrs:
+            parts += [np.int64(a.nbytes).tobytes(), np.ascontiguousarray(a).tobytes()]
+    path.write_bytes(b"".join(parts))
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8", "int4"])
+@pytest.mark.parametrize("family", FORWARD_FAMILIES)
+def test_whole_forward_passes_on_arm_equal_the_portable_build(family, kind, arm_forward, forward_folders, tmp_path,
+                                                              monkeypatch):
+    """Two sequences through a prefill, single steps across the sliding windows and verify-sized calls, the second
+    sequence keeping fewer rows of each call (so at its own lengths), on 2 threads: every logit, id and final
+    hidden state of the three Arm builds equals, bit for bit, the portable C build's on this machine (x86-64: the
+    same C outside the products, and C_FLAGS' -ffp-contract=off rounds it the same way on both). This machine's
+    own build (AVX2 / AVX-512) sums the norms and the attention in another order: test_native_families.py holds
+    it to ONNX Runtime within rounding instead."""
+    from test_native_families import _calls
+    if not ON_ARM:
+        monkeypatch.setenv("EDGESPEC_NATIVE_MARCH", "x86-64")
+    folder = forward_folders[(family, kind)]
+    dec = open_engine(folder, "cpu-native").decoder(batch=2)
+    e, m = dec.engine, dec.m
+    assert e.info.get("weights", "float16") == kind
+    _model_file(e, tmp_path / "model.bin")
+    calls = [np.concatenate([c, c[:, ::-1]]) for c in _calls()]  # (2, S): the second sequence another text
+    parts = [np.array([2, m.num_kv_heads, m.head_dim, m.max_context, 2, len(calls)], np.int64).tobytes()]
+    want = []
+    for c in calls:
+        s = c.shape[1]
+        parts += [np.int64(s).tobytes(), np.array(dec.cache.lengths, np.int64).tobytes(),
+                  np.ascontiguousarray(c, np.int64).tobytes()]
+        dec.run(c)
+        hidden = dec._last.hidden
+        want.append((np.array(dec._last.full.handle), np.array(dec.last_ids()),
+                     None if hidden is None else np.array(hidden.handle)))
+        dec.cache.commit(np.array([s, max(1, s - 1)]))
+    (tmp_path / "calls.bin").write_bytes(b"".join(parts))
+    V, E = e.head_rows, m.hidden_size
+    for name, exe in arm_forward.items():
+        r = subprocess.run([*QEMU, str(exe), str(tmp_path / "model.bin"), str(tmp_path / "calls.bin"),
+                            str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (name, r.returncode, r.stderr)
+        raw, at = (tmp_path / "out.bin").read_bytes(), 0
+        assert len(raw) == sum(c.size * (4 * V + 8 + 4 * E) for c in calls), name
+        for i, (c, (logits, ids, hidden)) in enumerate(zip(calls, want)):
+            t = c.size
+            got = np.frombuffer(raw, np.float32, t * V, at).reshape(logits.shape)
+            assert np.array_equal(got, logits), (name, i, c.shape, float(np.abs(got - logits).max()))
+            assert np.array_equal(np.frombuffer(raw, np.int64, t, at + 4 * t * V).reshape(ids.shape), ids), (name, i)
+            if hidden is not None:
+                assert np.array_equal(np.frombuffer(raw, np.float32, t * E, at + t * (4 * V + 8)), hidden.reshape(-1))
+            at += t * (4 * V + 8 + 4 * E)

@@ -32,6 +32,12 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+# Every build's language flags. -ffp-contract=off: the compiler fuses no a * b + c of its own (GCC does on Arm
+# and on x86 with FMA), so the code outside the kernels' explicit FMAs rounds the same on every target: a Jetson's
+# build computes the portable x86 build's bits (tests/test_native_arm.py).
+C_FLAGS = ["-std=gnu11", "-ffp-contract=off"]
+
+
 def build_library() -> Path:
     """Compile native_step.c for this CPU (once per source and compiler): -> the shared library's path."""
     cc = compiler()
@@ -41,7 +47,7 @@ def build_library() -> Path:
                           "provider 'cpu'")
     # EDGESPEC_NATIVE_MARCH: the target CPU (default: this one; the tests also build "x86-64", the portable C path)
     flags = ["-O3", f"-march={os.environ.get('EDGESPEC_NATIVE_MARCH', 'native')}", "-pthread", "-shared", "-fPIC",
-             "-std=gnu11"]
+             *C_FLAGS]
     # EDGESPEC_NATIVE_CFLAGS: more flags (the tests' -DES_TEST_STALL: helpers that stall, native_step.c's pool)
     flags += os.environ.get("EDGESPEC_NATIVE_CFLAGS", "").split()
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode()
