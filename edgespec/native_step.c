@@ -833,25 +833,7 @@ static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const
     }
 }
 
-static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
-                  int np, int64_t K, int kind, float *out) {
-    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
-    for (int q = 0; q < np; q++)
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            float *outs[4];
-            const int rt = R - r0 < 4 ? R - r0 : 4;
-            for (int r = 0; r < rt; r++) outs[r] = out + ((r0 + r) * np + q) * PANEL;
-            const int8_t *const *x = xq + r0;
-            const float *const *d = dx + r0;
-            const int32_t *const *xsum = xs + r0;
-            switch (rt) {
-            case 4: qrows_avx2(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
-            case 3: qrows_avx2(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
-            case 2: qrows_avx2(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
-            default: qrows_avx2(x, d, xsum, 1, p + q * ps, nb, kind, outs);
-            }
-        }
-}
+#define QROWS_KERNEL qrows_avx2 /* qrows below: up to 4 rows a call */
 #elif defined(ES_SDOT)
 static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
@@ -923,25 +905,7 @@ static inline __attribute__((always_inline)) void qrows_sdot(const int8_t *const
         for (int j = 0; j < 4; j++) vst1q_f32(outs[r] + 4 * j, t[r][j]);
 }
 
-static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
-                  int np, int64_t K, int kind, float *out) {
-    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
-    for (int q = 0; q < np; q++)
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            float *outs[4];
-            const int rt = R - r0 < 4 ? R - r0 : 4;
-            for (int r = 0; r < rt; r++) outs[r] = out + ((r0 + r) * np + q) * PANEL;
-            const int8_t *const *x = xq + r0;
-            const float *const *d = dx + r0;
-            const int32_t *const *xsum = xs + r0;
-            switch (rt) {
-            case 4: qrows_sdot(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
-            case 3: qrows_sdot(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
-            case 2: qrows_sdot(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
-            default: qrows_sdot(x, d, xsum, 1, p + q * ps, nb, kind, outs);
-            }
-        }
-}
+#define QROWS_KERNEL qrows_sdot /* qrows below: up to 4 rows a call */
 #else
 static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
@@ -965,6 +929,29 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
                 }
                 out[(r * np + q) * PANEL + c] = tot;
             }
+}
+#endif
+
+#ifdef QROWS_KERNEL
+/* R rows, np panels: 4 rows at a time through QROWS_KERNEL (rows a constant in each case) */
+static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
+                  int np, int64_t K, int kind, float *out) {
+    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
+    for (int q = 0; q < np; q++)
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            float *outs[4];
+            const int rt = R - r0 < 4 ? R - r0 : 4;
+            for (int r = 0; r < rt; r++) outs[r] = out + ((r0 + r) * np + q) * PANEL;
+            const int8_t *const *x = xq + r0;
+            const float *const *d = dx + r0;
+            const int32_t *const *xsum = xs + r0;
+            switch (rt) {
+            case 4: QROWS_KERNEL(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
+            case 3: QROWS_KERNEL(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
+            case 2: QROWS_KERNEL(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
+            default: QROWS_KERNEL(x, d, xsum, 1, p + q * ps, nb, kind, outs);
+            }
+        }
 }
 #endif
 

@@ -35,18 +35,20 @@ BUILDS = {"sdot": ("armv8.2-a+dotprod+fp16", [], ("sdot", "fcvtl")),  # Cortex-A
           "portable": ("armv8.2-a+dotprod+fp16", ["-DES_PORTABLE"], ())}
 
 
+def _build(name: str, harness: Path, exe: Path) -> Path:
+    """native_step.c and a harness program, as build `name` (BUILDS), static (qemu-user needs no sysroot)."""
+    march, extra, _ = BUILDS[name]
+    cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", *C_FLAGS, str(SOURCE), str(harness), "-o",
+           str(exe), "-lm"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr}"
+    return exe
+
+
 @pytest.fixture(scope="module")
 def arm_builds(tmp_path_factory):
     root = tmp_path_factory.mktemp("arm")
-    out = {}
-    for name, (march, extra, _) in BUILDS.items():
-        exe = root / f"harness-{name}"
-        cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", *C_FLAGS, str(SOURCE), str(HARNESS),
-               "-o", str(exe), "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr}"
-        out[name] = exe
-    return out
+    return {name: _build(name, HARNESS, root / f"harness-{name}") for name in BUILDS}
 
 
 def _problem(kind):
@@ -108,16 +110,7 @@ FORWARD_FAMILIES = ("gemma3", "qwen2", "phi3")  # between them every option of e
 def arm_forward(tmp_path_factory):
     """The forward harness built like the three builds above."""
     root = tmp_path_factory.mktemp("arm-forward")
-    out = {}
-    for name in BUILDS:
-        march, extra, _ = BUILDS[name]
-        exe = root / f"forward-{name}"
-        cmd = [CC, "-O3", f"-march={march}", *extra, "-static", "-pthread", *C_FLAGS, str(SOURCE), str(FORWARD),
-               "-o", str(exe), "-lm"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        assert r.returncode == 0, f"{' '.join(cmd)}:\n{r.stderr}"
-        out[name] = exe
-    return out
+    return {name: _build(name, FORWARD, root / f"forward-{name}") for name in BUILDS}
 
 
 @pytest.fixture(scope="module")
