@@ -77,7 +77,8 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
         ref = build_reference(ck)
         ref.language_model.save_pretrained(tmp / "lm", safe_serialization=True)
         del ref
-        rec = make_standin(tmp / "lm", tmp / "lm-big", shape, seed=seed, progress=progress, name=f"{preset} target")
+        rec = make_standin(tmp / "lm", tmp / "lm-big", shape, seed=seed, progress=progress, name=f"{preset} target",
+                           genai_builder=False)  # a policy decoder: no GenAI builder reads it
         big = _load_folder(tmp / "lm-big")
         cfg_big = json.loads((tmp / "lm-big" / "config.json").read_text())
         src_w = {k: v for k, v in _load_folder(source / "target").items() if not k.startswith("language_model.")}
@@ -106,7 +107,7 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
         draft_shape = Shape(e2, shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim,
                             e2, 1)  # one layer at the target's width, MLP as wide as the stream
         drec = make_standin(source / "draft", out / "draft", draft_shape, seed=seed + 1, progress=progress,
-                            name=f"{preset} draft")
+                            name=f"{preset} draft", genai_builder=False)
     if (source / "draft_head.npz").is_file():
         from edgespec.draft_head import DraftHeadWeights
         hw = DraftHeadWeights.load(source / "draft_head.npz")

@@ -232,7 +232,7 @@ def read_source(source_dir) -> Source:
                   float(cfg.get("rms_norm_eps", 1e-6)), str(rp.get("rope_type", rp.get("type", "default"))))
 
 
-def check_shape(src: Source, shape: Shape) -> None:
+def check_shape(src: Source, shape: Shape, genai_builder: bool = True) -> None:
     """Refuse a shape the source cannot be inflated to exactly (StandinError naming the field)."""
     s = src.shape
     for f in fields(Shape):
@@ -259,10 +259,12 @@ def check_shape(src: Source, shape: Shape) -> None:
                            f"{src.rope_type!r} (only {', '.join(EXACT_ROPE_TYPES)} keep every frequency when head_dim "
                            f"grows), got {shape.head_dim}")
     # ONNX Runtime GenAI 0.18's builder walks model.modules() and takes any nn.Linear with out_features ==
-    # vocab_size for the LM head: no projection may be as wide as the vocabulary
-    for name, width in (("intermediate_size", shape.intermediate_size), ("hidden_size", shape.hidden_size),
-                        ("num_attention_heads*head_dim", shape.num_attention_heads * shape.head_dim),
-                        ("num_key_value_heads*head_dim", shape.num_key_value_heads * shape.head_dim)):
+    # vocab_size for the LM head: no projection may be as wide as the vocabulary (genai_builder=False: a
+    # stand-in that never meets that builder, such as a policy's decoder, may have one)
+    widths = (("intermediate_size", shape.intermediate_size), ("hidden_size", shape.hidden_size),
+              ("num_attention_heads*head_dim", shape.num_attention_heads * shape.head_dim),
+              ("num_key_value_heads*head_dim", shape.num_key_value_heads * shape.head_dim))
+    for name, width in widths if genai_builder else ():
         if width == src.vocab_size:
             raise StandinError(f"shape.{name}: expected a width other than vocab_size {src.vocab_size} (ONNX Runtime "
                                f"GenAI's builder takes any linear layer of vocabulary width for the LM head), "
@@ -558,9 +560,11 @@ def check_vocab(src: Source, vocab_size) -> int:
 
 def make_standin(source_dir, out_dir, shape, seed: int = 0, *, vocab_size: int | None = None,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = True, force: bool = False,
-                 name: str | None = None) -> dict:
+                 name: str | None = None, genai_builder: bool = True) -> dict:
     """Inflate the Llama checkpoint `source_dir` to `shape` (a Shape or a dict of its fields) into `out_dir`,
-    its vocabulary padded to `vocab_size` when given (see the module's docstring).
+    its vocabulary padded to `vocab_size` when given (see the module's docstring). genai_builder=False drops the
+    check that keeps every projection narrower or wider than the vocabulary (check_shape), for stand-ins that
+    ONNX Runtime GenAI's builder never reads.
 
     Returns standin.json's record (recipe, parameter count, bytes, files, wall seconds). When `out_dir` already
     holds a stand-in of the same recipe, returns its record without remaking it (force=True remakes it); any other
@@ -569,7 +573,7 @@ def make_standin(source_dir, out_dir, shape, seed: int = 0, *, vocab_size: int |
     t0 = time.perf_counter()
     src = read_source(source_dir)
     shape = Shape.of(shape)
-    check_shape(src, shape)
+    check_shape(src, shape, genai_builder)
     vocab_size = check_vocab(src, vocab_size)
     for name_, width in (("intermediate_size", shape.intermediate_size), ("hidden_size", shape.hidden_size)):
         if vocab_size != src.vocab_size and width == vocab_size:

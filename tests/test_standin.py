@@ -354,6 +354,18 @@ def test_bad_shapes_are_refused(made, tmp_path, kw, match):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_projection_as_wide_as_the_vocabulary_is_allowed_where_no_genai_builder_reads_it(made, tmp_path):
+    """openvla_standin's decoders (never given to GenAI): Llama-3.2-3B's 8 KV heads x 128 = 1024 = the reacher
+    policy's vocabulary."""
+    src_dir, _ = made["big"]
+    make_standin(src_dir, tmp_path / "x", _shape(intermediate_size=VOCAB), seed=3, progress=False,
+                 genai_builder=False)
+    src, big = _hf(src_dir), _hf(tmp_path / "x")
+    assert big.config.intermediate_size == VOCAB
+    for p in _prompts()[:2]:
+        assert torch.equal(_greedy(src, p), _greedy(big, p))
+
+
 def test_other_families_and_inexact_rope_are_refused(made, tmp_path):
     src_dir, _ = made["big"]
     cfg = json.loads((src_dir / "config.json").read_text())
