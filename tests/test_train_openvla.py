@@ -48,3 +48,10 @@ def test_train_openvla_writes_an_importable_policy(tmp_path):
     for draft_kind in (True, "head"):
         np.testing.assert_array_equal(load_policy(tmp_path / "engine", draft=draft_kind).act(
             img, None, "reach the red target"), want)
+    # the same command again: the finished run is kept, with what was added to its folder since (a feature head)
+    (out / "feature_head.npz").write_bytes(b"added later")
+    before = (out / "draft_head.npz").stat().st_mtime_ns
+    assert main(["--train", str(demos), "--val", str(demos), "--out", str(out), "--work", str(tmp_path / "work"),
+                 "--steps", "2", "--batch", "8", "--head-steps", "2", "--threads", "1"]) == 0
+    assert (out / "feature_head.npz").read_bytes() == b"added later"
+    assert (out / "draft_head.npz").stat().st_mtime_ns == before

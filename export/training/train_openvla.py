@@ -207,6 +207,9 @@ def main(argv=None) -> int:
         opt.load_state_dict(st["opt"])
         step0, history = st["step"], st["history"]
         print(f"resumed at step {step0}", flush=True)
+    if step0 >= args.steps and (args.out / "train.json").is_file():  # a finished run: its folder stays as it is
+        print(f"{args.out}: already trained ({step0} steps; delete {args.work} to train again)", flush=True)
+        return 0
     order = [b for e in range(math.ceil(args.steps * args.batch / len(acts_train)) + 1)
              for b in buckets(prompts_train, SEED + e)]
     t0, t_start = time.time(), time.time()
