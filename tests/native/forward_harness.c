@@ -77,7 +77,8 @@ int main(int argc, char **argv) {
         const int rc = es_forward(model, B, S, ids, NULL, start, kc, vc, cap, logits, next, hidden, scratch,
                                   (int)threads);
         if (rc != 0) return rc < 0 ? -rc + 2 : rc;
-        fwrite(logits, 4, (size_t)(T * V), out), fwrite(next, 8, (size_t)T, out), fwrite(hidden, 4, (size_t)(T * E), out);
+        fwrite(logits, 4, (size_t)(T * V), out), fwrite(next, 8, (size_t)T, out);
+        fwrite(hidden, 4, (size_t)(T * E), out);
         free(start), free(ids), free(logits), free(hidden), free(next), free(scratch);
     }
     return fclose(out) ? 2 : 0;
