@@ -149,7 +149,7 @@ def _model_file(engine, path: Path) -> None:
         field, value = getattr(_Model, name), getattr(st, name)
         if typ is ctypes.c_void_p and value:
             relocs.append((field.offset, -1, [arrays[value]]))
-        elif typ is not ctypes.c_void_p and not isinstance(value, (int, float)) and value:  # a table of L arrays
+        elif typ is ctypes.POINTER(ctypes.c_void_p) and value:  # a table of L arrays (per-layer weights)
             relocs.append((field.offset, st.L, [arrays[value[i]] for i in range(st.L)]))
     parts.append(np.int64(len(relocs)).tobytes())
     for offset, count, arrs in relocs:
