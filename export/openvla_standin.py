@@ -54,6 +54,29 @@ def widen_feature_head(src: Path, out: Path, e2: int) -> None:
                     cols(w.lm), w.vocab).save(out)
 
 
+def widen_draft_head(src: Path, out: Path, e: int, e2: int) -> None:
+    """A per-dimension draft head (draft_head.py) for the stand-in: it reads P prefix rows of E flattened, ctx_w
+    (P*E, H); each row gets zero weights for the padded dims, which are exactly zero in the stand-in's prefix."""
+    from edgespec.draft_head import DraftHeadWeights
+    hw = DraftHeadWeights.load(src)
+    rows, h = hw.ctx_w.shape
+    if rows % e:
+        raise ValueError(f"{src}: ctx_w: expected rows of whole {e}-wide prefix rows, got {rows}")
+    w = hw.ctx_w.reshape(rows // e, e, h)  # (P, E, H)
+    hw.ctx_w = np.concatenate([w, np.zeros((w.shape[0], e2 - e, h), w.dtype)], 1).reshape(-1, h)  # (P*E2, H)
+    hw.save(out)
+
+
+def fresh_out(out: Path) -> None:
+    """OUT emptied for a new stand-in: an earlier stand-in (standin.json) is replaced, any other non-empty folder is
+    refused rather than deleted."""
+    if out.exists():
+        if any(out.iterdir()) and not (out / "standin.json").is_file():
+            raise ValueError(f"{out}: out: expected an empty folder or an earlier stand-in, got a folder with other "
+                             f"files (not overwritten)")
+        shutil.rmtree(out)
+
+
 def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "llama-3.2-1b", seed: int = 0,
                          progress: bool = True, shape: Shape | None = None) -> dict:
     """shape: the target's shape in place of the preset's (tests use small ones)."""
@@ -69,8 +92,7 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
     shape = Shape.of(shape) if shape is not None else PRESETS[preset].target
     ck = read_checkpoint(source / "target")
     e, e2 = ck.llm_dim, shape.hidden_size
-    if out.exists():
-        shutil.rmtree(out)
+    fresh_out(out)
     (out / "target").mkdir(parents=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         tmp = Path(tmp)
@@ -109,10 +131,7 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
         drec = make_standin(source / "draft", out / "draft", draft_shape, seed=seed + 1, progress=progress,
                             name=f"{preset} draft", genai_builder=False)
     if (source / "draft_head.npz").is_file():
-        from edgespec.draft_head import DraftHeadWeights
-        hw = DraftHeadWeights.load(source / "draft_head.npz")
-        hw.ctx_w = np.concatenate([hw.ctx_w, np.zeros((e2 - e, hw.ctx_w.shape[1]), hw.ctx_w.dtype)], 0)
-        hw.save(out / "draft_head.npz")  # the stream's padded dims are exactly zero, so their rows never count
+        widen_draft_head(source / "draft_head.npz", out / "draft_head.npz", e, e2)
     if (source / "feature_head.npz").is_file():
         widen_feature_head(source / "feature_head.npz", out / "feature_head.npz", e2)
     record = {"kind": "edgespec-openvla-standin", "preset": preset, "source": str(source), "target": rec,

@@ -255,3 +255,34 @@ def test_last_chunk_with_the_feature_head_is_exact(fast_policies):
             if last == want and whole:
                 assert info["target_calls"] == 1
     assert kept > 0
+
+
+def test_a_real_shape_standin_decodes_the_sources_fast_ids(fast_policies, tmp_path):
+    """export/vla_standin.py on a FAST policy with a feature head: the inflated policy decodes the source's ids to END,
+    plain and with its widened feature head (and the last chunk), in the same target calls: its acceptance is the
+    source's while its matrices are the wider shape's."""
+    from edgespec import load_policy
+    from edgespec.export.standin import Shape
+    from edgespec.export.vla import export_policy
+    from edgespec.export.vla_standin import make_vla_standin
+    make_vla_standin(fast_policies["model_dir"], tmp_path / "big", shape=Shape(128, 4, 2, 32, 256, 3), progress=False)
+    export_policy(tmp_path / "big", tmp_path / "e-big", progress=False)
+    rng = np.random.default_rng(11)
+    for kw in ({}, {"draft": "head", "gamma": 2, "stop_below": 0.0, "last_chunk": True}):
+        small, big = load_policy(fast_policies["head"], **kw), load_policy(tmp_path / "e-big", **kw)
+        assert big.target.m.hidden_size == 128 and big.target.m.num_layers == 3
+        decoded = 0
+        for _ in range(12):
+            obs = _obs(rng, small)
+            a, b = _act_or_refusal(small, obs), _act_or_refusal(big, obs)
+            assert a[0] == b[0] and a[1] == b[1], kw  # (the actions' bytes or the refusal, target calls)
+            decoded += a[1] is not None
+        assert decoded >= 3, kw  # a random policy: several observations end in a refusal
+
+
+def _act_or_refusal(policy, obs):
+    """A random policy's ids need not decode to a whole chunk: then the refusal is the outcome compared."""
+    try:
+        return policy.act(*obs).tobytes(), policy.last_info["target_calls"]
+    except ValueError as e:
+        return str(e), None
