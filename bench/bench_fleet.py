@@ -272,7 +272,8 @@ def kill_run(args, url, port, model, log, proc, prompts, common, target):
         serve.stop(state["proc"])
         marks["killed"] = time.time() - t0
         print(f"kill run: server killed at {marks['killed']:.1f} s; restarting", flush=True)
-        state["proc"] = serve.start(model, port, log=log.with_suffix(".restart.log"))
+        state["proc"] = serve.start(model, port, log=log.with_suffix(".restart.log"),  # outlives this thread;
+                                    die_with_parent=False)  # the caller stops the returned process
         serve.wait_ready(url, state["proc"])
         marks["restarted"] = time.time() - t0
         print(f"kill run: server back at {marks['restarted']:.1f} s", flush=True)

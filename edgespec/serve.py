@@ -117,11 +117,24 @@ def command(model: Path, host: str = "127.0.0.1", port: int = 8000, name: str | 
     return argv, plain
 
 
-def start(model: Path, port: int, log: Path | None = None, **kw) -> subprocess.Popen:
-    """Start the server in its own process group (stop() ends vLLM's engine and worker processes too)."""
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the thread that started it exits, however it exits (a
+    killed test run included), so no server outlives its caller; vLLM's server then ends its engine process."""
+    import ctypes
+    import signal
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def start(model: Path, port: int, log: Path | None = None, die_with_parent: bool = True,
+          **kw) -> subprocess.Popen:
+    """Start the server in its own process group (stop() ends vLLM's engine and worker processes too).
+    die_with_parent: on Linux the server gets SIGTERM when the calling thread exits, so start it from a thread that
+    lives as long as it should (False: it outlives its caller until stop())."""
     argv, _ = command(model, port=port, **kw)
     out = open(log, "w") if log is not None else subprocess.DEVNULL
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    pre = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=pre)
 
 
 def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 600.0) -> float:

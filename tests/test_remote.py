@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,37 @@ def test_serve_target_command_has_the_protocol_flags():
     assert argv[argv.index("--max-logprobs") + 1] == "-1" and plain.startswith("vllm serve ")
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model folder"):
         serve.command(MODELS, port=8011, python="python3")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("die", [True, False])
+def test_a_started_server_dies_with_the_process_that_started_it(die):
+    """serve.start: a caller killed outright (a test run stopped with SIGKILL or SIGTERM runs no fixture teardown)
+    leaves no server behind; die_with_parent=False keeps it (the caller stops it)."""
+    import subprocess
+    code = ("import sys, time; from pathlib import Path; from edgespec import serve; "
+            "serve.command = lambda *a, **k: ([sys.executable, '-c', 'import time; time.sleep(120)'], ''); "
+            f"p = serve.start(Path('m'), 0, die_with_parent={die}); print(p.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+
+    def alive():
+        try:  # the child is not ours: a zombie is reaped by init once it has exited
+            os.kill(child, 0)
+            stat = Path(f"/proc/{child}/stat").read_text()
+            return stat.split(")")[1].split()[0] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert alive() != die
+    finally:
+        if alive():
+            os.killpg(child, signal.SIGKILL)
 
 
 def test_remote_needs_a_local_vocabulary_side():
