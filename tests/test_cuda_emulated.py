@@ -1,6 +1,6 @@
 """cuda_step.cu's kernels, run on the CPU: the source compiled with g++ against tests/cuda_emu/emu.h (a CUDA thread is
-a host thread, __syncthreads and the warp shuffles are barriers, a graph is the list of its captured launches),
-loaded as provider cuda-native's library, and compared with provider cpu-native on the same folders.
+a fiber of one host thread, __syncthreads and the warp shuffles are barriers, a graph is the list of its captured
+launches), loaded as provider cuda-native's library, and compared with provider cpu-native on the same folders.
 
 This checks the kernels' indexing, reductions, masks and family options, and the graphs' capture and replay,
 where there is no GPU; the summation order differs from native_step.c's, so logits agree to rounding

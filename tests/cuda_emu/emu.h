@@ -1,26 +1,29 @@
 /* Just enough of CUDA to run edgespec/cuda_step.cu on the CPU, for the tests (tests/test_cuda_emulated.py):
-   cuda_step.cu compiled with g++ -include emu.h runs every kernel as blockDim.x threads of the host, block after
-   block, with __syncthreads a barrier of the block and the warp shuffles an exchange between the 32 threads of
-   a warp (each waits for its warp at a barrier, as the hardware's lanes step together). Memory is host memory;
-   a stream runs its work at once; a captured graph is the list of the stream's launches and copies, their
-   arguments taken when they were captured, replayed by cudaGraphLaunch as a real graph is.
+   cuda_step.cu compiled with g++ -include emu.h runs every kernel block after block, each block's blockDim.x CUDA
+   threads as fibers (ucontext) of the one calling host thread, with __syncthreads a barrier of the block and the
+   warp shuffles an exchange between the 32 threads of a warp (each waits for its warp at a barrier, as the
+   hardware's lanes step together). Memory is host memory; a stream runs its work at once; a captured graph is the
+   list of the stream's launches and copies, their arguments taken when they were captured, replayed by
+   cudaGraphLaunch as a real graph is.
 
-   The host threads are a pool made once (asleep between launches); the barriers' waiters yield instead of
-   sleeping. Still slow (a barrier per shuffle): for the tests' small models only. It catches what runs wrong on any
-   schedule, a missing __syncthreads included (the tests were checked against one). */
+   The scheduler always resumes the first fiber that can run, in thread order in one block and in reverse order in
+   the next; each runs until it waits at a barrier (or ends). So the lowest (or highest) threads run ahead of the
+   others as far as the barriers let them, and a missing __syncthreads reads a result before another thread
+   writes it, or overwrites one before another reads it (the tests were checked against each barrier removed). One host thread, no OS scheduling: the tests' time
+   does not depend on what else the machine runs (an emulator with a host thread per CUDA thread crawled beside
+   one busy process). */
 #pragma once
 #include <array>
-#include <atomic>
-#include <semaphore>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
 using std::isfinite;
 
 #define __global__
@@ -35,23 +38,86 @@ struct dim3 {
     dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
 struct emu_idx { unsigned x, y, z; };
-inline thread_local emu_idx threadIdx, blockIdx;
+inline emu_idx threadIdx, blockIdx; /* the running fiber's: set by the scheduler before it resumes one */
 inline dim3 blockDim, gridDim;
 
-/* a barrier whose waiters yield rather than sleep: with hundreds of threads on a few cores they pass it sooner */
+/* the fibers that play one block's CUDA threads; their stacks are made once and kept */
+struct emu_fibers {
+    static constexpr size_t STACK = 256 * 1024;
+    struct fiber {
+        ucontext_t ctx;
+        char *stack;
+        bool done;
+        const unsigned *wait; /* the generation of the barrier it waits at (null: runnable) */
+        unsigned seen;        /* ... as it was when it arrived */
+    };
+    std::vector<fiber> f;
+    ucontext_t sched;
+    unsigned cur = 0;
+    bool descending = false; /* flipped every block */
+    unsigned long releases = 0; /* barriers opened so far */
+    const std::function<void()> *body = nullptr;
+
+    static void entry();
+    /* the running fiber waits until *gen differs from g */
+    void wait(const unsigned *gen, unsigned g) {
+        f[cur].wait = gen, f[cur].seen = g;
+        swapcontext(&f[cur].ctx, &sched);
+    }
+    bool runnable(unsigned i) const { return !f[i].done && (!f[i].wait || *f[i].wait != f[i].seen); }
+    void run(unsigned n, const std::function<void()> &b) { /* b() as threads 0 .. n - 1 of one block */
+        while (f.size() < n) f.push_back({{}, static_cast<char *>(malloc(STACK)), true, nullptr, 0});
+        body = &b;
+        for (unsigned i = 0; i < n; i++) {
+            getcontext(&f[i].ctx);
+            f[i].ctx.uc_stack.ss_sp = f[i].stack;
+            f[i].ctx.uc_stack.ss_size = STACK;
+            f[i].ctx.uc_link = &sched;
+            makecontext(&f[i].ctx, &emu_fibers::entry, 0);
+            f[i].done = false, f[i].wait = nullptr;
+        }
+        descending = !descending;
+        unsigned pos = 0, seen_releases = releases;
+        for (unsigned left = n; left;) {
+            if (releases != seen_releases) pos = 0, seen_releases = releases; /* a barrier opened: rescan */
+            unsigned i = pos; /* the fibers before pos were waiting at the last scan, and no barrier opened since */
+            for (; i < n; i++) /* the first runnable fiber in this block's order */
+                if (runnable(descending ? n - 1 - i : i)) break;
+            if (i == n) { /* every fiber waits: a barrier some thread never reaches */
+                fprintf(stderr, "cuda emu: every thread of block (%u, %u, %u) waits at a barrier\n", blockIdx.x,
+                        blockIdx.y, blockIdx.z);
+                abort();
+            }
+            pos = i;
+            cur = descending ? n - 1 - i : i;
+            f[cur].wait = nullptr;
+            threadIdx.x = cur;
+            swapcontext(&sched, &f[cur].ctx);
+            left -= f[cur].done;
+        }
+    }
+};
+inline emu_fibers *emu_fiber_pool = new emu_fibers; /* never destroyed: kept for the process's launches */
+inline void emu_fibers::entry() {
+    (*emu_fiber_pool->body)();
+    emu_fiber_pool->f[emu_fiber_pool->cur].done = true; /* returns to sched (uc_link) */
+}
+
+/* a barrier of n fibers: a waiter hands the host thread to another fiber until the last one arrives */
 struct emu_barrier {
     explicit emu_barrier(unsigned n) : n(n) {}
     void arrive_and_wait() {
-        const unsigned g = gen.load(std::memory_order_acquire);
-        if (count.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
-            count.store(0, std::memory_order_relaxed);
-            gen.fetch_add(1, std::memory_order_acq_rel);
+        const unsigned g = gen;
+        if (++count == n) {
+            count = 0;
+            gen++;
+            emu_fiber_pool->releases++;
             return;
         }
-        while (gen.load(std::memory_order_acquire) == g) std::this_thread::yield();
+        emu_fiber_pool->wait(&gen, g);
     }
     const unsigned n;
-    std::atomic<unsigned> count{0}, gen{0};
+    unsigned count = 0, gen = 0;
 };
 
 struct emu_block {
@@ -59,33 +125,6 @@ struct emu_block {
     std::vector<std::unique_ptr<emu_barrier>> warps;
     std::vector<std::array<uint64_t, 32>> slots;
 };
-
-/* the host threads that play CUDA threads, made once and kept (asleep on their semaphores between launches) */
-struct emu_pool {
-    std::vector<std::unique_ptr<std::binary_semaphore>> go;
-    std::binary_semaphore done{0};
-    std::atomic<unsigned> remaining{0};
-    const std::function<void(unsigned)> *job = nullptr;
-    void run(unsigned n, const std::function<void(unsigned)> &j) { /* j(0) .. j(n - 1), one per thread */
-        while (go.size() < n) {
-            const unsigned id = (unsigned)go.size();
-            go.push_back(std::make_unique<std::binary_semaphore>(0));
-            std::binary_semaphore *g = go.back().get();
-            std::thread([this, id, g] {
-                for (;;) {
-                    g->acquire();
-                    (*job)(id);
-                    if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) done.release();
-                }
-            }).detach();
-        }
-        job = &j;
-        remaining.store(n, std::memory_order_release);
-        for (unsigned i = 0; i < n; i++) go[i]->release();
-        done.acquire();
-    }
-};
-inline emu_pool *emu_threads = new emu_pool; /* never destroyed: its threads wait on it until the process ends */
 inline emu_block *emu_blk;
 
 inline void __syncthreads() { emu_blk->all->arrive_and_wait(); }
@@ -104,7 +143,7 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) {
     return r;
 }
 
-/* every thread of every block of a grid */
+/* every thread of every block of a grid, block after block */
 template <class F> void emu_run(dim3 g, dim3 b, const F &body) {
     const unsigned n = b.x * b.y * b.z;
     gridDim = g, blockDim = b;
@@ -113,17 +152,13 @@ template <class F> void emu_run(dim3 g, dim3 b, const F &body) {
     for (unsigned w = 0; w < (n + 31) / 32; w++) blk.warps.push_back(std::make_unique<emu_barrier>(n - 32 * w < 32 ? n - 32 * w : 32));
     blk.slots.resize((n + 31) / 32);
     emu_blk = &blk;
-    const std::function<void(unsigned)> job = [&](unsigned t) {
-        threadIdx = {t, 0, 0};
-        for (unsigned bz = 0; bz < g.z; bz++)
-            for (unsigned by = 0; by < g.y; by++)
-                for (unsigned bx = 0; bx < g.x; bx++) {
-                    blockIdx = {bx, by, bz};
-                    body();
-                    blk.all->arrive_and_wait(); /* the block's shared memory is the next block's */
-                }
-    };
-    emu_threads->run(n, job);
+    const std::function<void()> job = [&]() { body(); };
+    for (unsigned bz = 0; bz < g.z; bz++)
+        for (unsigned by = 0; by < g.y; by++)
+            for (unsigned bx = 0; bx < g.x; bx++) {
+                blockIdx = {bx, by, bz};
+                emu_fiber_pool->run(n, job);
+            }
 }
 
 typedef std::vector<std::function<void()>> emu_jobs;
