@@ -2,6 +2,11 @@
 
     MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast --out bench/results/fast-policy.json
 
+A real-size stand-in of the FAST policy (export/vla_standin.py; its ids are the small policy's) alone, on 2 threads:
+
+    MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast-1b --bins none --threads 2 \
+        --providers cpu-native --fast-gammas 2 --head-gammas 2,3 --episodes 20 --repeats 2 --out ...
+
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
 bins plain, bins exact with the draft decoder (--gamma) and with its draft head (its defaults), FAST plain, FAST exact with the draft decoder at each
 --fast-gammas (each policy's own 1-layer draft, trained beside its target), and FAST exact with its feature head
@@ -130,7 +135,8 @@ def plot(res: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, max(ms) * 1.9)
     ax.set_xlabel("action decode per chunk, ms (mean of the fastest of 3 per call)")
-    ax.set_title(f"three-target reacher: FAST vs 256 bins, {res['episodes']} episodes per mode", fontsize=10)
+    what = "FAST vs 256 bins" if res["policies"]["bins"] != "None" else f"FAST ({res['policies']['fast']})"
+    ax.set_title(f"three-target reacher: {what}, {res['episodes']} episodes per mode", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -150,13 +156,15 @@ def plain_name(mode: str) -> str:
 def make_modes(args, provider: str) -> dict:
     """Every mode of one provider, named with its provider unless it is ONNX Runtime's cpu."""
     def load(path, **kw):
-        return edgespec.load_policy(path, provider=provider, **kw)
-    pairs = [("bins plain", load(args.bins)), ("bins exact (draft decoder)", load(args.bins, draft=True,
-                                                                                 gamma=args.gamma))]
-    pairs.append(("bins exact (last chunk)", load(args.bins, last_chunk=True)))
-    if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
-        pairs.append(("bins exact (draft head)", load(args.bins, draft="head")))
-        pairs.append(("bins exact (draft head, last chunk)", load(args.bins, draft="head", last_chunk=True)))
+        return edgespec.load_policy(path, provider=provider, threads=args.threads, **kw)
+    pairs = []
+    if args.bins is not None:
+        pairs += [("bins plain", load(args.bins)), ("bins exact (draft decoder)", load(args.bins, draft=True,
+                                                                                      gamma=args.gamma))]
+        pairs.append(("bins exact (last chunk)", load(args.bins, last_chunk=True)))
+        if (args.bins / "draft_head.npz").is_file():  # the bins' fastest exact mode (its per-dimension numpy head)
+            pairs.append(("bins exact (draft head)", load(args.bins, draft="head")))
+            pairs.append(("bins exact (draft head, last chunk)", load(args.bins, draft="head", last_chunk=True)))
     pairs.append(("FAST plain", load(args.fast)))
     pairs.append(("FAST exact (last chunk)", load(args.fast, last_chunk=True)))
     for g in (int(x) for x in args.fast_gammas.split(",") if x):
@@ -172,7 +180,8 @@ def make_modes(args, provider: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bins", type=Path, default=Path("engines/vla-reacher"), help="the 256-bin policy (exported)")
+    ap.add_argument("--bins", default="engines/vla-reacher",
+                    help="the 256-bin policy (exported); 'none': FAST modes only (a real-size stand-in alone)")
     ap.add_argument("--fast", type=Path, required=True, help="the FAST policy (exported)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/fast-policy.json"))
     ap.add_argument("--episodes", type=int, default=100)
@@ -187,8 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", default="cpu",
                     help="comma-separated: every mode on each (cpu: ONNX Runtime; cpu-native: the native step), each "
                          "exact mode against its own provider's plain")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="the policies' threads (1, as policies default to; a real-size stand-in decodes faster on 2)")
     args = ap.parse_args(argv)
-    if not (args.bins / "policy.json").is_file():
+    args.bins = None if args.bins == "none" else Path(args.bins)
+    if args.bins is not None and not (args.bins / "policy.json").is_file():
         from edgespec.export.bundled import ensure_policy_engines
         ensure_policy_engines()
     modes = {}
@@ -199,7 +211,8 @@ def main(argv=None) -> int:
     plain_of = {k: modes[plain_name(k)] for k in modes if "exact" in k}
     res = {"command": "MUJOCO_GL=osmesa python bench/bench_fast_policy.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": machine(), "episodes": args.episodes,
-        "execute": args.execute, "gamma": args.gamma, "policies": {"bins": str(args.bins), "fast": str(args.fast)},
+        "execute": args.execute, "gamma": args.gamma, "threads": args.threads,
+        "policies": {"bins": str(args.bins), "fast": str(args.fast)},
         "fast_tokenizer": {k: v for k, v in json.loads((args.fast / "policy.json").read_text())["fast"].items()
                            if k != "sha256"},
         "modes": {k: m.report(plain_of.get(k)) for k, m in modes.items()}, "wall_s": round(time.time() - t0, 1)}
