@@ -67,6 +67,13 @@ def widen_draft_head(src: Path, out: Path, e: int, e2: int) -> None:
     hw.save(out)
 
 
+def target_shape(preset: str, shape=None) -> Shape:
+    """The stand-in target's shape: `shape` (a Shape or a dict of its fields) when given, else the preset's."""
+    if shape is None and preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    return Shape.of(shape) if shape is not None else PRESETS[preset].target
+
+
 def fresh_out(out: Path) -> None:
     """OUT emptied for a new stand-in: an earlier stand-in (standin.json) is replaced, any other non-empty folder is
     refused rather than deleted."""
@@ -87,9 +94,7 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
 
     t0 = time.perf_counter()
     source, out = Path(source), Path(out)
-    if shape is None and preset not in PRESETS:
-        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    shape = Shape.of(shape) if shape is not None else PRESETS[preset].target
+    shape = target_shape(preset, shape)
     ck = read_checkpoint(source / "target")
     e, e2 = ck.llm_dim, shape.hidden_size
     fresh_out(out)

@@ -9,8 +9,8 @@ decoder matrix has the real model's shape and bytes: the decode costs of a polic
     edgespec export-policy .cache/vla-fast/standin-1b --out engines/vla-reacher-fast-1b --dtype fp16
 
 Writes OUT as a policy model folder (policy.json with the new widths in its config, encoder.safetensors,
-target/, draft/, the heads, the tokenizer and statistics copied) and OUT/standin.json. The draft keeps its layers (one, from
-train_vla.py) at the target's width, as openvla_standin.py's.
+target/, draft/, the heads, the tokenizer and statistics copied) and OUT/standin.json. The draft keeps its layers
+(one, from train_vla.py) at the target's width, as openvla_standin.py's.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 
-from .openvla_standin import fresh_out, widen_draft_head, widen_feature_head
+from .openvla_standin import fresh_out, target_shape, widen_draft_head, widen_feature_head
 from .standin import PRESETS, Shape, StandinError, make_standin
 
 COPIED = ("action_stats.json", "train.json", "draft_head.json", "feature_head.json")  # FAST: its file, by name
@@ -60,8 +59,7 @@ def make_vla_standin(source: str | Path, out: str | Path, preset: str = "llama-3
 
     t0 = time.perf_counter()
     source, out = Path(source), Path(out)
-    if shape is None and preset not in PRESETS:
-        raise StandinError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    shape = target_shape(preset, shape)
     policy_path = source / "policy.json"
     if not policy_path.is_file():
         raise StandinError(f"{source}: expected a policy model folder (train_vla.py's output, policy.json), "
@@ -70,7 +68,6 @@ def make_vla_standin(source: str | Path, out: str | Path, preset: str = "llama-3
     if policy.get("format") != "edgespec-vla/1":
         raise StandinError(f"{policy_path}: format: expected 'edgespec-vla/1' (an OpenVLA-layout checkpoint has "
                            f"openvla_standin.py), got {policy.get('format')!r}")
-    shape = Shape.of(shape) if shape is not None else PRESETS[preset].target
     cfg = VLAConfig.from_dict(policy["config"])
     e, e2 = cfg.hidden, shape.hidden_size
     if e2 < e:

@@ -9,9 +9,9 @@
    The scheduler always resumes the first fiber that can run, in thread order in one block and in reverse order in
    the next; each runs until it waits at a barrier (or ends). So the lowest (or highest) threads run ahead of the
    others as far as the barriers let them, and a missing __syncthreads reads a result before another thread
-   writes it, or overwrites one before another reads it (the tests were checked against each barrier removed). One host thread, no OS scheduling: the tests' time
-   does not depend on what else the machine runs (an emulator with a host thread per CUDA thread crawled beside
-   one busy process). */
+   writes it, or overwrites one before another reads it (the tests were checked against each barrier removed).
+   One host thread, no OS scheduling: the tests' time does not depend on what else the machine runs (an emulator
+   with a host thread per CUDA thread crawled beside one busy process). */
 #pragma once
 #include <array>
 #include <chrono>
