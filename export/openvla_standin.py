@@ -67,6 +67,14 @@ def widen_draft_head(src: Path, out: Path, e: int, e2: int) -> None:
     hw.save(out)
 
 
+def widen_heads(source: Path, out: Path, e: int, e2: int) -> None:
+    """SOURCE's draft_head.npz and feature_head.npz, where it has them, widened from E to E2 into OUT."""
+    if (source / "draft_head.npz").is_file():
+        widen_draft_head(source / "draft_head.npz", out / "draft_head.npz", e, e2)
+    if (source / "feature_head.npz").is_file():
+        widen_feature_head(source / "feature_head.npz", out / "feature_head.npz", e2)
+
+
 def target_shape(preset: str, shape=None) -> Shape:
     """The stand-in target's shape: `shape` (a Shape or a dict of its fields) when given, else the preset's."""
     if shape is None and preset not in PRESETS:
@@ -135,10 +143,7 @@ def make_openvla_standin(source: str | Path, out: str | Path, preset: str = "lla
                             e2, 1)  # one layer at the target's width, MLP as wide as the stream
         drec = make_standin(source / "draft", out / "draft", draft_shape, seed=seed + 1, progress=progress,
                             name=f"{preset} draft", genai_builder=False)
-    if (source / "draft_head.npz").is_file():
-        widen_draft_head(source / "draft_head.npz", out / "draft_head.npz", e, e2)
-    if (source / "feature_head.npz").is_file():
-        widen_feature_head(source / "feature_head.npz", out / "feature_head.npz", e2)
+    widen_heads(source, out, e, e2)
     record = {"kind": "edgespec-openvla-standin", "preset": preset, "source": str(source), "target": rec,
               "draft": drec, "wall_s": round(time.perf_counter() - t0, 1)}
     (out / "standin.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-from .openvla_standin import fresh_out, target_shape, widen_draft_head, widen_feature_head
+from .openvla_standin import fresh_out, target_shape, widen_heads
 from .standin import PRESETS, Shape, StandinError, make_standin
 
 COPIED = ("action_stats.json", "train.json", "draft_head.json", "feature_head.json")  # FAST: its file, by name
@@ -95,10 +95,7 @@ def make_vla_standin(source: str | Path, out: str | Path, preset: str = "llama-3
     for f in COPIED + ((policy["fast"]["file"],) if policy.get("fast") else ()):
         if (source / f).is_file():
             shutil.copy2(source / f, out / f)
-    if (source / "draft_head.npz").is_file():
-        widen_draft_head(source / "draft_head.npz", out / "draft_head.npz", e, e2)
-    if (source / "feature_head.npz").is_file():
-        widen_feature_head(source / "feature_head.npz", out / "feature_head.npz", e2)
+    widen_heads(source, out, e, e2)
     from dataclasses import asdict
     (out / "policy.json").write_text(json.dumps({**policy, "config": asdict(wide)}, indent=2) + "\n")
     record = {"kind": "edgespec-vla-standin", "preset": preset, "source": str(source), "target": rec,
