@@ -18,8 +18,8 @@ import argparse
 import json
 import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
-
 
 from .openvla_standin import fresh_out, target_shape, widen_heads
 from .standin import PRESETS, Shape, StandinError, make_standin
@@ -96,7 +96,6 @@ def make_vla_standin(source: str | Path, out: str | Path, preset: str = "llama-3
         if (source / f).is_file():
             shutil.copy2(source / f, out / f)
     widen_heads(source, out, e, e2)
-    from dataclasses import asdict
     (out / "policy.json").write_text(json.dumps({**policy, "config": asdict(wide)}, indent=2) + "\n")
     record = {"kind": "edgespec-vla-standin", "preset": preset, "source": str(source), "target": rec,
               "draft": drec, "wall_s": round(time.perf_counter() - t0, 1)}
