@@ -5,7 +5,7 @@
 A real-size stand-in of the FAST policy (export/vla_standin.py; its ids are the small policy's) alone, on 2 threads:
 
     MUJOCO_GL=osmesa python bench/bench_fast_policy.py --fast engines/vla-reacher-fast-1b --bins none --threads 2 \
-        --providers cpu-native --fast-gammas 2 --head-gammas 2,3 --episodes 20 --repeats 1 --out ...
+        --providers cpu-native --fast-gammas 2 --head-gammas 3,4 --episodes 20 --repeats 1 --out ...
 
 Modes, interleaved episode by episode (seeds 900000+i, never seen in training) so machine noise hits them alike:
 bins plain, bins exact with the draft decoder (--gamma) and with its draft head (its defaults), FAST plain, FAST exact with the draft decoder at each

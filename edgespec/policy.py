@@ -61,9 +61,11 @@ class Policy:
                  remote: "str | RemoteConfig | None" = None):
         self.dir = Path(policy_dir)
         kind = "head" if draft in ("head", "feature-head") else None if draft is False or draft is None else "decoder"
-        self.cfg = cfg = (cfg or PolicyConfig()).resolved(*DRAFT_DEFAULTS[kind])
         self.meta, self.manifest, self.tok = read_folder(self.dir, check_hashes)
         m = self.manifest
+        if kind == "head" and m.fast:  # a FAST policy's head is its feature head, with defaults of its own
+            kind = "fast-head"
+        self.cfg = cfg = (cfg or PolicyConfig()).resolved(*DRAFT_DEFAULTS[kind])
         self.horizon, self.dims, self.image_size, self.state_dim = m.horizon, m.dims, m.image_size, m.state_dim
         self.words, self.instr_len, self.prefix_len = list(m.words or []), m.instr_len, m.prefix_len
         self.prompt = m.prompt  # None: word ids; else the text prompt (OpenVLA) and its tokenizer

@@ -106,8 +106,10 @@ class SpeculationConfig:
 
 
 # a policy's (gamma, stop_below) when not given, per draft kind: picked by bench/bench_vla.py's sweeps here
-# (bench/results/vla.json "settings"). The head is cheap, so it drafts long runs and stops when unsure.
-DRAFT_DEFAULTS = {"head": (15, 0.7), "decoder": (8, 0.5), None: (8, 0.0)}
+# (bench/results/vla.json "settings"). The head is cheap, so it drafts long runs and stops when unsure. A FAST
+# policy's feature head ("fast-head") drafts short runs without a stop: a FAST chunk is a few ids, and its sweep at
+# real size (bench_fast_policy.py; bench/results/NOTES.md, fast-policy-1b.json) was fastest at γ 4.
+DRAFT_DEFAULTS = {"head": (15, 0.7), "fast-head": (4, 0.0), "decoder": (8, 0.5), None: (8, 0.0)}
 
 
 def PolicyConfig(mode: str = "greedy", radius: int = 5, gamma: int | None = None,

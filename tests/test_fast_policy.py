@@ -145,6 +145,20 @@ def test_relaxed_and_a_missing_feature_head_are_refused(fast_policies):
         load_policy(fast_policies["plain"], draft="head")
 
 
+def test_a_fast_policys_head_takes_its_own_draft_defaults(fast_policies):
+    """draft="head" on a FAST policy is its feature head, with the FAST head's γ and stop (short runs, no stop),
+    not the bins head's long runs; given values still win."""
+    from edgespec import load_policy
+    from edgespec.policy import DRAFT_DEFAULTS
+    assert DRAFT_DEFAULTS["fast-head"] != DRAFT_DEFAULTS["head"]
+    for draft in ("head", "feature-head"):
+        p = load_policy(fast_policies["head"], draft=draft)
+        assert (p.cfg.gamma, p.cfg.stop_below) == DRAFT_DEFAULTS["fast-head"]
+        assert p._head_draft.stop_below == DRAFT_DEFAULTS["fast-head"][1]
+    p = load_policy(fast_policies["head"], draft="head", gamma=2, stop_below=0.5)
+    assert (p.cfg.gamma, p.cfg.stop_below, p._head_draft.stop_below) == (2, 0.5, 0.5)
+
+
 def test_feature_head_drafts_from_the_targets_hidden_state_exactly(fast_policies):
     """draft="head" on a FAST policy: the feature head reads the target engine's hidden state at the row that
     emitted the chunk's last id. Its ids equal plain decoding's, and its drafted and accepted counts equal a
