@@ -71,11 +71,13 @@ def native_record(spec: ModelSpec) -> dict:
 
 
 def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "float16",
-                  exact: bool = True) -> dict[str, np.ndarray]:
+                  exact: bool = True, consume: bool = False) -> dict[str, np.ndarray]:
     """The native engine's arrays (edgespec.backends.native_format.expected_shapes names them), the matrices as `kind`
     (float16, int8, int4; the lm_head as HEAD_WEIGHTS[kind]); CheckpointError naming the first matrix that is
     not exactly a float16 when `exact` (float16 only: else they are rounded), or what the native step does not
-    compute (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them."""
+    compute (native_unsupported). Norms, biases and rotary tables stay float32, as the ONNX graphs hold them.
+    consume: each tensor is deleted from `weights` once its arrays are built (the embedding, head and final norm
+    first, then layer by layer), so a float32 checkpoint and its packed copy are never both whole in memory."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"native weights must be one of {sorted(WEIGHT_KINDS)}, got {kind!r}")
     sizes = {"hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
@@ -117,6 +119,13 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "
            "layer_rope": np.array([-1 if j is None else j for j in layer_rope], np.int64),
            "layer_window": np.array([w or 0 for w in spec.windows], np.int64),
            "scalars": np.array([spec.rms_norm_eps, spec.embed_scale, spec.attn_scale], np.float32)}
+
+    def done(*names: str) -> None:  # consume: drop what has been built from (a prefix ending in "." drops a layer)
+        if consume:
+            for k in [k for k in weights if any(k == n or (n.endswith(".") and k.startswith(n)) for n in names)]:
+                del weights[k]
+
+    done("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         w = lambda n: weights[p + n]  # noqa: E731
@@ -137,6 +146,7 @@ def native_arrays(spec: ModelSpec, weights: dict[str, np.ndarray], kind: str = "
         if spec.sandwich_norm:
             out[f"layers.{i}.post_attn"] = f32(w("post_attention_layernorm.weight"))
             out[f"layers.{i}.post_mlp"] = f32(w("post_feedforward_layernorm.weight"))
+        done(p)
     return out
 
 
@@ -227,8 +237,10 @@ def native_agreement_gate(engine_dir: Path, token_rows: list, base: list[np.ndar
 
 def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.ndarray], rows: np.ndarray,
                kind: str | None = None, base: tuple[list, list] | None = None, role: str = "target",
-               allow_lossy: bool = False) -> dict:
+               allow_lossy: bool = False, consume: bool = False) -> dict:
     """Write native.npz into engine_dir and record it (or why not) in its engine.json; -> the record.
+    consume: `weights` is emptied as native.npz is built (native_arrays), so that the gate, which loads the
+    engine, runs without the checkpoint's copy in memory (an export passes the weights it loaded for this).
     kind: the matrices' weights (None: WEIGHTS_FOR the folder's precision). An exact float16 copy of an fp32
     folder is gated against the folder's ONNX Runtime engine on `rows`; any other against fp32 logits:
     base = (token rows, their fp32 logits), the precision gate's rule (module docstring)."""
@@ -243,7 +255,7 @@ def add_native(engine_dir: str | Path, spec: ModelSpec, weights: dict[str, np.nd
         if not exact and base is None:
             raise CheckpointError(f"native {kind} weights need the fp32 logits of held-out rows for their gate "
                                   f"(`base`); none were given")
-        arrays = native_arrays(spec, weights, kind, exact=exact)
+        arrays = native_arrays(spec, weights, kind, exact=exact, consume=consume)
     except CheckpointError as e:
         info = {"unavailable": str(e)}
     else:

@@ -275,7 +275,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             from .native import add_native  # native weights of this precision, gated against the same fp32 logits
             bar.set_description(f"export: native {dtype} weights")
             native_info = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None), None,
-                                     base=(rows, base_logits), role=role, allow_lossy=allow_lossy)
+                                     base=(rows, base_logits), role=role, allow_lossy=allow_lossy, consume=True)
             del base_logits
             gc.collect()
         else:
@@ -296,7 +296,7 @@ def export_engine(ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "fp32"
             from .native import add_native
             rows, _ = calibration_rows(ckpt_dir, spec.vocab_size, 64, seq=64)
             manifest.extra["native"] = add_native(stage, spec, load_weights(ckpt_dir, spec, dtype=None),
-                                                  np.asarray(rows[0])[:max_context])
+                                                  np.asarray(rows[0])[:max_context], consume=True)
         mem.mark("native weights")
         manifest.extra["export_memory"] = {**mem.record(), "estimate_bytes": estimate}
         manifest.extra["export_seconds"] = round(time.time() - t0, 2)

@@ -277,3 +277,51 @@ def test_the_loader_checks_the_padded_head(odd_vocab, tmp_path):
     m.write(bad)
     with pytest.raises(EngineError, match=r"lm_head: expected \(6, 64, 16\), got \(7, 64, 16\)"):
         open_engine(bad, "cpu-native", check_hashes=False)
+
+
+class _ReadLog(dict):
+    """A weights dict that logs, at each read, which layers still have tensors in it."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.log = []
+
+    def __getitem__(self, k):
+        self.log.append((k, {int(n.split(".")[2]) for n in self if n.startswith("model.layers.")}))
+        return super().__getitem__(k)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_consuming_the_weights_builds_the_same_arrays_and_frees_each_layer_as_it_goes(folders, name, tmp_path):
+    """native_arrays(consume=True): the same arrays as without, and a layer's tensors leave the dict once its
+    arrays are built, so a float32 checkpoint and its packed copy are never both whole (an export's peak)."""
+    from edgespec.export.checkpoint import load_checkpoint
+    from edgespec.export.native import native_arrays
+    spec, weights = load_checkpoint(folders[name][1].parent / "ck" / name)
+    want = native_arrays(spec, dict(weights), "int8", exact=False)
+    kept = dict(weights)
+    native_arrays(spec, kept, "int8", exact=False)
+    assert kept.keys() == weights.keys()  # without consume nothing is taken
+    log = _ReadLog(weights)
+    got = native_arrays(spec, log, "int8", exact=False, consume=True)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+    assert not log  # every tensor the step reads was taken
+    last = spec.num_layers - 1
+    assert all(0 not in layers for k, layers in log.log if k.startswith(f"model.layers.{last}."))
+
+
+def test_an_export_hands_its_loaded_weights_over_to_be_consumed(monkeypatch, tmp_path):
+    """export_engine loads the checkpoint for native.npz and passes it with consume=True: the weights dict is
+    empty once the arrays are built (the 3B policy export's peak was this dict beside the packed copy)."""
+    from edgespec.export import native
+    from edgespec.export.onnx_export import export_engine
+    seen, real = [], native.native_arrays
+
+    def spy(spec, weights, kind="float16", exact=True, consume=False):
+        out = real(spec, weights, kind, exact, consume)
+        seen.append((consume, len(weights)))
+        return out
+    monkeypatch.setattr(native, "native_arrays", spy)
+    _make(CONFIGS["llama3"](), tmp_path / "ck", seed=5)
+    export_engine(tmp_path / "ck", tmp_path / "engine", max_context=64, progress=False)
+    assert seen == [(True, 0)]
