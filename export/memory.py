@@ -8,9 +8,12 @@ parameters, the checkpoint's weights in their stored dtype of b bytes each):
     gates       the fp32 graph's ONNX Runtime session, SESSION_BYTES_PER_PARAM N (the checkpoint let go)
     variant     fp16 / int8 / int4: made one weight at a time (external.py, quantize.weight_only), then its
                 session for the agreement report: VARIANT_BYTES_PER_PARAM[dtype] N
-    native      the checkpoint read again, b N, plus the native weights (made, written, then loaded for their
-                gate, one copy at a time): NATIVE_BYTES_PER_PARAM[dtype] N; an fp32 folder's exact float16
-                copy is gated against the fp32 session, which adds SESSION_BYTES_PER_PARAM N
+    native      the checkpoint read again, b N, and the native weights made from it, which take its tensors
+                over as they go (the embedding and head first, then a layer at a time: native.native_arrays
+                with consume): b N + NATIVE_BYTES_PER_PARAM[dtype] (the parameters outside the layers + one
+                layer's); then the native weights alone, loaded for their gate: NATIVE_BYTES_PER_PARAM[dtype] N,
+                and an fp32 folder's exact float16 copy is gated against the fp32 session, which adds
+                SESSION_BYTES_PER_PARAM N
 
 bench/results/export-realsize.json holds measured peaks beside these estimates.
 """
@@ -49,7 +52,12 @@ def estimate(spec, checkpoint_bytes: int, dtype: str) -> dict:
     """The export's peak by stage (module docstring), bytes; checkpoint_bytes: its weight files' size."""
     n = sum(int(np.prod(s)) for s in spec.checkpoint_shapes().values())
     held = checkpoint_bytes if checkpoint_bytes <= 3 * n else 4 * n  # bf16 files are widened to float32
-    native = held + NATIVE_BYTES_PER_PARAM[dtype] * n + (SESSION_BYTES_PER_PARAM * n if dtype == "fp32" else 0)
+    shapes = spec.checkpoint_shapes()
+    outside = sum(int(np.prod(s)) for k, s in shapes.items() if not k.startswith("model.layers."))
+    per_layer = (n - outside) / max(spec.num_layers, 1)
+    built = held + NATIVE_BYTES_PER_PARAM[dtype] * (outside + per_layer)  # while the arrays take the tensors over
+    gated = NATIVE_BYTES_PER_PARAM[dtype] * n + (SESSION_BYTES_PER_PARAM * n if dtype == "fp32" else 0)
+    native = max(built, gated)
     stages = {"graph": held, "gates": SESSION_BYTES_PER_PARAM * n, "variant": VARIANT_BYTES_PER_PARAM[dtype] * n,
               "native": native}
     largest = max(stages, key=stages.get)
