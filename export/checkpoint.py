@@ -548,12 +548,28 @@ SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "
                       "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """A .safetensors file's tensors, each read straight into its own array (no memory map and no whole-file
-    buffer beside the arrays, so reading a shard costs what it holds); BF16 becomes float32 (numpy has no
-    bfloat16: its bits are the top half of a float32's). ValueError for a file that is not safetensors."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+class SafetensorsFile:
+    """A .safetensors file: its header, and its tensors read one at a time, each straight into its own array (no
+    memory map, whose pages would stay in the process's RSS beside what is made from them, and no whole-file
+    buffer); BF16 becomes float32 (numpy has no bfloat16: its bits are the top half of a float32's). ValueError
+    for a file that is not safetensors, or an entry that does not fit it.
+
+        with SafetensorsFile(path) as f:
+            for name in f.keys(): f.shape(name), f.read(name)   # (shape,) tuple; np.ndarray
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.size = self.path.stat().st_size
+        self._f = open(self.path, "rb")
+        try:
+            self._entries = self._header()
+        except BaseException:
+            self._f.close()
+            raise
+
+    def _header(self) -> dict:
+        f, size = self._f, self.size
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{size} bytes: too short for a safetensors header")
@@ -566,24 +582,49 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise ValueError(f"header is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-        out = {}
+        entries = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             try:
                 dtype, shape, (begin, end) = SAFETENSORS_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+                shape = tuple(int(d) for d in shape)
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"tensor {name!r}: unsupported or malformed entry {info!r}") from None
-            arr = np.empty(shape, dtype)
-            if arr.nbytes != end - begin or 8 + n + end > size:
-                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not hold {shape} {info['dtype']}")
-            f.seek(8 + n + begin)
-            if f.readinto(memoryview(arr.reshape(-1)).cast("B")) != arr.nbytes:
-                raise ValueError(f"tensor {name!r}: file ends inside its data")
-            if info["dtype"] == "BF16":
-                arr = (arr.astype(np.uint32) << 16).view(np.float32)
-            out[name] = arr
-        return out
+            if int(np.prod(shape)) * np.dtype(dtype).itemsize != end - begin or 8 + n + end > size:
+                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not hold {list(shape)} {info['dtype']}")
+            entries[name] = (dtype, shape, 8 + n + begin, info["dtype"] == "BF16")
+        return entries
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple:
+        return self._entries[name][1]
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, offset, bf16 = self._entries[name]
+        arr = np.empty(shape, dtype)
+        self._f.seek(offset)
+        if self._f.readinto(memoryview(arr.reshape(-1)).cast("B")) != arr.nbytes:
+            raise ValueError(f"tensor {name!r}: file ends inside its data")
+        return (arr.astype(np.uint32) << 16).view(np.float32) if bf16 else arr
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A .safetensors file's tensors (SafetensorsFile: each read into its own array; BF16 as float32), so
+    reading a shard costs what it holds. ValueError for a file that is not safetensors."""
+    with SafetensorsFile(path) as f:
+        return {name: f.read(name) for name in f.keys()}
 
 
 def hash_files(paths: list[Path]) -> str:

@@ -521,3 +521,25 @@ def test_the_export_holds_one_copy_of_the_language_model(ckpt, draft_lm, tmp_pat
     assert meta["end_to_end_gate"]["passed"] and meta["end_to_end_gate"]["ids_enforced"]
     after = dict(src.language_model.named_parameters())
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_the_reference_reads_its_weights_without_a_memory_map(ckpt, tmp_path, monkeypatch):
+    """load_state reads each tensor into its own array (SafetensorsFile), never through safetensors' memory map,
+    whose pages stay resident beside the fp32 model (5 GB at 3B); a bf16 file loads as its exact float32 values."""
+    import shutil
+
+    import safetensors
+    from safetensors.torch import load_file, save_file
+
+    def no_map(*a, **k):
+        raise AssertionError("load_state memory-mapped a weight file")
+    src = load_file(str(ckpt / "model.safetensors"))
+    bf = tmp_path / "bf16"
+    shutil.copytree(ckpt, bf)
+    save_file({k: v.to(torch.bfloat16) for k, v in src.items()}, str(bf / "model.safetensors"))
+    ck = read_checkpoint(bf)  # reads the header (shapes) only
+    monkeypatch.setattr(safetensors, "safe_open", no_map)
+    state = build_reference(ck).state_dict()
+    for k, v in src.items():
+        if k in state:
+            assert torch.equal(state[k], v.to(torch.bfloat16).float()), k
