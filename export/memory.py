@@ -50,9 +50,9 @@ def available_bytes() -> int | None:
 
 def estimate(spec, checkpoint_bytes: int, dtype: str) -> dict:
     """The export's peak by stage (module docstring), bytes; checkpoint_bytes: its weight files' size."""
-    n = sum(int(np.prod(s)) for s in spec.checkpoint_shapes().values())
-    held = checkpoint_bytes if checkpoint_bytes <= 3 * n else 4 * n  # bf16 files are widened to float32
     shapes = spec.checkpoint_shapes()
+    n = sum(int(np.prod(s)) for s in shapes.values())
+    held = checkpoint_bytes if checkpoint_bytes <= 3 * n else 4 * n  # bf16 files are widened to float32
     outside = sum(int(np.prod(s)) for k, s in shapes.items() if not k.startswith("model.layers."))
     per_layer = (n - outside) / max(spec.num_layers, 1)
     built = held + NATIVE_BYTES_PER_PARAM[dtype] * (outside + per_layer)  # while the arrays take the tensors over
