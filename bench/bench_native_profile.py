@@ -1,7 +1,8 @@
 """Where a native step's time goes, by job kind, against the DRAM roofline.
 
     python bench/bench_native_profile.py --engine .cache/engines-realsize/qwen2.5-0.5b-int4 \\
-        --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48] [--hugepages 1]
+        --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48] [--hugepages 1] \
+        [--int4-row-panels 0]
 
 For each call size S (--rows: S = 1 is a decode step, S = k + 1 a verify pass of k drafted tokens) this runs
 --calls calls of S tokens on provider cpu-native from a 64-token prompt, the sizes interleaved, --repeats
@@ -12,8 +13,10 @@ bookkeeping). The weight bytes a call reads (engine.json's native weight_bytes_p
 products' time and over the whole call give the bandwidth each reaches, beside the machine's read bandwidth
 measured in the same run (bench/lib/membw.c, as bench_realsize.py measures it). --hugepages 0,1 opens the engine
 once per setting (EDGESPEC_HUGEPAGES: its weights on 4 KiB pages, or in one arena advised for huge pages,
-edgespec/backends/hugepages.py) and interleaves them within each repeat, with the huge-page bytes each got. Writes
-JSON and a markdown table per setting beside --out, with the command and the machine's load.
+edgespec/backends/hugepages.py) and interleaves them within each repeat, with the huge-page bytes each got.
+--int4-row-panels 1,4 does the same for the panels a one-row int4 product streams per pass (es_set_q4_row_panels;
+0: this CPU's default), one setting of the library at a time, on the same engine. Writes JSON and a markdown table
+per setting beside --out, with the command and the machine's load.
 """
 from __future__ import annotations
 
@@ -76,8 +79,9 @@ def markdown(r: dict) -> str:
     for name, v in r.get("variants", {"": {"calls": r["calls"]}}).items():
         if name:
             hb = v.get("huge_page_bytes")
+            rp = f", int4 one-row panels per pass: {v['int4_row_panels']}" if "int4_row_panels" in v else ""
             lines += ["", f"## {name} (weights on huge pages: "
-                      f"{'unknown' if hb is None else f'{hb / 1e6:.0f} MB'})"]
+                      f"{'unknown' if hb is None else f'{hb / 1e6:.0f} MB'}{rp})"]
         lines += table(v["calls"])
     return "\n".join(lines) + "\n"
 
@@ -124,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--membw-mib", type=int, default=512)
     ap.add_argument("--hugepages", default="1", help="EDGESPEC_HUGEPAGES settings, interleaved (0, 1 or 0,1)")
+    ap.add_argument("--int4-row-panels", default="0",
+                    help="panels per pass of one-row int4 products (0: the CPU's default; 1, 2, 4), interleaved")
     a = ap.parse_args(argv)
     from host import command_line, machine_load, read_bandwidth, write_results
 
@@ -141,6 +147,11 @@ def main(argv=None) -> int:
     if not settings or set(settings) - {"0", "1"}:
         print(f"error: --hugepages takes 0, 1 or 0,1, got {a.hugepages!r}", file=sys.stderr)
         return 2
+    panels = list(dict.fromkeys(x.strip() for x in a.int4_row_panels.split(",")))
+    if not panels or set(panels) - {"0", "1", "2", "4"}:
+        print(f"error: --int4-row-panels takes 0 (the CPU's default), 1, 2 or 4, comma-separated; got "
+              f"{a.int4_row_panels!r}", file=sys.stderr)
+        return 2
     need = a.prompt + max(rows) * a.calls
     if need > m.max_context:
         print(f"error: {a.prompt} prompt tokens + {a.calls} calls of {max(rows)} rows = {need} positions; "
@@ -149,26 +160,32 @@ def main(argv=None) -> int:
     load = machine_load()
     bw = read_bandwidth([a.threads], a.membw_mib, 5)
     gbs = bw.get(str(a.threads), {}).get("gbs_best")
+    from edgespec.backends.native_lib import library
+    lib = library()
     engines = {s: open_with_hugepages(a.engine, a.threads, s) for s in settings}
     for engine in engines.values():
         profile_calls(engine, 1, 8, a.prompt, 99)  # warm: the library built and loaded, the weights paged in
-    runs = {s: {r: [] for r in rows} for s in settings}
+    combos = [(s, p) for s in settings for p in panels]  # (EDGESPEC_HUGEPAGES, int4 one-row panels; 0: default)
+    name = lambda s, p: f"hugepages={s}" + (f" int4_row_panels={p}" if len(panels) > 1 else "")  # noqa: E731
+    in_force = {}
+    runs = {c: {r: [] for r in rows} for c in combos}
     for rep in range(a.repeats):
         for r in rows:
-            for s in (settings if rep % 2 == 0 else settings[::-1]):  # the order alternates each repeat
-                runs[s][r].append(profile_calls(engines[s], r, a.calls, a.prompt, rep))
+            for s, p in (combos if rep % 2 == 0 else combos[::-1]):  # the order alternates each repeat
+                in_force[p] = lib.es_set_q4_row_panels(int(p))
+                runs[s, p][r].append(profile_calls(engines[s], r, a.calls, a.prompt, rep))
+    lib.es_set_q4_row_panels(0)
     bytes_per_call = int(info["weight_bytes_per_token"])
     largest = {s: max(e.arrays.values(), key=lambda x: x.nbytes) for s, e in engines.items()}
-    variants = {f"hugepages={s}": {"hugepages": s, "huge_page_bytes": huge_bytes(largest[s]),
-                                   "calls": {str(r): summarize(runs[s][r], bytes_per_call, gbs) for r in rows},
-                                   "raw": runs[s]} for s in settings}
-    from edgespec.backends.native_lib import library
+    variants = {name(s, p): {"hugepages": s, "huge_page_bytes": huge_bytes(largest[s]), "int4_row_panels": in_force[p],
+                             "calls": {str(r): summarize(runs[s, p][r], bytes_per_call, gbs) for r in rows},
+                             "raw": runs[s, p]} for s, p in combos}
     report = {"command": command_line(__file__),
               "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
               "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
               "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs,
-              "bytes_per_call": bytes_per_call, "hugepages": settings,
-              "calls": variants[f"hugepages={settings[0]}"]["calls"], "variants": variants}
+              "bytes_per_call": bytes_per_call, "hugepages": settings, "int4_row_panels": panels,
+              "calls": variants[name(*combos[0])]["calls"], "variants": variants}
     write_results(a.out, report, markdown(report))
     print(markdown(report))
     return 0

@@ -166,6 +166,28 @@ int es_set_prefetch_rows(int rows) {
 
 int es_prefetch_rows(void) { return atomic_load(&pf_rows); }
 
+/* Panels a one-row int4 product streams per pass in the AVX-512 VNNI kernel (es_set_q4_row_panels; qpanels_for).
+   One panel is one address sequence, which AMD's hardware prefetcher follows best; Intel's keeps four interleaved
+   streams fed and then reads faster (bench/results/NOTES.md, "one panel at a time" and "int4 one-row panels"). */
+static _Atomic int q4_row1 = 1;
+int es_q4_row_panels(void);
+
+/* n <= 0: this CPU's default (1 on AMD, else 4); n in {1, 2, 4}: that; other n: -1, nothing changed. -> the value
+   now in force (1 in builds whose integer kernel streams one panel at a time: AVX2, Arm, portable C) */
+int es_set_q4_row_panels(int n) {
+    if (n > 0 && n != 1 && n != 2 && n != 4) return -1;
+    if (n <= 0) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_cpu_init();
+        n = __builtin_cpu_is("amd") ? 1 : 4;
+#else
+        n = 1;
+#endif
+    }
+    atomic_store(&q4_row1, n);
+    return es_q4_row_panels();
+}
+
 #define ES_PF(ptr) __builtin_prefetch((const char *)(ptr) + ES_PREFETCH)
 #define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
@@ -716,23 +738,33 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
     for (int i = 0; i < R * NP; i++) _mm512_storeu_ps(out + i * PANEL, tot[i]);
 }
 
-/* panels per pass over R rows. One int4 row takes one panel at a time, so each thread reads its weights as one
-   address sequence that the hardware prefetcher follows; with four panels' 288-byte blocks interleaved it falls
-   behind and the kernel waits on DRAM. int8 blocks (544 bytes) do not show it, and keep four panels' chains in
-   flight (bench/results/NOTES.md, "one panel at a time"). With more rows the arithmetic per byte is larger and
-   several panels' shared inputs pay (two rows: four; up to six: two); past six the registers run out.
+/* panels per pass over R rows. One int4 row takes es_set_q4_row_panels' count: on AMD one panel at a time, so
+   each thread reads its weights as one address sequence that the hardware prefetcher follows (with four panels'
+   288-byte blocks interleaved it falls behind and the kernel waits on DRAM); on Intel four, whose prefetcher keeps
+   four streams fed. int8 blocks (544 bytes) do not show it, and keep four panels' chains in flight
+   (bench/results/NOTES.md, "one panel at a time", "int4 one-row panels"). With more rows the arithmetic per byte
+   is larger and several panels' shared inputs pay (two rows: four; up to six: two); past six the registers run
+   out.
    -DES_QPANELS_ROW1=n (1, 2 or 4) sets the one-row choice for both kinds (bench/bench_products.py --panels-row1). */
 static int qpanels_for(int kind, int R) {
 #ifdef ES_QPANELS_ROW1
     if (R == 1) return ES_QPANELS_ROW1;
 #endif
-    return R == 1 ? (kind == ES_Q4 ? 1 : 4) : R <= 2 ? 4 : R <= 6 ? 2 : 1;
+    if (R == 1) return kind == ES_Q4 ? atomic_load_explicit(&q4_row1, memory_order_relaxed) : 4;
+    return R <= 2 ? 4 : R <= 6 ? 2 : 1;
 }
 
 #define QP_CASE(n, K8)                                                                              \
     case n:                                                                                         \
         if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out);    \
         else qrows_r(xq, dx, xs, n, p, 1, K, K8, out);                                              \
+        break;
+/* one row: np is set at run time (es_set_q4_row_panels), so each of its values has its own inlined kernel */
+#define QP_ROW1(K8)                                                                                 \
+    case 1:                                                                                         \
+        if (np == 4) qrows_r(xq, dx, xs, 1, p, 4, K, K8, out);                                      \
+        else if (np == 2) qrows_r(xq, dx, xs, 1, p, 2, K, K8, out);                                 \
+        else qrows_r(xq, dx, xs, 1, p, 1, K, K8, out);                                              \
         break;
 /* np is qpanels_for(kind, R), or 1 */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
@@ -741,13 +773,13 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
         switch (R) {
         QP_CASE(12, ES_Q8) QP_CASE(11, ES_Q8) QP_CASE(10, ES_Q8) QP_CASE(9, ES_Q8) QP_CASE(8, ES_Q8)
         QP_CASE(7, ES_Q8) QP_CASE(6, ES_Q8) QP_CASE(5, ES_Q8) QP_CASE(4, ES_Q8) QP_CASE(3, ES_Q8)
-        QP_CASE(2, ES_Q8) QP_CASE(1, ES_Q8)
+        QP_CASE(2, ES_Q8) QP_ROW1(ES_Q8)
         }
     } else {
         switch (R) {
         QP_CASE(12, ES_Q4) QP_CASE(11, ES_Q4) QP_CASE(10, ES_Q4) QP_CASE(9, ES_Q4) QP_CASE(8, ES_Q4)
         QP_CASE(7, ES_Q4) QP_CASE(6, ES_Q4) QP_CASE(5, ES_Q4) QP_CASE(4, ES_Q4) QP_CASE(3, ES_Q4)
-        QP_CASE(2, ES_Q4) QP_CASE(1, ES_Q4)
+        QP_CASE(2, ES_Q4) QP_ROW1(ES_Q4)
         }
     }
 }
@@ -965,6 +997,9 @@ typedef struct {
 static int64_t panel_bytes(const es_mat *a) {
     return a->kind == ES_F16 ? a->K * PANEL * 2 : (a->K / QB) * block_bytes(a->kind);
 }
+
+/* the panels per pass a one-row int4 product takes in this build now */
+int es_q4_row_panels(void) { return qpanels_for(ES_Q4, 1); }
 
 /* panels a pass over R rows takes, for this matrix's kind */
 static int mat_panels_for(int kind, int R) { return kind == ES_F16 ? panels_for(R) : qpanels_for(kind, R); }

@@ -148,6 +148,48 @@ def test_the_prefetch_row_count_defaults_by_cpu_and_is_checked(monkeypatch):
             prefetch_rows_setting()
 
 
+def _cpu(field: str) -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith(field)), "")
+
+
+def test_int4_one_row_panels_change_no_bit_and_default_by_cpu(monkeypatch):
+    """es_set_q4_row_panels picks how many panels a one-row int4 product streams per pass (AVX-512 VNNI builds; the
+    others stream one): 1, 2 and 4 give the same bits as numpy's reference and each other, at one row on the
+    calling thread and on the pool; the default is 1 on AMD and 4 elsewhere; a value the kernel lacks is refused;
+    EDGESPEC_INT4_ROW_PANELS is checked."""
+    lib = library()
+    flags = _cpu("flags").split()
+    vnni = X86 and {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+    rng = np.random.default_rng(5)
+    k, n = 20 * QB, 16 * 37  # 37 panels: the 4- and 2-panel passes' tails
+    packed = _packed(rng.normal(0, 0.2, (n, k)).astype(np.float32), "int4")
+    x = rng.normal(0, 1, (3, k)).astype(np.float32)
+    exact = matmul_reference(x, packed, "int4")
+    first = None
+    try:
+        for panels in (1, 2, 4):
+            assert lib.es_set_q4_row_panels(panels) == (panels if vnni else 1)
+            got = np.stack([_matmul(lib, "int4", x[r:r + 1], packed, k, n, threads)[0]
+                            for threads in (1, 2) for r in range(3)])  # (6, n): one row a call
+            np.testing.assert_allclose(got, np.concatenate([exact, exact]), rtol=0, atol=1e-6 * np.abs(exact).max())
+            first = got if first is None else first
+            assert np.array_equal(got, first), panels
+        in_force = lib.es_q4_row_panels()
+        assert lib.es_set_q4_row_panels(3) == -1 and lib.es_q4_row_panels() == in_force  # refused, unchanged
+    finally:
+        default = lib.es_set_q4_row_panels(0)
+    assert default == (1 if not vnni or _cpu("vendor_id") == "AuthenticAMD" else 4)
+    from edgespec.backends.native_lib import q4_row_panels_setting
+    monkeypatch.delenv("EDGESPEC_INT4_ROW_PANELS", raising=False)
+    assert q4_row_panels_setting() == 0
+    monkeypatch.setenv("EDGESPEC_INT4_ROW_PANELS", "2")
+    assert q4_row_panels_setting() == 2
+    for bad in ("3", "0", "four"):
+        monkeypatch.setenv("EDGESPEC_INT4_ROW_PANELS", bad)
+        with pytest.raises(EngineError, match=f"EDGESPEC_INT4_ROW_PANELS: expected 1, 2 or 4.*got '{bad}'"):
+            q4_row_panels_setting()
+
+
 # ---- whole models ----
 
 @pytest.fixture(scope="module")
@@ -454,6 +496,15 @@ def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
         assert c["kinds"]["matmul"]["jobs"] == 4 * L + 1 and c["kinds"]["quantize"]["jobs"] == 4 * L + 1
         assert 0 < c["native_ms"] <= c["ms_per_call"] and c["host_ms"] == pytest.approx(c["ms_per_call"] - c["native_ms"])
     assert r["weights"] == "int4" and out.with_suffix(".md").read_text().count("\n| ") == 3
+    assert bench.main(["--engine", str(folder), "--out", str(out), "--rows", "1", "--calls", "2", "--prompt", "8",
+                       "--repeats", "2", "--membw-mib", "16", "--int4-row-panels", "1,4"]) == 0
+    r = json.loads(out.read_text())
+    four = library().es_set_q4_row_panels(4)  # 1 where this build streams one panel (no AVX-512 VNNI)
+    library().es_set_q4_row_panels(0)
+    assert {k: v["int4_row_panels"] for k, v in r["variants"].items()} == {
+        "hugepages=1 int4_row_panels=1": 1, "hugepages=1 int4_row_panels=4": four}
+    assert all(len(v["raw"]["1"]) == 2 for v in r["variants"].values())
+    assert bench.main(["--engine", str(folder), "--out", str(out), "--int4-row-panels", "3"]) == 2
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     m = Manifest.read(bare)

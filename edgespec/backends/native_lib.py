@@ -100,6 +100,11 @@ def _library(path: Path):
     lib.es_prefetch_rows.argtypes = []
     lib.es_prefetch_rows.restype = ctypes.c_int
     lib.es_set_prefetch_rows(prefetch_rows_setting())
+    lib.es_set_q4_row_panels.argtypes = [ctypes.c_int]
+    lib.es_set_q4_row_panels.restype = ctypes.c_int
+    lib.es_q4_row_panels.argtypes = []
+    lib.es_q4_row_panels.restype = ctypes.c_int
+    lib.es_set_q4_row_panels(q4_row_panels_setting())
     off = i64()
     size = lib.es_model_layout(ctypes.byref(off))
     if size != ctypes.sizeof(_Model) or off.value != _Model.inv_freq.offset:
@@ -122,6 +127,18 @@ def prefetch_rows_setting() -> int:
         raise EngineError(f"EDGESPEC_PREFETCH_ROWS: expected an integer >= 1 (the fewest rows a matrix product "
                           f"prefetches for), got {raw!r}")
     return rows
+
+
+def q4_row_panels_setting() -> int:
+    """$EDGESPEC_INT4_ROW_PANELS: the panels of 16 columns a one-row int4 product streams per pass (1, 2 or 4); 0
+    when unset, which lets native_step.c pick this CPU's default (es_set_q4_row_panels). The same bits either way."""
+    raw = os.environ.get("EDGESPEC_INT4_ROW_PANELS", "").strip()
+    if not raw:
+        return 0
+    if raw not in ("1", "2", "4"):
+        raise EngineError(f"EDGESPEC_INT4_ROW_PANELS: expected 1, 2 or 4 (panels a one-row int4 product streams "
+                          f"per pass), got {raw!r}")
+    return int(raw)
 
 
 _LIBS: dict[Path, ctypes.CDLL] = {}
