@@ -173,7 +173,7 @@ static _Atomic int q4_row1 = 1;
 int es_q4_row_panels(void);
 
 /* n <= 0: this CPU's default (1 on AMD, else 4); n in {1, 2, 4}: that; other n: -1, nothing changed. -> the value
-   now in force (1 in builds whose integer kernel streams one panel at a time: AVX2, Arm, portable C) */
+   now in force (1 in builds whose integer kernel streams one panel at a time: Arm, portable C) */
 int es_set_q4_row_panels(int n) {
     if (n > 0 && n != 1 && n != 2 && n != 4) return -1;
     if (n <= 0) {
@@ -784,8 +784,14 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
     }
 }
 #elif defined(ES_AVX2)
-/* One panel per pass: the outputs of R rows x NP panels would not fit sixteen registers. */
-static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
+/* One panel per pass for several rows: the outputs of R rows x NP panels would not fit sixteen registers. One int4
+   row takes es_set_q4_row_panels' count (q4row_avx2). */
+static int qpanels_for(int kind, int R) {
+#ifdef ES_QPANELS_ROW1
+    if (R == 1 && kind == ES_Q4) return ES_QPANELS_ROW1;
+#endif
+    return R == 1 && kind == ES_Q4 ? atomic_load_explicit(&q4_row1, memory_order_relaxed) : 1;
+}
 
 /* AVX2 without VNNI (AMD Zen 2/3, Intel client and pre-Ice Lake server cores): the same integer sums and the same
    float chain per column as the AVX-512 kernel, eight columns per register, so the same bits. A group is 16 columns
@@ -865,7 +871,55 @@ static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const
     }
 }
 
+/* One int4 row over NP (2 or 4) consecutive panels, their groups interleaved so that NP address streams are read at
+   once; each panel's sums and float chain are qrows_avx2's for one row, so the same bits. out: NP x 16 outputs. */
+static inline __attribute__((always_inline)) void q4row_avx2(const int8_t *xq, const float *dx, const int32_t *xs,
+                                                             const uint8_t *p, const int NP, int64_t nb, float *out) {
+    const int64_t ps = nb * Q4_BLOCK; /* bytes per panel */
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const int pf = PF_ON(1);
+    __m256 t0[4], t1[4]; /* per panel: columns 0..7, 8..15 */
+    for (int q = 0; q < NP; q++) t0[q] = t1[q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = p + b * Q4_BLOCK;
+        if (pf)
+            for (int q = 0; q < NP; q++)
+                for (int64_t o = 0; o <= Q4_BLOCK; o += 64) ES_PF(blk + q * ps + o);
+        __m256i s0[4], s1[4]; /* int16 pairs */
+        for (int q = 0; q < NP; q++) s0[q] = s1[q] = _mm256_setzero_si256();
+        for (int g = 0; g < QB / 8; g++) {
+            int32_t x0, x1;
+            memcpy(&x0, xq + b * QB + 8 * g, 4);
+            memcpy(&x1, xq + b * QB + 8 * g + 4, 4);
+            const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
+            for (int q = 0; q < NP; q++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + q * ps + 32 + g * 64));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + q * ps + 64 + g * 64));
+                const __m256i l0 = _mm256_and_si256(w0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+                const __m256i l1 = _mm256_and_si256(w1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+                s0[q] = _mm256_add_epi16(s0[q], _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1)));
+                s1[q] = _mm256_add_epi16(s1[q], _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1)));
+            }
+        }
+        const __m256i start = _mm256_set1_epi32(-weight_offset(ES_Q4) * xs[b]);
+        const __m256 d = _mm256_set1_ps(dx[b]);
+        for (int q = 0; q < NP; q++) {
+            const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps)));
+            const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps + 16)));
+            const __m256i a0 = _mm256_add_epi32(start, _mm256_madd_epi16(s0[q], ones));
+            const __m256i a1 = _mm256_add_epi32(start, _mm256_madd_epi16(s1[q], ones));
+            t0[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d, sc0), t0[q]);
+            t1[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d, sc1), t1[q]);
+        }
+    }
+    for (int q = 0; q < NP; q++) {
+        _mm256_storeu_ps(out + q * PANEL, t0[q]);
+        _mm256_storeu_ps(out + q * PANEL + 8, t1[q]);
+    }
+}
+
 #define QROWS_KERNEL qrows_avx2 /* qrows below: up to 4 rows a call */
+#define Q4ROW_KERNEL q4row_avx2 /* and one int4 row over 2 or 4 panels */
 #elif defined(ES_SDOT)
 static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
@@ -969,6 +1023,13 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
                   int np, int64_t K, int kind, float *out) {
     const int64_t nb = K / QB, ps = nb * block_bytes(kind);
+#ifdef Q4ROW_KERNEL
+    if (R == 1 && kind == ES_Q4 && (np == 2 || np == 4)) {
+        if (np == 4) Q4ROW_KERNEL(xq[0], dx[0], xs[0], p, 4, nb, out);
+        else Q4ROW_KERNEL(xq[0], dx[0], xs[0], p, 2, nb, out);
+        return;
+    }
+#endif
     for (int q = 0; q < np; q++)
         for (int r0 = 0; r0 < R; r0 += 4) {
             float *outs[4];

@@ -152,14 +152,15 @@ def _cpu(field: str) -> str:
     return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith(field)), "")
 
 
-def test_int4_one_row_panels_change_no_bit_and_default_by_cpu(monkeypatch):
-    """es_set_q4_row_panels picks how many panels a one-row int4 product streams per pass (AVX-512 VNNI builds; the
-    others stream one): 1, 2 and 4 give the same bits as numpy's reference and each other, at one row on the
-    calling thread and on the pool; the default is 1 on AMD and 4 elsewhere; a value the kernel lacks is refused;
-    EDGESPEC_INT4_ROW_PANELS is checked."""
+@pytest.mark.parametrize("march", ["native", "haswell"] if X86 else ["native"])
+def test_int4_one_row_panels_change_no_bit_and_default_by_cpu(march, monkeypatch):
+    """es_set_q4_row_panels picks how many panels a one-row int4 product streams per pass (the x86 builds: AVX-512
+    VNNI and AVX2; Arm and portable C stream one): 1, 2 and 4 give the same bits as numpy's reference and each
+    other, at one row on the calling thread and on the pool; the default is 1 on AMD and 4 elsewhere; a value the
+    kernel lacks is refused; EDGESPEC_INT4_ROW_PANELS is checked."""
+    monkeypatch.setenv("EDGESPEC_NATIVE_MARCH", march)
     lib = library()
-    flags = _cpu("flags").split()
-    vnni = X86 and {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+    simd = X86 and "avx2" in _cpu("flags").split()  # an x86 build with SIMD: the kernel takes 1, 2 or 4
     rng = np.random.default_rng(5)
     k, n = 20 * QB, 16 * 37  # 37 panels: the 4- and 2-panel passes' tails
     packed = _packed(rng.normal(0, 0.2, (n, k)).astype(np.float32), "int4")
@@ -168,7 +169,7 @@ def test_int4_one_row_panels_change_no_bit_and_default_by_cpu(monkeypatch):
     first = None
     try:
         for panels in (1, 2, 4):
-            assert lib.es_set_q4_row_panels(panels) == (panels if vnni else 1)
+            assert lib.es_set_q4_row_panels(panels) == (panels if simd else 1)
             got = np.stack([_matmul(lib, "int4", x[r:r + 1], packed, k, n, threads)[0]
                             for threads in (1, 2) for r in range(3)])  # (6, n): one row a call
             np.testing.assert_allclose(got, np.concatenate([exact, exact]), rtol=0, atol=1e-6 * np.abs(exact).max())
@@ -178,7 +179,7 @@ def test_int4_one_row_panels_change_no_bit_and_default_by_cpu(monkeypatch):
         assert lib.es_set_q4_row_panels(3) == -1 and lib.es_q4_row_panels() == in_force  # refused, unchanged
     finally:
         default = lib.es_set_q4_row_panels(0)
-    assert default == (1 if not vnni or _cpu("vendor_id") == "AuthenticAMD" else 4)
+    assert default == (1 if not simd or _cpu("vendor_id") == "AuthenticAMD" else 4)
     from edgespec.backends.native_lib import q4_row_panels_setting
     monkeypatch.delenv("EDGESPEC_INT4_ROW_PANELS", raising=False)
     assert q4_row_panels_setting() == 0
