@@ -100,6 +100,9 @@ class Generator:
         if spec.lookup and drafter_kind != "model":
             raise ValueError(f"lookup goes before a draft model (a draft engine folder); got draft kind "
                              f"{drafter_kind!r}")
+        if spec.stop_below and drafter_kind not in ("model", "head"):
+            raise ValueError(f"stop_below={spec.stop_below} stops a draft model's or the text head's run when its "
+                             f"confidence falls below it; draft kind {drafter_kind!r} gives no confidence")
         self.spec = spec
         self.gamma, self.gamma_max, self.max_ngram = spec.gamma, spec.gamma_max, spec.max_ngram
         self.lookup, self.lookup_gamma = spec.lookup, spec.lookup_gamma
@@ -148,11 +151,12 @@ class Generator:
                 raise ValueError(f"the text draft head drafts one sequence at a time, got a batch of {batch}")
             zero = np.zeros(self.target.manifest.hidden_size, np.float32)
             return TextHeadDraft(self.text_head, (lambda ctx: target.hidden_at(0, len(ctx) - 2)) if target
-                                 else (lambda ctx: zero))
+                                 else (lambda ctx: zero), self.spec.stop_below or 0.0)
         if self.drafter_kind == "model":
             dec = self._decoder(self.draft, batch)
-            return LookupDraft(dec, self.lookup, self.max_ngram, lookup_gamma=self.lookup_gamma) if self.lookup \
-                else DraftModel(dec)
+            stop = self.spec.stop_below or 0.0  # dynamic draft length (0: always γ)
+            return LookupDraft(dec, self.lookup, self.max_ngram, stop, self.lookup_gamma) if self.lookup \
+                else DraftModel(dec, stop)
         if self.drafter_kind == "ngram":
             return NgramDraft(batch, self.max_ngram)
         if self.drafter_kind == "custom":
@@ -391,21 +395,24 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
          threads: int | None = None, gamma: int | str = "auto", draft_threads: int | None = None,
          gamma_max: int = DEFAULT_GAMMA_MAX, max_ngram: int = NGRAM_MAX, lookup: int = 0,
          local: str | Path | None = None, remote: RemoteConfig | None = None, lookup_gamma: int = 0,
-         spec: SpeculationConfig | None = None, draft_provider: str | None = None) -> Generator:
+         spec: SpeculationConfig | None = None, draft_provider: str | None = None,
+         stop_below: float = 0.0) -> Generator:
     """Load a target engine folder and an optional draft ('ngram' or an engine folder). gamma_max (1..16) is
     the longest draft `auto` may choose and a fixed gamma may ask for; max_ngram the longest n-gram the
     'ngram' draft looks up. lookup N (with a draft engine, 1..max_ngram): before the draft model runs, look
     the context's last N..max_ngram tokens up earlier in it, and when what followed gives at least min(N, γ)
     proposals, draft those instead (prompt lookup, no draft call). lookup_gamma (0..16): the most proposals
     such a round makes (0: γ, as the model); lookup proposals cost no draft call, so they may run longer.
+    stop_below (0..1, a draft engine or the text head): a round stops drafting after a proposal the draft gives a
+    probability below it (that proposal is still verified); 0 drafts γ every round.
 
     A target "http://HOST:PORT" is a vLLM server (remote.py): the draft runs here, the server verifies.
     local: a target engine folder of the same model, for the calls the server misses (exact fallback);
     remote: a RemoteConfig for the deadline, back-off and failure policy (its url is `target`).
-    spec: a SpeculationConfig in place of gamma, gamma_max, max_ngram, lookup and lookup_gamma.
+    spec: a SpeculationConfig in place of gamma, gamma_max, max_ngram, lookup, lookup_gamma and stop_below.
     draft_provider: where a draft engine folder runs (default: the target's provider, or 'cpu' where that is a
     native provider and the draft folder has no native weights): e.g. a cuda-native target with a cpu-native draft."""
-    spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram)
+    spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram, stop_below)
     gamma, lookup = spec.gamma, spec.lookup
     provider = provider or default_provider()
     if is_url(target):

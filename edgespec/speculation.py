@@ -132,8 +132,8 @@ def _gamma_arg(v: str):
 
 def speculation_flags(p: argparse.ArgumentParser, kind: str = "text", lookup: int = 0, lookup_gamma: int = 0) -> None:
     """The flags that make a SpeculationConfig (`from_args`), for every CLI that speculates: text (--gamma,
-    --gamma-max, --lookup, --lookup-gamma, with these lookup defaults) or a policy (--mode, --radius, --gamma,
-    --stop-below)."""
+    --gamma-max, --lookup, --lookup-gamma, with these lookup defaults, --stop-below) or a policy (--mode,
+    --radius, --gamma, --stop-below)."""
     if kind == "policy":
         p.add_argument("--mode", choices=list(ACCEPTANCE), default="greedy")
         p.add_argument("--radius", type=int, default=5, help="relaxed: bins a draft token may be off")
@@ -156,10 +156,14 @@ def speculation_flags(p: argparse.ArgumentParser, kind: str = "text", lookup: in
     p.add_argument("--lookup-gamma", type=int, default=lookup_gamma, metavar="G",
                    help=f"with --lookup: the most proposals a round drafted by lookup makes (0..{LOOKUP_GAMMA_LIMIT}; "
                         f"0: γ). Lookup proposals cost no draft call, so they may run past the model's γ")
+    p.add_argument("--stop-below", type=float, default=0.0, metavar="P",
+                   help="with a draft engine or the text head: stop a round's drafting after a proposal the draft "
+                        "gives a probability below P (0: always γ)")
 
 
 def from_args(args: argparse.Namespace, kind: str = "text") -> SpeculationConfig:
     """The SpeculationConfig of speculation_flags' flags (checked: ValueError says what is wrong)."""
     if kind == "policy":
         return PolicyConfig(args.mode, args.radius, args.gamma, args.stop_below, args.last_chunk)
-    return SpeculationConfig(args.gamma, args.gamma_max, args.lookup, args.lookup_gamma)
+    return SpeculationConfig(args.gamma, args.gamma_max, args.lookup, args.lookup_gamma,
+                             stop_below=getattr(args, "stop_below", 0.0))

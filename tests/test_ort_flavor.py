@@ -237,12 +237,19 @@ def test_text_head_drafts_from_the_engines_hidden_state_and_greedy_output_is_pla
     export_engine(ckpt, eng, max_context=96, hidden=True, progress=False)
     assert (eng / "text_head.npz").read_bytes() == (ckpt / "text_head.npz").read_bytes()
     plain, head = edgespec.load(eng), edgespec.load(eng, draft="head", gamma=gamma)
-    drafted = 0
+    unsure = edgespec.load(eng, draft="head", gamma=gamma, stop_below=0.9)  # a random head is rarely this sure
+    drafted, per_round = 0, {}
     for p in ([1, 2, 3], [7, 7, 7, 7, 9], list(range(20, 40))):
-        out = head.generate(p, max_new_tokens=24)
-        assert out.token_ids == plain.generate(p, max_new_tokens=24).token_ids
-        drafted += out.stats.drafted
+        want = plain.generate(p, max_new_tokens=24).token_ids
+        for name, gen in (("head", head), ("unsure", unsure)):
+            out = gen.generate(p, max_new_tokens=24)
+            assert out.token_ids == want
+            d, r = per_round.get(name, (0, 0))
+            per_round[name] = (d + out.stats.drafted, r + out.stats.rounds)
+        drafted = per_round["head"][0]
     assert drafted > 0
+    rate = {k: d / r for k, (d, r) in per_round.items()}  # proposals a round
+    assert rate["unsure"] < 1.1 and (gamma == "auto" or rate["unsure"] < rate["head"] - 0.5), rate  # auto: γ 0-3
     seen = []
     gen = edgespec.load(eng, draft="head", gamma=3)
     real = gen._drafter

@@ -589,3 +589,38 @@ def test_a_native_draft_gets_the_targets_threads_and_an_ort_draft_one():
     assert draft_threads_for("cpu-native", None, 2) == 2  # one shared pool: no fight for the cores
     assert draft_threads_for("cpu", None, 2) == DRAFT_THREADS == 1  # a second ORT pool would fight the target's
     assert draft_threads_for("cpu-native", 1, 2) == 1 and draft_threads_for("cpu", 3, 2) == 3  # the caller's choice
+
+
+def test_a_dynamic_stop_drafts_less_and_decodes_exactly(tiny_engines, plain):
+    """stop_below on a text draft model (load's keyword, the CLI's --stop-below): a round stops drafting after a
+    proposal the draft is unsure of, so fewer proposals a round, and the output stays the plain one on the lean
+    loop (one prompt), the generic round (a batch) and with lookup first; a draft with no confidence is refused."""
+    ps = prompts(12)
+    kw = dict(draft=tiny_engines["noisy"], gamma=6)
+    full, stop = edgespec.load(tiny_engines["target"], **kw), edgespec.load(tiny_engines["target"], stop_below=0.6, **kw)
+    looked = edgespec.load(tiny_engines["target"], stop_below=0.6, lookup=2, **kw)
+    per_round = {"full": [0, 0], "stop": [0, 0]}
+    for p in ps:
+        want = plain.generate(p, max_new_tokens=24).token_ids
+        for name, gen in (("full", full), ("stop", stop)):
+            out = gen.generate(p, max_new_tokens=24)
+            assert out.token_ids == want
+            per_round[name][0] += out.stats.drafted
+            per_round[name][1] += out.stats.rounds
+        assert looked.generate(p, max_new_tokens=24).token_ids == want
+    assert per_round["stop"][0] / per_round["stop"][1] < per_round["full"][0] / per_round["full"][1] - 0.5
+    assert [o.token_ids for o in stop.generate(ps, max_new_tokens=16)] == \
+        [plain.generate(p, max_new_tokens=16).token_ids for p in ps]
+    with pytest.raises(ValueError, match="stop_below=0.6 stops a draft model's or the text head's run.*'ngram'"):
+        edgespec.load(tiny_engines["target"], draft="ngram", stop_below=0.6)
+    with pytest.raises(ValueError, match="stop_below must be a probability in \\[0, 1\\), got 1.5"):
+        edgespec.load(tiny_engines["target"], stop_below=1.5, **kw)
+
+
+def test_the_text_flags_carry_the_dynamic_stop():
+    import argparse
+    from edgespec.speculation import from_args, speculation_flags
+    p = argparse.ArgumentParser()
+    speculation_flags(p)
+    assert from_args(p.parse_args(["--stop-below", "0.3"])).stop_below == 0.3
+    assert from_args(p.parse_args([])).stop_below == 0.0
