@@ -597,7 +597,8 @@ def test_a_dynamic_stop_drafts_less_and_decodes_exactly(tiny_engines, plain):
     loop (one prompt), the generic round (a batch) and with lookup first; a draft with no confidence is refused."""
     ps = prompts(12)
     kw = dict(draft=tiny_engines["noisy"], gamma=6)
-    full, stop = edgespec.load(tiny_engines["target"], **kw), edgespec.load(tiny_engines["target"], stop_below=0.6, **kw)
+    full = edgespec.load(tiny_engines["target"], **kw)
+    stop = edgespec.load(tiny_engines["target"], stop_below=0.6, **kw)
     looked = edgespec.load(tiny_engines["target"], stop_below=0.6, lookup=2, **kw)
     per_round = {"full": [0, 0], "stop": [0, 0]}
     for p in ps:
