@@ -150,25 +150,28 @@ static float reduce8(const float *l) { return ((l[0] + l[1]) + (l[2] + l[3])) + 
    bench/bench_products.py measures a machine). */
 static _Atomic int pf_rows = 1;
 
+/* whether this is an AMD x86 CPU: the per-CPU defaults below follow how its hardware prefetcher behaved */
+static int cpu_is_amd(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+#else
+    return 0;
+#endif
+}
+
 /* rows <= 0: this CPU's default (7 on AMD, else 1); -> the value now in force */
 int es_set_prefetch_rows(int rows) {
-    if (rows <= 0) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_cpu_init();
-        rows = __builtin_cpu_is("amd") ? 7 : 1;
-#else
-        rows = 1;
-#endif
-    }
+    if (rows <= 0) rows = cpu_is_amd() ? 7 : 1;
     atomic_store(&pf_rows, rows);
     return rows;
 }
 
 int es_prefetch_rows(void) { return atomic_load(&pf_rows); }
 
-/* Panels a one-row int4 product streams per pass in the AVX-512 VNNI kernel (es_set_q4_row_panels; qpanels_for).
-   One panel is one address sequence, which AMD's hardware prefetcher follows best; Intel's keeps four interleaved
-   streams fed and then reads faster (bench/results/NOTES.md, "one panel at a time" and "int4 one-row panels"). */
+/* Panels a one-row int4 product streams per pass in the x86 kernels (es_set_q4_row_panels; qpanels_for). One panel
+   is one address sequence, which AMD's hardware prefetcher follows best; Intel's keeps four interleaved streams fed
+   and then reads faster (bench/results/NOTES.md, "one panel at a time" and "int4 one-row panels"). */
 static _Atomic int q4_row1 = 1;
 int es_q4_row_panels(void);
 
@@ -176,15 +179,7 @@ int es_q4_row_panels(void);
    now in force (1 in builds whose integer kernel streams one panel at a time: Arm, portable C) */
 int es_set_q4_row_panels(int n) {
     if (n > 0 && n != 1 && n != 2 && n != 4) return -1;
-    if (n <= 0) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_cpu_init();
-        n = __builtin_cpu_is("amd") ? 1 : 4;
-#else
-        n = 1;
-#endif
-    }
-    atomic_store(&q4_row1, n);
+    atomic_store(&q4_row1, n > 0 ? n : cpu_is_amd() ? 1 : 4);
     return es_q4_row_panels();
 }
 
