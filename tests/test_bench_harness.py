@@ -29,3 +29,18 @@ def test_failed_rows_stay_in_the_table():
               "command": "x"}
     md = markdown(report)
     assert "| bad | failed: ImportError: onnxruntime_genai" in md and "| ok | 10.0 (9.0–11.0)" in md
+
+
+def test_results_name_the_cpu_vendor_and_the_flags_that_pick_the_kernels():
+    """bench/lib/host.machine(): the vendor (the native step's per-CPU defaults follow it) and which of the
+    kernel-picking flags the CPU lists, so results from different machines can be told apart."""
+    import platform
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lib"))
+    import host
+    m = host.machine()
+    text = Path("/proc/cpuinfo").read_text()
+    line = next(ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features"))
+    listed = set(line.split(":", 1)[1].split())
+    assert m["kernel_flags"] == [f for f in host.KERNEL_FLAGS if f in listed]
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert f"vendor_id\t: {m['vendor']}" in text

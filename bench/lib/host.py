@@ -24,17 +24,26 @@ MEMBW_SRC = Path(__file__).resolve().parent / "membw.c"
 MEMBW_WORK = ROOT / ".cache" / "realsize"  # where the compiled read loop is kept, once per source version
 
 
+# the CPU flags that pick the native step's kernels (native_step.c): AVX-512 VNNI, AVX2, Arm's dot product
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "amx_tile", "asimddp", "fphp")
+
+
+def _cpuinfo(field: str) -> str | None:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.split(":")[0].strip() == field)
+    except (OSError, StopIteration):
+        return None
+
+
 def machine() -> dict:
-    """CPU model, core count and the versions a result depends on."""
+    """CPU model, vendor and the flags that pick the native step's kernels and per-CPU defaults (AMD: int4 rows
+    stream one panel, prefetch from 7 rows), core count and the versions a result depends on."""
     import edgespec
     import onnxruntime as ort
-    cpu = "unknown"
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "onnxruntime": ort.__version__, "edgespec": edgespec.__version__,
+    flags = set((_cpuinfo("flags") or _cpuinfo("Features") or "").split())
+    return {"cpu": _cpuinfo("model name") or "unknown", "vendor": _cpuinfo("vendor_id") or platform.machine(),
+            "kernel_flags": [f for f in KERNEL_FLAGS if f in flags], "cores": os.cpu_count(),
+            "python": platform.python_version(), "onnxruntime": ort.__version__, "edgespec": edgespec.__version__,
             "edgespec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EDGESPEC_")}}
 
 
