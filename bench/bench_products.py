@@ -11,7 +11,8 @@ every pass reads DRAM), one call per matrix, for each weight kind and row count.
 own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight stream asks for; 0 asks for the line
 being read, which leaves the hardware prefetcher alone), and so does each --panels-row1 value (`-DES_QPANELS_ROW1=n`:
 the panels a one-row integer product computes per pass, each its own weight stream; 0 leaves the library's own
-choice per kind; float16 products ignore it), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
+choice per kind and CPU, es_set_q4_row_panels; float16 products ignore it, and so do the AVX2 build's int8
+products, which stream one panel), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
 portable C kernels, haswell AVX2 without AVX-512); the variants, kinds and row counts are interleaved within
 each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
 beside --out.
