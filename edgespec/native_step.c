@@ -796,121 +796,104 @@ static int qpanels_for(int kind, int R) {
      int8: u is q + 128 with q in -127..127 (quantize_blocks), so q = u ^ 0x80 as int8 and maddubs(|x|, sign(q, x))
            adds two q x products (at most 2 x 127 x 127 = 32258), widened to int32 at once; the sum of q x is the
            AVX-512 kernel's -128 sum(x) + sum(u x). */
-/* RT (1..4, a constant at each call) rows over one panel: each group's weights are loaded and unpacked once for
-   the RT rows. outs[r]: row r's 16 outputs. */
-static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const *xq, const float *const *dx,
-                                                             const int32_t *const *xs, const int RT, const uint8_t *p,
-                                                             int64_t nb, int kind, float *const *outs) {
-    const int64_t bb = block_bytes(kind);
+/* RT rows over NP consecutive panels (constants at each call, RT x NP <= 4): each group's weights are loaded and
+   unpacked once for the RT rows, and the NP panels' groups are interleaved, so NP address streams are read at once
+   (one int4 row: es_set_q4_row_panels). outs[r] + 16 q: row r's outputs of panel q. */
+static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *const *xq, const float *const *dx,
+                                                                const int32_t *const *xs, const int RT,
+                                                                const uint8_t *p, const int NP, int64_t nb, int kind,
+                                                                float *const *outs) {
+    const int64_t bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const int32_t off = weight_offset(kind);
     const int pf = PF_ON(RT);
-    __m256 t0[4], t1[4]; /* columns 0..7, 8..15 */
-    for (int r = 0; r < RT; r++) t0[r] = t1[r] = _mm256_setzero_ps();
+    __m256 t0[4], t1[4]; /* [r NP + q]: columns 0..7, 8..15 */
+    for (int i = 0; i < RT * NP; i++) t0[i] = t1[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = p + b * bb;
         if (pf)
-            for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + o);
+            for (int q = 0; q < NP; q++)
+                for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + q * ps + o);
         __m256i a0[4], a1[4];
         if (kind == ES_Q8) {
-            for (int r = 0; r < RT; r++) a0[r] = a1[r] = _mm256_setzero_si256();
-            for (int g = 0; g < QB / 4; g++) {
-                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 32 + g * 64)), flip);
-                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 64 + g * 64)), flip);
-                for (int r = 0; r < RT; r++) {
-                    int32_t x4;
-                    memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
-                    const __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
-                    const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
-                    const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
-                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(p0, ones));
-                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(p1, ones));
+            for (int i = 0; i < RT * NP; i++) a0[i] = a1[i] = _mm256_setzero_si256();
+            for (int g = 0; g < QB / 4; g++)
+                for (int q = 0; q < NP; q++) {
+                    const uint8_t *w = blk + q * ps + 32 + g * 64;
+                    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w), flip);
+                    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), flip);
+                    for (int r = 0; r < RT; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
+                        const __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
+                        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv));
+                        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv));
+                        a0[r * NP + q] = _mm256_add_epi32(a0[r * NP + q], _mm256_madd_epi16(p0, ones));
+                        a1[r * NP + q] = _mm256_add_epi32(a1[r * NP + q], _mm256_madd_epi16(p1, ones));
+                    }
                 }
-            }
         } else {
             __m256i s0[4], s1[4]; /* int16 pairs */
-            for (int r = 0; r < RT; r++) s0[r] = s1[r] = _mm256_setzero_si256();
-            for (int g = 0; g < QB / 8; g++) {
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + 32 + g * 64));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + 64 + g * 64));
-                const __m256i l0 = _mm256_and_si256(w0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-                const __m256i l1 = _mm256_and_si256(w1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
-                for (int r = 0; r < RT; r++) {
-                    int32_t x0, x1;
-                    memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
-                    memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
-                    const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
-                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1));
-                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1));
-                    s0[r] = _mm256_add_epi16(s0[r], p0);
-                    s1[r] = _mm256_add_epi16(s1[r], p1);
+            for (int i = 0; i < RT * NP; i++) s0[i] = s1[i] = _mm256_setzero_si256();
+            for (int g = 0; g < QB / 8; g++)
+                for (int q = 0; q < NP; q++) {
+                    const uint8_t *w = blk + q * ps + 32 + g * 64;
+                    const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+                    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                    const __m256i l0 = _mm256_and_si256(w0, low4), l1 = _mm256_and_si256(w1, low4);
+                    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
+                    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
+                    for (int r = 0; r < RT; r++) {
+                        int32_t x0, x1;
+                        memcpy(&x0, xq[r] + b * QB + 8 * g, 4);
+                        memcpy(&x1, xq[r] + b * QB + 8 * g + 4, 4);
+                        const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
+                        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0),
+                                                            _mm256_maddubs_epi16(h0, v1));
+                        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0),
+                                                            _mm256_maddubs_epi16(h1, v1));
+                        s0[r * NP + q] = _mm256_add_epi16(s0[r * NP + q], p0);
+                        s1[r * NP + q] = _mm256_add_epi16(s1[r * NP + q], p1);
+                    }
                 }
-            }
             for (int r = 0; r < RT; r++) {
                 const __m256i start = _mm256_set1_epi32(-off * xs[r][b]);
-                a0[r] = _mm256_add_epi32(start, _mm256_madd_epi16(s0[r], ones));
-                a1[r] = _mm256_add_epi32(start, _mm256_madd_epi16(s1[r], ones));
+                for (int q = 0; q < NP; q++) {
+                    a0[r * NP + q] = _mm256_add_epi32(start, _mm256_madd_epi16(s0[r * NP + q], ones));
+                    a1[r * NP + q] = _mm256_add_epi32(start, _mm256_madd_epi16(s1[r * NP + q], ones));
+                }
             }
         }
-        const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        for (int r = 0; r < RT; r++) {
-            const __m256 d = _mm256_set1_ps(dx[r][b]);
-            t0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(d, sc0), t0[r]);
-            t1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(d, sc1), t1[r]);
-        }
-    }
-    for (int r = 0; r < RT; r++) {
-        _mm256_storeu_ps(outs[r], t0[r]);
-        _mm256_storeu_ps(outs[r] + 8, t1[r]);
-    }
-}
-
-/* One int4 row over NP (2 or 4) consecutive panels, their groups interleaved so that NP address streams are read at
-   once; each panel's sums and float chain are qrows_avx2's for one row, so the same bits. out: NP x 16 outputs. */
-static inline __attribute__((always_inline)) void q4row_avx2(const int8_t *xq, const float *dx, const int32_t *xs,
-                                                             const uint8_t *p, const int NP, int64_t nb, float *out) {
-    const int64_t ps = nb * Q4_BLOCK; /* bytes per panel */
-    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    const int pf = PF_ON(1);
-    __m256 t0[4], t1[4]; /* per panel: columns 0..7, 8..15 */
-    for (int q = 0; q < NP; q++) t0[q] = t1[q] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = p + b * Q4_BLOCK;
-        if (pf)
-            for (int q = 0; q < NP; q++)
-                for (int64_t o = 0; o <= Q4_BLOCK; o += 64) ES_PF(blk + q * ps + o);
-        __m256i s0[4], s1[4]; /* int16 pairs */
-        for (int q = 0; q < NP; q++) s0[q] = s1[q] = _mm256_setzero_si256();
-        for (int g = 0; g < QB / 8; g++) {
-            int32_t x0, x1;
-            memcpy(&x0, xq + b * QB + 8 * g, 4);
-            memcpy(&x1, xq + b * QB + 8 * g + 4, 4);
-            const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
-            for (int q = 0; q < NP; q++) {
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(blk + q * ps + 32 + g * 64));
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(blk + q * ps + 64 + g * 64));
-                const __m256i l0 = _mm256_and_si256(w0, low4), h0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), low4);
-                const __m256i l1 = _mm256_and_si256(w1, low4), h1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), low4);
-                s0[q] = _mm256_add_epi16(s0[q], _mm256_add_epi16(_mm256_maddubs_epi16(l0, v0), _mm256_maddubs_epi16(h0, v1)));
-                s1[q] = _mm256_add_epi16(s1[q], _mm256_add_epi16(_mm256_maddubs_epi16(l1, v0), _mm256_maddubs_epi16(h1, v1)));
-            }
-        }
-        const __m256i start = _mm256_set1_epi32(-weight_offset(ES_Q4) * xs[b]);
-        const __m256 d = _mm256_set1_ps(dx[b]);
         for (int q = 0; q < NP; q++) {
             const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps)));
             const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps + 16)));
-            const __m256i a0 = _mm256_add_epi32(start, _mm256_madd_epi16(s0[q], ones));
-            const __m256i a1 = _mm256_add_epi32(start, _mm256_madd_epi16(s1[q], ones));
-            t0[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(d, sc0), t0[q]);
-            t1[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(d, sc1), t1[q]);
+            for (int r = 0; r < RT; r++) {
+                const __m256 d = _mm256_set1_ps(dx[r][b]);
+                const int i = r * NP + q;
+                t0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[i]), _mm256_mul_ps(d, sc0), t0[i]);
+                t1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[i]), _mm256_mul_ps(d, sc1), t1[i]);
+            }
         }
     }
-    for (int q = 0; q < NP; q++) {
-        _mm256_storeu_ps(out + q * PANEL, t0[q]);
-        _mm256_storeu_ps(out + q * PANEL + 8, t1[q]);
-    }
+    for (int r = 0; r < RT; r++)
+        for (int q = 0; q < NP; q++) {
+            _mm256_storeu_ps(outs[r] + q * PANEL, t0[r * NP + q]);
+            _mm256_storeu_ps(outs[r] + q * PANEL + 8, t1[r * NP + q]);
+        }
+}
+
+/* RT (1..4) rows over one panel: outs[r], row r's 16 outputs */
+static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const *xq, const float *const *dx,
+                                                             const int32_t *const *xs, const int RT, const uint8_t *p,
+                                                             int64_t nb, int kind, float *const *outs) {
+    qrows_avx2_np(xq, dx, xs, RT, p, 1, nb, kind, outs);
+}
+
+/* one int4 row over NP (2 or 4) panels: out, NP x 16 outputs */
+static inline __attribute__((always_inline)) void q4row_avx2(const int8_t *const *xq, const float *const *dx,
+                                                             const int32_t *const *xs, const uint8_t *p, const int NP,
+                                                             int64_t nb, float *out) {
+    qrows_avx2_np(xq, dx, xs, 1, p, NP, nb, ES_Q4, &out);
 }
 
 #define QROWS_KERNEL qrows_avx2 /* qrows below: up to 4 rows a call */
@@ -1020,8 +1003,8 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
     const int64_t nb = K / QB, ps = nb * block_bytes(kind);
 #ifdef Q4ROW_KERNEL
     if (R == 1 && kind == ES_Q4 && (np == 2 || np == 4)) {
-        if (np == 4) Q4ROW_KERNEL(xq[0], dx[0], xs[0], p, 4, nb, out);
-        else Q4ROW_KERNEL(xq[0], dx[0], xs[0], p, 2, nb, out);
+        if (np == 4) Q4ROW_KERNEL(xq, dx, xs, p, 4, nb, out);
+        else Q4ROW_KERNEL(xq, dx, xs, p, 2, nb, out);
         return;
     }
 #endif
