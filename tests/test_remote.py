@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import signal
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,17 @@ def test_serve_target_command_has_the_protocol_flags():
     assert argv[argv.index("--max-logprobs") + 1] == "-1" and plain.startswith("vllm serve ")
     with pytest.raises(FileNotFoundError, match="not a Hugging Face model folder"):
         serve.command(MODELS, port=8011, python="python3")
+
+
+def test_serve_target_setup_refuses_a_full_disk_before_pip_runs(tmp_path, monkeypatch):
+    """A fresh vLLM environment on a nearly full disk is refused by name, before pip fails midway."""
+    ran = []
+    monkeypatch.setattr(serve.subprocess, "run", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(serve.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100 * 2**30, 98 * 2**30,
+                                                                                      int(2.5 * 2**30)))
+    with pytest.raises(RuntimeError, match=r"2\.5 GiB free, and a fresh .*venv-vllm needs about 6 GiB"):
+        serve.setup_env(tmp_path / ".venv-vllm")
+    assert ran == []
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
