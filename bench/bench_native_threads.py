@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))  # the benches' shared helpers (bench/lib)
+
 
 def _spin(stop) -> None:  # a CPU-bound process: a busy loop until told to stop
     x = 0
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batches", default="1,4", help="quiet, default threads: ms per step at these batch sizes")
     a = ap.parse_args(argv)
+    from host import machine
 
     from edgespec.contract import Manifest
     from edgespec.backends import open_engine
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
               "engine": str(a.engine), "weights": info.get("weights", "float16"),
               "weight_bytes_per_token": info.get("weight_bytes_per_token"), "parameters": m.extra.get("parameters"),
               "tokens": a.tokens, "repeats": a.repeats, "rows": rows, "checks": checks, "batches": batches,
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
+              "machine": {**machine(), "platform": platform.platform(), "load_before": load_before,
                           "load_after": os.getloadavg()},
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1)}

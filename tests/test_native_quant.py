@@ -457,6 +457,7 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path, m
     assert [(x["hogs"], x["threads"]) for x in r["rows"]] == [(0, 1), (0, 2), (0, "auto")] and r["weights"] == "int4"
     assert r["rows"][2].get("auto_current", 1) in (1, os.cpu_count())  # absent on one core: no governor
     assert set(r["batches"]) == {"1", "2"} and "| auto, tok/s |" in out.with_suffix(".md").read_text()
+    assert {"cpu", "vendor", "kernel_flags", "load_before"} <= set(r["machine"])  # AMD and Intel defaults differ
 
 
 def test_the_profile_counts_each_job_of_a_call(quant_folders):
