@@ -139,6 +139,8 @@ def _check_text_args(args) -> None:
     from edgespec.generate import check_text
     if getattr(args, "prompt", None) is not None:
         check_text(args.prompt, "--prompt")
+    if getattr(args, "system", None) is not None:
+        check_text(args.system, "--system")
     for stop in getattr(args, "stop", None) or []:
         check_text(stop, "--stop")
 
@@ -160,6 +162,8 @@ def cmd_generate(args) -> int:
 
     if (args.prompt is None) == (args.batch_file is None):
         raise ValueError("give exactly one of --prompt TEXT or --batch-file FILE")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system goes with --chat (it is the conversation's system message)")
     _check_text_args(args)
     from .remote import RemoteConfig, is_url
     if (args.deadline is not None or args.local is not None) and not is_url(args.target):
@@ -170,8 +174,15 @@ def cmd_generate(args) -> int:
                         local=args.local, remote=remote, draft_provider=args.draft_provider)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, acceptance=args.acceptance, stop=args.stop or None)
+
+    def prompt_of(text):  # --chat: the text is the user's turn, through the checkpoint's chat template
+        if not args.chat:
+            return text
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        return gen.chat_ids(system + [{"role": "user", "content": text}])
+
     if args.batch_file is not None:
-        outs = gen.generate(_read_batch_file(args.batch_file), **kw)
+        outs = gen.generate([prompt_of(p) for p in _read_batch_file(args.batch_file)], **kw)
         if args.json:
             print(json.dumps({"results": [{"text": o.text, "token_ids": o.token_ids,
                                            "finish_reason": o.finish_reason} for o in outs],
@@ -182,12 +193,13 @@ def cmd_generate(args) -> int:
             print(_stats_line(outs[0].stats), file=sys.stderr)
         return 0
     if args.json:
-        o = gen.generate(args.prompt, **kw)
+        o = gen.generate(prompt_of(args.prompt), **kw)
         print(json.dumps({"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                           "stats": o.stats.to_dict()}))
         return 0
-    pieces = gen.stream(args.prompt, **kw)  # checks the prompt and settings before anything is printed
-    sys.stdout.write(args.prompt)
+    pieces = gen.stream(prompt_of(args.prompt), **kw)  # checks the prompt and settings before anything is printed
+    if not args.chat:  # a completion continues the prompt; a chat prints the reply alone
+        sys.stdout.write(args.prompt)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -316,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="draft engine folder, or 'ngram' (prompt lookup)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--batch-file", type=Path, default=None, help="one prompt per line, decoded as one batch")
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the engine's chat template (instruct models)")
+    p.add_argument("--system", default=None, help="with --chat: a system message before the user's")
     speculation_flags(p)
     provider_flag(p, draft=True)
     p.add_argument("--json", action="store_true", help="print one JSON object with ids, text and stats")

@@ -177,7 +177,7 @@ class Generator:
         if isinstance(prompt, str):
             if self.tok is None:
                 raise ValueError("this engine folder has no tokenizer.json; pass token ids instead of text")
-            ids = self.tok.encode(check_text(prompt))
+            ids = self.tok.encode_prompt(check_text(prompt))  # with the tokenizer's own BOS, as transformers
         else:
             ids = check_token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.target.manifest.vocab_size]
@@ -353,6 +353,29 @@ class Generator:
             pass
         out = [self._result(s, stats) for s in seqs]
         return out if batch else out[0]
+
+    def chat_ids(self, messages, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """A conversation ([{"role": "user", "content": "..."}, ...]) -> prompt ids through the checkpoint's chat
+        template (edgespec/chat.py), as transformers' apply_chat_template(..., tokenize=True) gives them.
+        template_kwargs reach the template (Qwen3: enable_thinking=False)."""
+        if self.tok is None:
+            raise ValueError(f"{self.target.dir}: chat needs a tokenizer.json and a chat template in the engine folder")
+        if self.tok.chat_template is None:
+            raise ValueError(f"{self.target.dir}: no chat template (expected chat_template.jinja, or chat_template in "
+                             f"tokenizer_config.json, copied by `edgespec export` from an instruct checkpoint); give "
+                             f"a text prompt to generate() instead")
+        text = self.tok.chat_template.render(messages, add_generation_prompt, **template_kwargs)
+        return self.encode(self.tok.encode(text))  # the template writes its own special tokens; checked as ids
+
+    def chat(self, messages, max_new_tokens: int = 128, template_kwargs: dict | None = None, **kwargs):
+        """The assistant's reply to a conversation -> GenerationResult (kwargs: generate()'s). It ends at the
+        checkpoint's end-of-turn token where its config or generation_config lists it among the EOS ids."""
+        return self.generate(self.chat_ids(messages, **(template_kwargs or {})), max_new_tokens, **kwargs)
+
+    def stream_chat(self, messages, max_new_tokens: int = 128, template_kwargs: dict | None = None,
+                    **kwargs) -> Iterator[str]:
+        """stream() of the assistant's reply to a conversation."""
+        return self.stream(self.chat_ids(messages, **(template_kwargs or {})), max_new_tokens, **kwargs)
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, acceptance: str | None = None,

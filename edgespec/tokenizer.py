@@ -4,23 +4,38 @@ from __future__ import annotations
 from itertools import groupby
 from pathlib import Path
 
+from .chat import ChatTemplate, read_tokenizer_config, special_tokens
 from .contract import EngineError, Manifest
 
 
 class TextTokenizer:
+    """tokenizer.json with what tokenizer_config.json beside it says: the special tokens a prompt starts or ends
+    with, and the chat template (edgespec/chat.py)."""
+
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
         self.path = Path(path)
         self.tok = Tokenizer.from_file(str(self.path))
         self.size = self.tok.get_vocab_size(with_added_tokens=True)  # ids 0..size-1 decode
+        self.config = read_tokenizer_config(self.path.parent)
+        self.special = special_tokens(self.config, str(self.path.parent / "tokenizer_config.json"))
+        self.chat_template = ChatTemplate.from_folder(self.path.parent, self.config)
 
     @classmethod
     def from_engine(cls, engine_dir: Path, manifest: Manifest) -> "TextTokenizer | None":
         return cls(Path(engine_dir) / manifest.tokenizer_file) if manifest.tokenizer_file else None
 
     def encode(self, text: str) -> list[int]:
+        """The ids of `text` alone, no special tokens added (a rendered chat template writes its own)."""
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The ids of a text prompt as transformers' `tokenizer(text)` gives them: with the tokens tokenizer.json's
+        post-processor adds to every text (Llama 3's <|begin_of_text|>, Gemma's <bos>; Qwen's none). transformers 5
+        reads them from there alone: tokenizer_config.json's add_bos_token no longer changes them (a checkpoint
+        saved by transformers 4 wrote its post-processor from that flag)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids) -> str:
         """The text of `ids`. An id the tokenizer does not hold (a model whose vocabulary is padded past its

@@ -471,7 +471,35 @@ def read_config(ckpt_dir: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    eos = generation_eos(ckpt_dir)
+    if eos is not None:  # what transformers' generate() stops at
+        cfg = {**cfg, "eos_token_id": eos}
     return cfg
+
+
+def _eos_list(v, path: Path) -> list[int]:
+    if v is None:
+        return []
+    ids = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {v!r}")
+    return list(ids)
+
+
+def generation_eos(ckpt_dir: Path) -> list[int] | None:
+    """generation_config.json's eos_token_id as a list (None without the file or the field). transformers' generate()
+    stops at these, not at config.json's, where the file has them; instruct checkpoints list their end-of-turn token
+    there (Qwen2.5's <|im_end|> beside <|endoftext|>), so read_config takes them in place of config.json's."""
+    path = Path(ckpt_dir) / "generation_config.json"
+    if not path.is_file():
+        return None
+    try:
+        gen = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(gen).__name__}")
+    return None if gen.get("eos_token_id") is None else _eos_list(gen["eos_token_id"], path)
 
 
 def weight_files(ckpt_dir: Path) -> list[Path]:

@@ -14,8 +14,8 @@ every gate passed, so a failed or interrupted export never leaves a folder that 
   0) nothing, when memory.py's estimate of the export's peak exceeds the memory it may use (refused)
   1) model.onnx (fp32; model.fp32.onnx while a variant is made), its weights streamed layer by layer into
      model.onnx.data beside it when they exceed EXTERNAL_DATA_BYTES (ONNX's protobuf stops at 2 GB)
-  2) tokenizer.json / tokenizer_config.json copied from the checkpoint (if present), and with --hidden its
-     text draft head (text_head.npz, export/training/train_text_head.py), if present
+  2) tokenizer.json / tokenizer_config.json / chat_template.jinja copied from the checkpoint (if present), and
+     with --hidden its text draft head (text_head.npz, export/training/train_text_head.py), if present
   3) embedding.npy (inputs_embeds engines only: the token table, to embed ids on the host)
   4) gates on the fp32 graph: parity vs the reference, verify vs single steps (validate.py: 1e-4 of the
      logits' scale, top-1 beside it); the reference's logits are taken first and the checkpoint is then let
@@ -44,7 +44,8 @@ from .validate import (ROLES, agreement, calibration_rows, parity_gate, parity_r
 
 DEFAULT_MAX_CONTEXT = 2048
 FLAVOR_CHOICES = ("auto",) + C.FLAVORS  # auto: ort where GroupQueryAttention runs the shape, else portable
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")  # an instruct checkpoint's conversation format (edgespec/chat.py)
 
 
 def resolve_max_context(spec: ModelSpec, max_context: int | None) -> int:

@@ -64,7 +64,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_TARGET = REPO / "models" / "demo-target"
 DEMO_DRAFT = REPO / "models" / "demo-draft"
 DEFAULT_OUT = REPO / ".cache" / "standins"
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                "chat_template.jinja")
 # RoPE types whose inv_freq is an elementwise function of theta^(-2i/D): a larger head_dim maps exactly. Not
 # "dynamic" (its rescaled base depends on D beyond the original context) nor "yarn" (its ramp is in index units).
 EXACT_ROPE_TYPES = ("default", "linear", "llama3")

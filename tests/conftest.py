@@ -76,6 +76,18 @@ def char_tokenizer_json(path, eos="\n"):
     tok.save(str(path))
 
 
+def set_eos(ckpt, eos):
+    """The checkpoint's EOS in config.json and in generation_config.json (which save_pretrained writes from the
+    config, and which transformers' generate() and the exporter read in place of config.json's)."""
+    import json
+    for name in ("config.json", "generation_config.json"):
+        path = ckpt / name
+        if path.is_file():
+            cfg = json.loads(path.read_text())
+            cfg["eos_token_id"] = eos
+            path.write_text(json.dumps(cfg))
+
+
 def _noisy_copy(src, dst, scale, seed):
     """A draft checkpoint: the target's weights plus Gaussian noise (partial, position-dependent acceptance)."""
     import shutil
@@ -98,9 +110,7 @@ def tiny_engines(tmp_path_factory):
     ck = root / "ckpt"
     make_checkpoint("llama", ck / "target", seed=11)
     char_tokenizer_json(ck / "target" / "tokenizer.json")
-    cfg = json.loads((ck / "target" / "config.json").read_text())
-    cfg["eos_token_id"] = 95
-    (ck / "target" / "config.json").write_text(json.dumps(cfg))
+    set_eos(ck / "target", 95)
     _noisy_copy(ck / "target", ck / "noisy", 0.05, seed=3)
     char_tokenizer_json(ck / "noisy" / "tokenizer.json")
     other = transformers.LlamaConfig(**{**TINY, "vocab_size": 128})

@@ -1,14 +1,13 @@
 """Provider cpu-native (edgespec/backends/native.py, native_step.c) against the ONNX Runtime engine of the same folder."""
 from __future__ import annotations
 
-import json
 import platform
 import shutil
 
 import numpy as np
 import pytest
 
-from conftest import char_tokenizer_json
+from conftest import char_tokenizer_json, set_eos
 
 import edgespec
 from edgespec.contract import EngineError, Manifest
@@ -36,9 +35,7 @@ def _f16_checkpoint(path, seed, heads=4, kv_heads=2, hidden=128):
             p.copy_(p.normal_(0, 0.2).half().float())
     model.save_pretrained(path, safe_serialization=True)
     char_tokenizer_json(path / "tokenizer.json")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["eos_token_id"] = 95
-    (path / "config.json").write_text(json.dumps(cfg))
+    set_eos(path, 95)
 
 
 @pytest.fixture(scope="module")
