@@ -41,7 +41,7 @@ Stats = RoundStats  # the public API's name for a generation's statistics
 
 @dataclass
 class GenerationResult:
-    text: str
+    text: str  # token_ids' text, less a final EOS that is a special token of the tokenizer (a reply's end of turn)
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "capacity"
     stats: RoundStats
@@ -317,7 +317,10 @@ class Generator:
 
     def _result(self, s: Sequence, stats: RoundStats) -> GenerationResult:
         ids = s.ctx[len(s.prompt):]
-        text = self.tok.decode(ids) if self.tok is not None else ""
+        shown = ids  # the text leaves out an EOS that is a control token (<|im_end|>, <|endoftext|>): not text
+        if s.finish == "eos" and self.tok is not None and ids and ids[-1] in self.tok.control:
+            shown = ids[:-1]
+        text = self.tok.decode(shown) if self.tok is not None else ""
         if s.text_len is not None:
             text = text[:s.text_len]
         return GenerationResult(text, ids, s.finish or "length", stats)

@@ -18,6 +18,7 @@ class TextTokenizer:
         self.path = Path(path)
         self.tok = Tokenizer.from_file(str(self.path))
         self.size = self.tok.get_vocab_size(with_added_tokens=True)  # ids 0..size-1 decode
+        self.control = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}  # special ids
         self.config = read_tokenizer_config(self.path.parent)
         self.special = special_tokens(self.config, str(self.path.parent / "tokenizer_config.json"))
         self.chat_template = ChatTemplate.from_folder(self.path.parent, self.config)

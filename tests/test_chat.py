@@ -271,6 +271,29 @@ def test_a_chat_through_an_exported_engine_equals_transformers_generate(instruct
     spec = edgespec.load(out, draft="ngram").chat(messages, max_new_tokens=24)
     assert spec.token_ids == want
     assert "".join(gen.plain().stream_chat(messages, max_new_tokens=24)) == plain.text
+    assert plain.text == gen.tok.decode(want[:-1] if end in gen.tok.control else want)
+
+
+def test_a_reply_ending_at_a_special_eos_leaves_it_out_of_the_text(instruct, tmp_path):
+    """An end of turn that is a special token (<|im_end|>) is not text: token_ids end with it, .text and the stream
+    do not. Here the model's end of turn is a character; marked special, it is left out of the text."""
+    from tokenizers import AddedToken, Tokenizer
+    _, _, out, messages, end = instruct
+    before = edgespec.load(out).plain().chat(messages, max_new_tokens=24)
+    special = tmp_path / "special"
+    shutil.copytree(out, special)
+    tok = Tokenizer.from_file(str(special / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(CHARS[end], special=True, normalized=False)])
+    tok.save(str(special / "tokenizer.json"))
+    m = json.loads((special / "engine.json").read_text())
+    m["tokenizer_sha256"] = file_sha256(special / "tokenizer.json")
+    (special / "engine.json").write_text(json.dumps(m))
+    gen = edgespec.load(special).plain()
+    assert end in gen.tok.control and gen.chat_ids(messages) == edgespec.load(out).chat_ids(messages)
+    after = gen.chat(messages, max_new_tokens=24)
+    assert after.token_ids == before.token_ids and after.finish_reason == "eos"
+    assert before.text.endswith(CHARS[end]) and after.text == before.text[:-1]
+    assert "".join(gen.stream_chat(messages, max_new_tokens=24)) == after.text
 
 
 def test_the_cli_chats_through_the_template(instruct, capsys):
