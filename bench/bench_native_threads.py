@@ -99,7 +99,6 @@ def main(argv=None) -> int:
 
     from edgespec.contract import Manifest
     from edgespec.backends import open_engine
-    from edgespec.backends.threads import ThreadGovernor
 
     threads = [t if t == "auto" else int(t) for t in a.threads.split(",")]
     hogs = [int(h) for h in a.hogs.split(",")]
@@ -140,7 +139,7 @@ def main(argv=None) -> int:
     if gov is not None:  # quiet again: start where a newly opened engine starts. The hog blocks leave the governor
         # on the count it chose last, and it probes the other count only every probe_every calls of a shape,
         # more calls than this phase makes.
-        engines[default].governor = ThreadGovernor(gov.most, gov.config)
+        engines[default].governor = gov.fresh()
     for r in range(3):  # quiet, at the default thread count; batch sizes interleaved
         for b in [int(x) for x in a.batches.split(",")]:
             batch_ms.setdefault(b, []).append(batch_step_ms(engines[default], b))

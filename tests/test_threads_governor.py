@@ -166,3 +166,75 @@ def test_a_native_decoder_runs_each_call_on_the_governors_count_and_gets_the_sam
     assert [(sh, t) for sh, t, _ in auto.governor.seen] == [((1, 7), 2), ((1, 1), 1), ((1, 1), 2), ((1, 3), 1),
                                                             ((1, 1), 2)]
     assert all(sec > 0 for _, _, sec in auto.governor.seen)
+
+
+class FakeMachine:
+    """A clock and the machine's cumulative idle CPU-seconds, advanced by each call: idle_rate(i, threads) cores
+    idle while call i runs on `threads`."""
+
+    def __init__(self):
+        self.now, self.idle = 0.0, 0.0
+
+    def run(self, gov, calls, cost, idle_rate, shape=(1, 1)) -> list[int]:
+        used = []
+        for i in range(calls):
+            t = gov.threads(shape)
+            dt = cost(t, i)
+            self.now += dt
+            self.idle += idle_rate(i, t) * dt
+            gov.observe(shape, t, dt)
+            used.append(t)
+        return used
+
+
+def _back_to_two(used, start):
+    return next(i for i in range(start, len(used)) if used[i:i + 16] == [2] * 16)
+
+
+def test_idle_cores_bring_it_back_up_before_the_next_probe():
+    """A neighbour holds a core for calls 0..239 (one thread is faster beside it), then stops, 40 calls after the
+    last probe. With the machine's idle time watched, the governor finds the free core within a window or two;
+    without, at its next probe."""
+    end = 240  # the regular probes of two (losing beside the neighbour) run at calls 132-134 and 199-201
+    cost = lambda t, i: (0.012 if t == 2 else 0.009) if i < end else (0.007 if t == 2 else 0.009)  # noqa: E731
+    idle_rate = lambda i, t: 0.0 if i < end else 2.0 - t  # noqa: E731  (the neighbour's core, then free)
+    backs = {}
+    for watched in (True, False):
+        m = FakeMachine()
+        gov = ThreadGovernor(2, GovernorConfig(probe_every=64), idle_seconds=(lambda: m.idle) if watched else None,
+                             clock=lambda: m.now)
+        used = m.run(gov, 600, cost, idle_rate)
+        assert used[64:68] == [1] * 4 and gov.current((1, 1)) == 2  # moved down at the first probe, back up later
+        assert used[68:end].count(2) == 2 * 3  # beside the neighbour: the two regular probes only, no idle ones
+        backs[watched] = _back_to_two(used, end)
+        assert gov.idle_probes == (1 if watched else 0)
+    assert backs[True] < end + 2 * 12 + 4  # within two 0.1 s windows of 9 ms calls, then the probe
+    assert backs[False] == 266  # the next regular probe: 64 calls after the last
+
+
+def test_idle_probes_that_lose_back_off_to_the_probe_schedule():
+    """A model whose calls are faster on one thread even on an idle machine: idle cores start probes of two, which
+    lose; each waits twice as long as the last, until the regular schedule comes first."""
+    m = FakeMachine()
+    cfg = GovernorConfig(probe_every=64, idle_window=0.005)
+    gov = ThreadGovernor(2, cfg, idle_seconds=lambda: m.idle, clock=lambda: m.now)
+    used = m.run(gov, 3000, lambda t, i: 0.0012 if t == 2 else 0.0010, lambda i, t: 2.0 - t)
+    assert gov.current((1, 1)) == 1 and gov.switches == 1
+    assert gov.idle_probes == 3  # after 8, 16 and 32 calls; then the regular probe at 64 comes first
+    assert used[1000:].count(2) <= 3 * (2000 // 64 + 1)  # from then on only the regular probes (3 calls each)
+
+
+def test_no_idle_probe_where_the_idle_time_cannot_be_read():
+    m = FakeMachine()
+    gov = ThreadGovernor(2, GovernorConfig(probe_every=64), idle_seconds=lambda: None, clock=lambda: m.now)
+    m.run(gov, 400, lambda t, i: 0.007 if t == 2 else 0.005 if i < 100 else 0.009, lambda i, t: 2.0 - t)
+    assert gov.idle_probes == 0 and gov._idle_seconds is None
+
+
+def test_the_engines_governor_watches_this_machines_idle_time():
+    gov = governor_for(None, 2, None)
+    assert gov.fresh()._idle_seconds is gov._idle_seconds is not None
+    from edgespec.backends.threads import machine_idle_seconds
+    assert machine_idle_seconds() > 0  # /proc/stat on the Linux machines the tests run on
+    with pytest.raises(ValueError, match="idle_share"):
+        GovernorConfig(idle_share=0)

@@ -15,12 +15,21 @@ any number of threads), only the time.
 Why a ladder and not just "every core or one": beside one busy process on 8 cores the best count is 7; one
 thread would be several times slower than either.
 
+A neighbour that stops is found sooner than the next probe: a shape on fewer threads than `most` watches the
+machine's idle time (/proc/stat, read at most every `idle_window` seconds) and, once at least `idle_share` of a
+core was idle per thread it could add, probes the next count up at once. Such a probe that loses (a model whose
+calls are faster on fewer threads even on idle cores) doubles the calls before the next one, up to probe_every,
+so it never probes more often than the regular schedule for long; a probe that wins resets it.
+
 A fixed count (threads=N, or $EDGESPEC_THREADS) takes no governor: NativeEngine runs every call on N.
 """
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -31,6 +40,8 @@ class GovernorConfig:
     probe_calls: int = 4  # calls per probe; their median is compared
     recent: int = 8  # the current count's last calls compared against a probe
     margin: float = 0.03  # the other count takes over when its median is this much faster
+    idle_window: float = 0.1  # seconds, at least, over which the machine's idle time is measured
+    idle_share: float = 0.5  # idle cores per thread a probe would add that start it before probe_every
 
     def __post_init__(self):
         if self.probe_every < 1:
@@ -41,6 +52,21 @@ class GovernorConfig:
             raise ValueError(f"recent: expected >= 1 call to compare a probe with, got {self.recent}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin: expected a fraction in [0, 1), got {self.margin}")
+        if not self.idle_window > 0:
+            raise ValueError(f"idle_window: expected seconds > 0, got {self.idle_window}")
+        if not 0.0 < self.idle_share <= 1.0:
+            raise ValueError(f"idle_share: expected a fraction in (0, 1], got {self.idle_share}")
+
+
+def machine_idle_seconds() -> float | None:
+    """Seconds all CPUs have spent idle since boot (/proc/stat's idle + iowait), or None where it cannot be read
+    (not Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def ladder(most: int) -> list[int]:
@@ -64,13 +90,18 @@ class _Shape:
     probing: int | None = None  # the count being probed
     turn: int = 0  # probes so far: which other count of the ladder the next one takes
     recent: deque = field(default_factory=deque)
+    idle_wait: int = 0  # calls on the current count before idle cores may start a probe up
+    idle_probe: bool = False  # the probe under way was started by idle cores
 
 
 class ThreadGovernor:
     """Chooses each native call's thread count among ladder(most) (calls of one shape measured against each other;
     shapes independent). Not thread-safe: one engine's calls come from one Python thread at a time."""
 
-    def __init__(self, most: int, config: GovernorConfig | None = None):
+    def __init__(self, most: int, config: GovernorConfig | None = None,
+                 idle_seconds: Callable[[], float | None] | None = None, clock: Callable[[], float] = time.monotonic):
+        """idle_seconds: the machine's cumulative idle CPU-seconds (machine_idle_seconds; None: no idle probes);
+        clock: seconds, monotonic (both injectable for tests)."""
         if most < 2:
             raise ValueError(f"a ThreadGovernor chooses between at least 2 threads and 1, got most={most}")
         self.most = most
@@ -78,12 +109,44 @@ class ThreadGovernor:
         self.config = config or GovernorConfig()
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self.switches = 0  # times a probe changed a shape's count (for benches and tests)
+        self.idle_probes = 0  # probes started by idle cores (for benches and tests)
+        self._idle_seconds, self._clock = idle_seconds, clock
+        self._mark: tuple[float, float] | None = None  # (clock, idle seconds) where the idle window began
+        self.idle_cores: float | None = None  # cores idle on average over the last whole window
+
+    def fresh(self) -> "ThreadGovernor":
+        """A governor with these settings and nothing measured (what a newly opened engine starts with)."""
+        return ThreadGovernor(self.most, self.config, self._idle_seconds, self._clock)
 
     def _state(self, shape: tuple[int, int]) -> _Shape:
         st = self._shapes.get(shape)
         if st is None:
-            st = self._shapes[shape] = _Shape(self.most, recent=deque(maxlen=self.config.recent))
+            st = self._shapes[shape] = _Shape(self.most, recent=deque(maxlen=self.config.recent),
+                                              idle_wait=self.config.recent)
         return st
+
+    def _idle(self) -> float | None:
+        """Idle cores over the last window of at least idle_window seconds (a new window starts when one ends)."""
+        if self._idle_seconds is None:
+            return None
+        now = self._clock()
+        if self._mark is None or now - self._mark[0] >= self.config.idle_window:
+            idle = self._idle_seconds()
+            if idle is None:  # unreadable: no idle probes from now on
+                self._idle_seconds = None
+                return None
+            if self._mark is not None:
+                self.idle_cores = (idle - self._mark[1]) / (now - self._mark[0])
+            self._mark = (now, idle)
+        return self.idle_cores
+
+    def _up(self, st: _Shape) -> int | None:
+        """The next count of the ladder above the current one, where idle cores say it would find a free core."""
+        if st.current >= self.most or st.since_probe < st.idle_wait:
+            return None
+        up = min(n for n in self.ladder if n > st.current)
+        idle = self._idle()
+        return up if idle is not None and idle >= self.config.idle_share * (up - st.current) else None
 
     def _next_probe(self, st: _Shape) -> int:
         """The other counts of the ladder in turn (2 cores: always the other one)."""
@@ -95,8 +158,12 @@ class ThreadGovernor:
     def threads(self, shape: tuple[int, int]) -> int:
         """The thread count for the next call of this (batch, S)."""
         st = self._state(shape)
-        if st.probing is None and st.since_probe >= self.config.probe_every and st.recent:
-            st.probing, st.probe = self._next_probe(st), []
+        if st.probing is None and st.recent:
+            if st.since_probe >= self.config.probe_every:
+                st.probing, st.probe = self._next_probe(st), []
+            elif (up := self._up(st)) is not None:
+                st.probing, st.probe, st.idle_probe = up, [], True
+                self.idle_probes += 1
         return st.probing if st.probing is not None else st.current
 
     def observe(self, shape: tuple[int, int], threads: int, seconds: float) -> None:
@@ -109,13 +176,18 @@ class ThreadGovernor:
             # more than half of probe_calls at or above the bar: the probe's median cannot get below it
             lost = sum(t >= bar for t in st.probe) > cfg.probe_calls // 2
             if lost or len(st.probe) >= cfg.probe_calls:
-                if not lost and np.median(st.probe) < bar:
+                won = not lost and np.median(st.probe) < bar
+                if won:
                     st.current = st.probing
                     st.recent.clear()
                     st.recent.extend(st.probe[-cfg.recent:])
                     self.switches += 1
                     st.turn = 0
-                st.probing, st.probe, st.since_probe = None, [], 0
+                if won:
+                    st.idle_wait = cfg.recent
+                elif st.idle_probe:  # idle cores did not make the count up faster: wait longer before the next
+                    st.idle_wait = min(2 * st.idle_wait, cfg.probe_every)
+                st.probing, st.probe, st.since_probe, st.idle_probe = None, [], 0, False
         elif threads == st.current:
             st.recent.append(seconds)
             st.since_probe += 1
@@ -130,4 +202,4 @@ def governor_for(asked: int | None, most: int, env_threads: str | None) -> Threa
     """A governor for an engine whose caller left the thread count open (asked None and no $EDGESPEC_THREADS,
     env_threads its value) and that may use `most` >= 2 threads; None where the count is fixed."""
     fixed = bool(asked) or int(env_threads or 0) > 0
-    return None if fixed or most < 2 else ThreadGovernor(most)
+    return None if fixed or most < 2 else ThreadGovernor(most, idle_seconds=machine_idle_seconds)
