@@ -460,6 +460,33 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path, m
     assert {"cpu", "vendor", "kernel_flags", "load_before"} <= set(r["machine"])  # AMD and Intel defaults differ
 
 
+def test_the_governor_recovery_bench_runs_both_governors_from_one_thread(quant_folders, tmp_path, monkeypatch,
+                                                                          capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_governor_recovery.py"
+    spec = importlib.util.spec_from_file_location("bench_governor_recovery", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    args = ["--engine", str(quant_folders[("llama3", "int4")][0]), "--out", str(out), "--steps", "6", "--repeats", "2"]
+    monkeypatch.setenv("EDGESPEC_THREADS", "2")
+    with pytest.raises(SystemExit):
+        bench.main(args)
+    assert "unset EDGESPEC_THREADS" in capsys.readouterr().err
+    monkeypatch.delenv("EDGESPEC_THREADS")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the engine opens without a governor")
+    assert bench.main(args) == 0
+    r = json.loads(out.read_text())
+    assert set(r["summary"]) == set(r["trials"]) == {"watched", "schedule"}
+    for k, trials in r["trials"].items():
+        assert len(trials) == 2 and all(t["threads"][0] == 1 and len(t["step_ms"]) == 6 for t in trials)
+    assert all(t["idle_probes"] == 0 for t in r["trials"]["schedule"])  # the schedule alone never reads idle time
+    assert "| watched |" in out.with_suffix(".md").read_text()
+
+
 def test_the_profile_counts_each_job_of_a_call(quant_folders):
     """One call of a 2-layer int4 model runs per layer 2 norms, 4 products (each after its input's quantize
     job), the cache rows and the attention, and the final norm, lm_head and argmax: the profile counts them."""

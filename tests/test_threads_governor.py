@@ -238,3 +238,12 @@ def test_the_engines_governor_watches_this_machines_idle_time():
     assert machine_idle_seconds() > 0  # /proc/stat on the Linux machines the tests run on
     with pytest.raises(ValueError, match="idle_share"):
         GovernorConfig(idle_share=0)
+
+
+def test_a_shape_started_on_one_thread_stays_there_until_a_probe_moves_it():
+    gov = ThreadGovernor(2, GovernorConfig(probe_every=16))
+    gov.start_on((1, 1), 1)
+    used = drive(gov, 40, lambda t, i: 0.007 if t == 2 else 0.009)
+    assert used[:16] == [1] * 16 and used[16:20] == [2] * 4 and gov.current((1, 1)) == 2
+    with pytest.raises(ValueError, match=r"one of the ladder \[2, 1\], got 3"):
+        gov.start_on((1, 1), 3)

@@ -118,6 +118,13 @@ class ThreadGovernor:
         """A governor with these settings and nothing measured (what a newly opened engine starts with)."""
         return ThreadGovernor(self.most, self.config, self._idle_seconds, self._clock)
 
+    def start_on(self, shape: tuple[int, int], threads: int) -> None:
+        """Put a shape on `threads` of the ladder with nothing measured, as after a probe that chose it (a bench's
+        starting point: where a neighbour that has just stopped left it)."""
+        if threads not in self.ladder:
+            raise ValueError(f"threads: expected one of the ladder {self.ladder}, got {threads}")
+        self._shapes[shape] = _Shape(threads, recent=deque(maxlen=self.config.recent), idle_wait=self.config.recent)
+
     def _state(self, shape: tuple[int, int]) -> _Shape:
         st = self._shapes.get(shape)
         if st is None:
