@@ -149,11 +149,13 @@ class ThreadGovernor:
 
     def _up(self, st: _Shape) -> int | None:
         """The next count of the ladder above the current one, where idle cores say it would find a free core."""
-        if st.current >= self.most or st.since_probe < st.idle_wait:
+        if st.current >= self.most:
+            return None
+        idle = self._idle()  # read while the shape waits too, so that a window has passed when the wait ends
+        if st.since_probe < st.idle_wait or idle is None:
             return None
         up = min(n for n in self.ladder if n > st.current)
-        idle = self._idle()
-        return up if idle is not None and idle >= self.config.idle_share * (up - st.current) else None
+        return up if idle >= self.config.idle_share * (up - st.current) else None
 
     def _next_probe(self, st: _Shape) -> int:
         """The other counts of the ladder in turn (2 cores: always the other one)."""
