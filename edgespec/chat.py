@@ -22,6 +22,7 @@ from .contract import EngineError
 TEMPLATE_FILE = "chat_template.jinja"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # a turn's reasoning, by the names templates read
 JINJA_MIN = (3, 1, 6)  # older versions have known sandbox escapes (transformers refuses them too)
 
 
@@ -124,8 +125,9 @@ def _compile(source: str, origin: str):
 
 def check_messages(messages) -> list[dict]:
     """A conversation: a non-empty list of dicts, each with a str `role` and `content` that is a str, a list of
-    content parts or absent (an assistant turn with tool calls only). Keys whose value is None are dropped, as
-    transformers drops them (templates handle a missing key, not a None)."""
+    content parts or absent (an assistant turn with tool calls only). Keys whose value is None are dropped, and a
+    turn's reasoning is given under each name templates read, as transformers does. Tools are JSON schemas (dicts),
+    not Python functions."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
                         f"{type(messages).__name__}")
@@ -142,6 +144,9 @@ def check_messages(messages) -> list[dict]:
         if "content" in m and not isinstance(m["content"], (str, list)):
             raise TypeError(f"messages[{i}]['content'] must be a str or a list of content parts, got "
                             f"{type(m['content']).__name__}")
+        reasoning = next((m[k] for k in REASONING_KEYS if k in m), None)
+        if reasoning is not None:  # templates read one name or another (Qwen3: reasoning_content); give both
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         out.append(m)
     return out
 

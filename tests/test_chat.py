@@ -34,6 +34,8 @@ CHATML = (
     "{%- if message.role == 'system' and not loop.first %}{{ raise_exception('a system message goes first') }}"
     "{%- endif %}\n"
     "{%- if message.role == 'system' and tools %}{% continue %}{% endif %}\n"
+    "{%- if message.reasoning_content %}{{- '<|im_start|>' + message.role + '\\n<think>' + message.reasoning_content"
+    " + '</think>' + message.content + '<|im_end|>\\n' }}{% continue %}{%- endif %}\n"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -96,7 +98,9 @@ CONVERSATIONS = [
 ]
 EXTRA = {  # what only some templates read
     "chatml": [([{"role": "user", "content": "Go left."}], {"tools": [TOOL]}),
-               ([{"role": "user", "content": "Go left."}], {"enable_thinking": False})],
+               ([{"role": "user", "content": "Go left."}], {"enable_thinking": False}),
+               ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Left.", "thinking": "near"},
+                 {"role": "user", "content": "Why?"}], {})],
     "gemma": [([{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
                 {"role": "user", "content": [{"type": "text", "text": " Which block? "}]}], {})],
 }
