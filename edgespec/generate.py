@@ -362,7 +362,8 @@ class Generator:
         template (edgespec/chat.py), as transformers' apply_chat_template(..., tokenize=True) gives them.
         template_kwargs reach the template (Qwen3: enable_thinking=False)."""
         if self.tok is None:
-            raise ValueError(f"{self.target.dir}: chat needs a tokenizer.json and a chat template in the engine folder")
+            raise ValueError(f"{self.target.dir}: chat needs a tokenizer.json and a chat template in the engine "
+                             f"folder")
         if self.tok.chat_template is None:
             raise ValueError(f"{self.target.dir}: no chat template (expected chat_template.jinja, or chat_template in "
                              f"tokenizer_config.json, copied by `edgespec export` from an instruct checkpoint); give "
@@ -371,8 +372,8 @@ class Generator:
         return self.encode(self.tok.encode(text))  # the template writes its own special tokens; checked as ids
 
     def chat(self, messages, max_new_tokens: int = 128, template_kwargs: dict | None = None, **kwargs):
-        """The assistant's reply to a conversation -> GenerationResult (kwargs: generate()'s). It ends at the
-        checkpoint's end-of-turn token where its config or generation_config lists it among the EOS ids."""
+        """The assistant's reply to a conversation -> GenerationResult (kwargs: generate()'s). It ends at an EOS id
+        of engine.json (the export takes generation_config.json's, which lists an instruct model's end of turn)."""
         return self.generate(self.chat_ids(messages, **(template_kwargs or {})), max_new_tokens, **kwargs)
 
     def stream_chat(self, messages, max_new_tokens: int = 128, template_kwargs: dict | None = None,

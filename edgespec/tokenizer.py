@@ -9,8 +9,8 @@ from .contract import EngineError, Manifest
 
 
 class TextTokenizer:
-    """tokenizer.json with what tokenizer_config.json beside it says: the special tokens a prompt starts or ends
-    with, and the chat template (edgespec/chat.py)."""
+    """tokenizer.json, with tokenizer_config.json's special-token strings and the folder's chat template
+    (edgespec/chat.py) beside it."""
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer

@@ -461,16 +461,21 @@ def _from_config(cls, mt: str, cfg: dict, source: str) -> ModelSpec:
                rotary_dim=rotary_dim, fused_projections=phi, layers=layers)
 
 
+def _json_object(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def read_config(ckpt_dir: Path) -> dict:
     path = Path(ckpt_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: no config.json in the checkpoint folder {ckpt_dir}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    cfg = _json_object(path)
     eos = generation_eos(ckpt_dir)
     if eos is not None:  # what transformers' generate() stops at
         cfg = {**cfg, "eos_token_id": eos}
@@ -478,8 +483,6 @@ def read_config(ckpt_dir: Path) -> dict:
 
 
 def _eos_list(v, path: Path) -> list[int]:
-    if v is None:
-        return []
     ids = [v] if isinstance(v, int) and not isinstance(v, bool) else v
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
         raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, got {v!r}")
@@ -493,12 +496,7 @@ def generation_eos(ckpt_dir: Path) -> list[int] | None:
     path = Path(ckpt_dir) / "generation_config.json"
     if not path.is_file():
         return None
-    try:
-        gen = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(gen, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(gen).__name__}")
+    gen = _json_object(path)
     return None if gen.get("eos_token_id") is None else _eos_list(gen["eos_token_id"], path)
 
 

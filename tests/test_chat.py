@@ -229,7 +229,8 @@ def test_generation_configs_eos_ids_follow_the_configs(tmp_path):
 @pytest.fixture(scope="module")
 def instruct(tmp_path_factory):
     """A tiny random Qwen2 'instruct' checkpoint with a chat template in chat_template.jinja and its end of turn in
-    generation_config.json (config.json names another EOS), exported; (checkpoint, model, engine folder, conversation, end-of-turn id)."""
+    generation_config.json (config.json names another EOS), exported;
+    (checkpoint, model, engine folder, conversation, end-of-turn id)."""
     from edgespec.export.onnx_export import export_engine
     root = tmp_path_factory.mktemp("instruct")
     ck = tokenizer_folder(root / "ck", bos=None)
