@@ -35,6 +35,14 @@ def provider_flag(p, draft: bool = False) -> None:
                             "native weights beside a native target), e.g. cpu-native beside cuda-native")
 
 
+def _chat_template_source(folder: Path) -> str:
+    """Where an engine folder's chat template comes from (edgespec/chat.py's order), or "none"."""
+    from edgespec.chat import CONFIG_FILE, TEMPLATE_FILE, read_tokenizer_config
+    if (folder / TEMPLATE_FILE).is_file():
+        return TEMPLATE_FILE
+    return f"{CONFIG_FILE}'s chat_template" if "chat_template" in read_tokenizer_config(folder) else "none"
+
+
 def cmd_inspect(args) -> int:
     from edgespec.contract import EngineError, Manifest
     from edgespec.backends.ort import OrtEngine
@@ -52,6 +60,7 @@ def cmd_inspect(args) -> int:
               f"hidden {m.hidden_size}, vocab {m.vocab_size}, max context {m.max_context}")
         print(f"  model {m.model_file} sha256 {str(m.model_sha256)[:16]}…  tokenizer {m.tokenizer_file}  "
               f"edgespec {m.edgespec_version}")
+        print(f"  EOS ids {m.eos_token_ids}; chat template: {_chat_template_source(Path(args.engine_dir))}")
         for kind, specs in (("in ", m.inputs), ("out", m.outputs)):
             for t in specs[:5]:
                 print(f"  {kind} {t.name:24s} {t.dtype:8s} {t.shape}")

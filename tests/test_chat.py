@@ -303,7 +303,9 @@ def test_a_reply_ending_at_a_special_eos_leaves_it_out_of_the_text(instruct, tmp
 
 def test_the_cli_chats_through_the_template(instruct, capsys):
     from edgespec.cli import main
-    _, _, out, messages, _ = instruct
+    _, _, out, messages, end = instruct
+    assert main(["inspect", str(out)]) == 0
+    assert f"EOS ids [{end}]; chat template: chat_template.jinja" in capsys.readouterr().out
     assert main(["generate", "--target", str(out), "--chat", "--system", "Be brief.", "--prompt", "Which block?",
                  "--json", "--gamma", "0", "--max-new-tokens", "24"]) == 0
     got = json.loads(capsys.readouterr().out)
