@@ -40,6 +40,7 @@ class Drafter(ABC):
     decoder = None  # the draft model's Decoder when this drafter runs one (its calls, engine time and cache)
     from_prefix = False  # drafts a chunk's first tokens from a policy's prefix alone (the first round is the prefill)
     reads_prefill = False  # its first draft after a policy's prefill reads that call's rows (no round between)
+    sees_every_round = False  # draft() runs in γ = 0 rounds too, to read what their target call wrote
 
     @abstractmethod
     def propose(self, contexts: list[list[int]], gamma: int, pick: Picker, active: np.ndarray) -> Proposal: ...

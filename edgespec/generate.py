@@ -32,6 +32,7 @@ from .remote import RemoteConfig, is_url
 from .sampling import ACCEPTANCE_MODES, GumbelNoise, SamplingConfig, check_finite, check_ids, probs, sample
 from .speculation import DEFAULT_GAMMA_MAX, NGRAM_MAX, SpeculationConfig, check_gamma
 from .stats import RoundStats
+from .attn_head import AttnHead, AttnHeadDraft, is_attention_head
 from .text_head import TextHead, TextHeadDraft
 from .tokenizer import TextTokenizer, check_pair
 
@@ -83,7 +84,7 @@ class Generator:
     def __init__(self, target: Engine, drafter_kind: str | None = None, draft: Engine | None = None,
                  tokenizer: TextTokenizer | None = None, gamma: int | str = "auto",
                  gamma_max: int = DEFAULT_GAMMA_MAX, drafter_factory: Callable[[int], Drafter] | None = None,
-                 max_ngram: int = NGRAM_MAX, text_head: TextHead | None = None, lookup: int = 0,
+                 max_ngram: int = NGRAM_MAX, text_head: TextHead | AttnHead | None = None, lookup: int = 0,
                  lookup_gamma: int = 0, spec: SpeculationConfig | None = None):
         spec = spec or SpeculationConfig(gamma, gamma_max, lookup, lookup_gamma, max_ngram)
         if (drafter_kind == "head") != (text_head is not None):
@@ -91,6 +92,12 @@ class Generator:
         if text_head is not None and not target.manifest.has_hidden:
             raise EngineError(f"{target.dir}: the text draft head reads the target's hidden state, which this "
                               f"engine does not output; re-export it with `edgespec export ... --hidden`")
+        m = target.manifest
+        if text_head is not None and text_head.w.embed.shape != (m.vocab_size, m.hidden_size):
+            raise ValueError(f"the text draft head was trained on a target with a {text_head.w.embed.shape} embedding "
+                             f"table; {target.dir} has ({m.vocab_size}, {m.hidden_size})")
+        if text_head is not None and spec.stop_below and not text_head.gives_confidence:
+            raise ValueError(f"stop_below={spec.stop_below}: the attention head gives no confidence to stop on")
         self.text_head = text_head
         if (drafter_kind == "custom") != (drafter_factory is not None):
             raise ValueError(f"drafter_kind 'custom' goes with a drafter_factory: got kind {drafter_kind!r} and "
@@ -150,6 +157,9 @@ class Generator:
             if batch != 1:
                 raise ValueError(f"the text draft head drafts one sequence at a time, got a batch of {batch}")
             zero = np.zeros(self.target.manifest.hidden_size, np.float32)
+            if self.text_head.reads_every_position:  # the attention head: the state at each position
+                return AttnHeadDraft(self.text_head, (lambda p: target.hidden_at(0, p)) if target else
+                                     (lambda p: zero))
             return TextHeadDraft(self.text_head, (lambda ctx: target.hidden_at(0, len(ctx) - 2)) if target
                                  else (lambda ctx: zero), self.spec.stop_below or 0.0)
         if self.drafter_kind == "model":
@@ -453,7 +463,8 @@ def load(target: str | Path, draft: str | Path | None = None, provider: str | No
     if draft is not None and str(draft) == "ngram":
         kind = "ngram"
     elif draft is not None and (str(draft) == "head" or str(draft).endswith(".npz")):
-        kind, head = "head", TextHead.load(tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else draft)
+        path = tgt.dir / C.TEXT_HEAD_FILE if str(draft) == "head" else Path(draft)
+        kind, head = "head", (AttnHead if is_attention_head(path) else TextHead).load(path)
     elif draft is not None:
         dprov = draft_provider or auto_draft_provider(provider, draft)
         dft = open_engine(draft, dprov, draft_threads_for(dprov, draft_threads, threads))

@@ -52,7 +52,8 @@ class LeanRounds:
     def __call__(self, target: Decoder, drafter: Drafter | None, seqs: list[Sequence], active, gamma: int,
                  span: int, timer: Timer | None) -> Result:
         prefix = self.prefix if self.prefix is not None and not target.cache.lengths[0] else None
-        new, k, c = self.round(target, drafter if gamma else None, seqs[0].ctx, gamma, self.rule, prefix, timer,
+        sees = gamma or drafter is not None and drafter.sees_every_round  # γ 0: a drafter that reads every round
+        new, k, c = self.round(target, drafter if sees else None, seqs[0].ctx, gamma, self.rule, prefix, timer,
                                span)  # span > gamma: a lookup round may propose more than gamma
         return [new], [k], [c]
 

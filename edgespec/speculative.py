@@ -112,7 +112,8 @@ def fast_round(target: Decoder, drafter: Drafter | None, ctx: list[int], gamma: 
     if span < gamma:
         raise ValueError(f"span (the most proposals a round verifies) must be >= gamma {gamma}, got {span}")
     feed = np.empty((1, span + 1), np.int64)  # pending id, then the drafts
-    c = drafter.draft(ctx, gamma, feed[0, 1:]) if gamma else 0
+    sees = gamma or drafter is not None and drafter.sees_every_round  # γ 0: only a drafter that reads every round
+    c = drafter.draft(ctx, gamma, feed[0, 1:]) if sees else 0
     drafts = feed[0, 1:c + 1]
     t1 = time.perf_counter()
     if prefix is None:  # [pending, d_1..d_c] at rows committed..committed+c
@@ -166,7 +167,8 @@ def speculative_round(target: Decoder, drafter: Drafter | None, contexts: list[l
     # 1) draft: up to γ proposals per sequence, for positions len(contexts[b]) ...
     with timer("draft"):
         wide = {"span": span} if gamma and span is not None and span > gamma else {}  # LookupDraft's keyword
-        prop: Proposal = drafter.propose(contexts, gamma, pick, active, **wide) if gamma else \
+        sees = gamma or drafter is not None and drafter.sees_every_round  # γ 0: a drafter that reads every round
+        prop: Proposal = drafter.propose(contexts, gamma, pick, active, **wide) if sees else \
             Proposal(np.zeros((b, 0), np.int64), np.zeros(b, np.int64))
     n = np.where(active, prop.counts, 0)  # (B,)
     s = int(n.max()) + 1

@@ -85,6 +85,9 @@ class TextHeadWeights:
 class TextHead:
     """The folded head: `first(h, x)` from a target hidden state, then `next(x)` from its own guesses."""
 
+    reads_every_position = False  # it reads the target's last hidden state only (AttnHead reads each position's)
+    gives_confidence = True  # each proposal comes with its probability (stop_below)
+
     def __init__(self, w: TextHeadWeights):
         self.w = w
         self.vocab = w.vocab

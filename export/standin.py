@@ -697,6 +697,24 @@ def list_presets() -> str:
     return "\n".join(lines)
 
 
+def widen_attention_head(src: Path, out: Path, e2: int) -> None:
+    """An attention feature head (edgespec/attn_head.py) for a stand-in of its target: the stand-in's final hidden
+    state and its embeddings are the source's in their first E dims and exactly zero in the padded ones, so W_in's
+    rows reading padded dims and W_out's columns writing them are zero, and every proposal is the source head's."""
+    from edgespec.attn_head import AttnHeadWeights
+    w = AttnHeadWeights.load(src)
+    e, h = w.w_out.shape[1], w.w_out.shape[0]
+    if e2 < e:
+        raise ValueError(f"{src}: a stand-in is at least as wide as its source ({e}), got {e2}")
+
+    def cols(a):  # (X, E) -> (X, E2)
+        return np.concatenate([a, np.zeros((a.shape[0], e2 - e), a.dtype)], 1)
+    pad = np.zeros((e2 - e, h), w.w_in.dtype)
+    w_in = np.concatenate([w.w_in[:e], pad, w.w_in[e:], pad], 0)  # [f, e(x)] each widened to E2
+    AttnHeadWeights(w_in, w.b_in, w.norm1, w.w_qkv, w.w_o, w.norm2, w.w_gu, w.w_down, w.norm3, cols(w.w_out),
+                    cols(w.b_out[None])[0], cols(w.embed), cols(w.lm), w.heads, w.eps).save(out)
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m edgespec.export.standin",
