@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -44,7 +43,7 @@ def main(argv=None) -> int:
     if min(a.prompts, a.tokens, a.repeats) < 1:
         ap.error(f"--prompts, --tokens and --repeats must be >= 1, got {a.prompts}, {a.tokens}, {a.repeats}")
     import edgespec
-    from host import machine
+    from host import run_record
     from prompts import code_prompts
 
     gens = {"plain": edgespec.load(a.target, provider=a.provider).plain()}
@@ -73,8 +72,7 @@ def main(argv=None) -> int:
             for k, v in runs.items()}
     report = {"command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]), "provider": a.provider,
               "prompts": a.prompts, "tokens": a.tokens, "repeats": a.repeats, "rows": rows,
-              "machine": {**machine(), "platform": platform.platform(), "load_before": load_before,
-                          "load_after": os.getloadavg()},
+              "machine": run_record(load_before),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)

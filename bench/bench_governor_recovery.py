@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.steps < 1 or a.repeats < 1:
         ap.error(f"--steps and --repeats must be >= 1, got {a.steps} and {a.repeats}")
-    from host import machine
+    from host import run_record
 
     from edgespec.backends import open_engine
     from edgespec.backends.threads import ThreadGovernor
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
     report = {"command": " ".join(shlex.quote(x) for x in ["python", *sys.argv]), "engine": str(a.engine),
               "weights": m.extra.get("native", {}).get("weights"), "steps": a.steps, "repeats": a.repeats,
               "config": vars(base.config), "summary": summary, "trials": trials,
-              "machine": {**machine(), "platform": platform.platform(), "load_before": load_before,
-                          "load_after": os.getloadavg()},
+              "machine": run_record(load_before),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shlex
 import sys
 import time
@@ -95,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batches", default="1,4", help="quiet, default threads: ms per step at these batch sizes")
     a = ap.parse_args(argv)
-    from host import machine
+    from host import run_record
 
     from edgespec.contract import Manifest
     from edgespec.backends import open_engine
@@ -153,8 +152,7 @@ def main(argv=None) -> int:
               "engine": str(a.engine), "weights": info.get("weights", "float16"),
               "weight_bytes_per_token": info.get("weight_bytes_per_token"), "parameters": m.extra.get("parameters"),
               "tokens": a.tokens, "repeats": a.repeats, "rows": rows, "checks": checks, "batches": batches,
-              "machine": {**machine(), "platform": platform.platform(), "load_before": load_before,
-                          "load_after": os.getloadavg()},
+              "machine": run_record(load_before),
               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
               "seconds": round(time.time() - started, 1)}
     a.out.parent.mkdir(parents=True, exist_ok=True)

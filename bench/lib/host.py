@@ -47,6 +47,11 @@ def machine() -> dict:
             "edgespec_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("EDGESPEC_")}}
 
 
+def run_record(load_before) -> dict:
+    """machine() with the platform and the load averages before the run (os.getloadavg() then) and now."""
+    return {**machine(), "platform": platform.platform(), "load_before": load_before, "load_after": os.getloadavg()}
+
+
 def command_line(script: str) -> str:
     """The command that ran this bench, as its results record it: `python bench/NAME args...` (quoted)."""
     import shlex
