@@ -109,7 +109,7 @@ from host import read_bandwidth as _read_bandwidth  # noqa: E402
 
 PRECISIONS = ("fp16", "int8", "int4", "fp32")  # the weights a row reads; table order
 PROVIDERS = ("cpu-native", "cpu")
-EDGESPEC_KINDS = ("plain", "draft", "draft+lookup", "ngram")
+EDGESPEC_KINDS = ("plain", "draft", "draft+lookup", "ngram")  # and "head" with --head
 LLAMACPP_PRECISION = {"f16": "fp16", "q8_0": "int8", "q4_0": "int4"}  # GGUF type -> the weights' precision
 GGUF_TYPE = {v: k for k, v in LLAMACPP_PRECISION.items()}
 NATIVE_NAMES = {"float16": "fp16", "fp16": "fp16", "int8": "int8", "int4": "int4"}  # extra.native.weights
@@ -247,7 +247,7 @@ class Row:
     """One row of the table: a bench_peers Mode (its configurations; none when unavailable) and what it is."""
     mode: Mode
     precision: str  # the weights it reads: fp16 / int8 / int4 / fp32
-    kind: str  # plain / draft / draft+lookup / ngram / lookup
+    kind: str  # plain / draft / draft+lookup / ngram / head / lookup
     provider: str | None = None  # edgespec rows: cpu-native or cpu
     engine: str | None = None  # edgespec rows: the target engine folder (repository-relative)
     unavailable: str | None = None
@@ -298,7 +298,7 @@ def edgespec_rows(folders: dict[str, Folder], drafts: list[Folder], args) -> lis
                 where = f"native weights of the {f.dtype} folder"
             else:
                 where = f"{prec} folder" if f else ""
-            for kind in EDGESPEC_KINDS:
+            for kind in EDGESPEC_KINDS + (("head",) if args.head else ()):
                 name = f"edgespec {kind} {prec} {prov}"
                 reason = why
                 if not reason and kind in ("draft", "draft+lookup") and not ok:
@@ -323,6 +323,10 @@ def _edgespec_configs(kind: str, prov: str, eng: str, drafts: list[Folder], args
     thr = lambda t: ("--threads", str(t))  # noqa: E731
     if kind == "plain":
         return [Config(f"threads {t} ({where})", base + thr(t)) for t in _list(args.plain_threads)]
+    if kind == "head":  # the attention head drafts from the target's hidden states (edgespec.load(draft=".npz"))
+        base = ("--mode", "draft", "--provider", prov, "--target-engine", eng, "--draft-engine", _rel(str(args.head)))
+        return [Config(f"γ={g}, attention head, threads {t}", base + ("--gamma", g) + thr(t))
+                for t in _list(args.spec_threads) for g in _list(args.head_gammas)]
     out = []
     for t in _list(args.spec_threads):
         if kind == "ngram":
@@ -398,7 +402,7 @@ def order_rows(rows: list[Row]) -> list[Row]:
     """Table order: by precision, then edgespec (cpu-native, cpu), llama.cpp, GenAI, each plain first."""
     sys_rank = lambda r: (0 if r.mode.system == "edgespec" else 1 if r.mode.system == "llama.cpp" else 2,  # noqa: E731
                           PROVIDERS.index(r.provider) if r.provider in PROVIDERS else 0)
-    kinds = ("plain", "draft", "draft+lookup", "lookup", "ngram")
+    kinds = ("plain", "draft", "draft+lookup", "head", "lookup", "ngram")
     return sorted(rows, key=lambda r: (PRECISIONS.index(r.precision) if r.precision in PRECISIONS else 9,
                                        sys_rank(r), kinds.index(r.kind) if r.kind in kinds else 9))
 
@@ -521,8 +525,9 @@ def source_sha256(ckpt: Path) -> str:
     return hash_files(weight_files(ckpt) + [ckpt / "config.json"])
 
 
-def reuse_reason(out: Path, dtype: str, source: str, code: str) -> str | None:
-    """None when the folder at `out` can be reused (same checkpoint, precision and export code), else why not."""
+def reuse_reason(out: Path, dtype: str, source: str, code: str, hidden: bool = False) -> str | None:
+    """None when the folder at `out` can be reused (same checkpoint, precision and export code, the hidden-state
+    output when wanted), else why not."""
     if not (out / "engine.json").is_file():
         return "not exported yet"
     m = json.loads((out / "engine.json").read_text())
@@ -530,20 +535,25 @@ def reuse_reason(out: Path, dtype: str, source: str, code: str) -> str | None:
         return "the checkpoint changed (engine.json's source_sha256)"
     if m.get("precision") != dtype:
         return f"engine.json says {m.get('precision')}, {dtype} wanted"
+    if hidden and not any(t.get("name") == "hidden" for t in m.get("outputs") or []):
+        return "no hidden-state output (--hidden wanted)"
     side = out.with_name(out.name + ".export.json")
     if not side.is_file() or json.loads(side.read_text()).get("export_code") != code:
         return "made by other export code (" + ", ".join(EXPORT_CODE) + ")"
     return None
 
 
-def export(ckpt: Path, name: str, dtype: str, role: str, reexport: bool, timeout: int) -> Folder:
+def export(ckpt: Path, name: str, dtype: str, role: str, reexport: bool, timeout: int, hidden: bool = False) -> Folder:
     """An engine folder of `ckpt` at `dtype` in .cache/engines-realsize/, exported unless a reusable one is there;
-    a failed export is a Folder with its error."""
-    out = ENGINES / (f"{name}-{dtype}" if role == "target" else f"{name}-draft-{dtype}")
+    a failed export is a Folder with its error. hidden: with the final hidden state as an output (--hidden, what
+    an attention head drafts from), in a folder of its own (NAME-DTYPE-hidden)."""
+    out = ENGINES / (f"{name}-{dtype}" + ("-hidden" if hidden else "") if role == "target"
+                     else f"{name}-draft-{dtype}")
     cmd = ["edgespec", "export", _rel(str(ckpt)), "--out", _rel(str(out)), "--dtype", dtype, "--force", "--quiet"]
+    cmd += ["--hidden"] if hidden else []
     cmd += ["--role", "draft"] if role == "draft" else (["--allow-lossy"] if dtype in LOSSY else [])
     source, code = source_sha256(ckpt), code_fingerprint()
-    why = "--reexport" if reexport else reuse_reason(out, dtype, source, code)
+    why = "--reexport" if reexport else reuse_reason(out, dtype, source, code, hidden)
     rec = {"command": shlex.join(cmd), "role": role}
     if why is None:
         f = folder_info(out, dtype)
@@ -598,6 +608,36 @@ def prepare_peer(runner: str, prec: str, base: list[str], pfile: Path, timeout: 
     return dict(rec, status="unavailable", rows="all", error=_brief(plain["error"]))
 
 
+def prepare_head(args, target_ck: Path) -> dict:
+    """Point args.head at a head as wide as the target: a head of the stand-in's source (narrower) is widened once
+    into .cache/realsize/heads/ (export/standin.widen_attention_head: the same proposals). -> how it was made."""
+    from edgespec.attn_head import AttnHeadWeights
+    from edgespec.export.standin import widen_attention_head
+
+    src = Path(args.head)
+    if not src.is_file():
+        raise SystemExit(f"--head {src}: no such file (python -m edgespec.export.training.train_attn_head makes one)")
+    width = int(json.loads((target_ck / "config.json").read_text())["hidden_size"])
+    e = AttnHeadWeights.load(src).w_out.shape[1]
+    rec = {"given": _rel(str(src)), "sha256": hashlib.sha256(src.read_bytes()).hexdigest()[:16], "width": e}
+    meta = src.with_suffix(".json")  # train_attn_head's report beside the head: how it was trained
+    if meta.is_file():
+        m = json.loads(meta.read_text())
+        rec.update(trained_by=m.get("command"), training_minutes=m.get("minutes"),
+                   windows=(m.get("config") or {}).get("windows", "corpus"))
+    if e > width:
+        raise SystemExit(f"--head {src}: {e} wide, wider than the target's hidden size {width}")
+    if e < width:
+        out = WORK / "heads" / f"{src.stem}-{rec['sha256']}-e{width}.npz"
+        if not out.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            widen_attention_head(src, out, width)
+        args.head = out
+        rec.update(widened_to=width, path=_rel(str(out)),
+                   how="export/standin.widen_attention_head (a stand-in's padded dimensions are zero)")
+    return rec
+
+
 # ---- the run ---------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -633,6 +673,11 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--lookup-lengths", default="0,16", help="draft+lookup: load(lookup_gamma=G) (0: γ)")
     es.add_argument("--ngram-gammas", default="4,auto", help="ngram: γ")
     es.add_argument("--max-ngrams", default="3", help="ngram: longest n-gram")
+    es.add_argument("--head", type=Path, default=None,
+                    help="an attention draft head (python -m edgespec.export.training.train_attn_head) for the "
+                         "target or for the stand-in's source (widened here); adds 'edgespec head' rows, and every "
+                         "target folder is exported with --hidden (all edgespec rows read the same folders)")
+    es.add_argument("--head-gammas", default="6,8", help="head: γ")
     lc = ap.add_argument_group("llama.cpp sweep (bench_peers.llamacpp_modes)")
     lc.add_argument("--llamacpp-precisions", default="auto", help="GGUF types (auto: --precisions' f16, q8_0, q4_0; "
                                                                  "none: no llama.cpp rows)")
@@ -701,12 +746,15 @@ def main(argv=None) -> int:
     target_ck, draft_ck, name = checkpoints(args)
     args.out = args.out or ROOT / "bench" / "results" / f"realsize-{name}.json"
     want = _list(args.precisions)
+    hidden = args.head is not None
+    head_record = prepare_head(args, target_ck) if hidden else None
     folders: dict[str, Folder] = {}
     for dtype in want:
-        folders[dtype] = export(target_ck, name, dtype, "target", args.reexport, args.build_timeout)
+        folders[dtype] = export(target_ck, name, dtype, "target", args.reexport, args.build_timeout, hidden)
     if "cpu-native" in _list(args.providers) and "fp16" in want and not any(
             f.native == "fp16" for f in folders.values()) and "fp32" not in folders:
-        folders["fp32"] = export(target_ck, name, "fp32", "target", args.reexport, args.build_timeout)  # native fp16
+        folders["fp32"] = export(target_ck, name, "fp32", "target", args.reexport, args.build_timeout,  # native fp16
+                                 hidden)
     drafts = [export(draft_ck, name, d, "draft", args.reexport, args.build_timeout) for d in _list(args.draft_dtype)]
 
     from prompts import PROSE, code_prompts
@@ -935,7 +983,7 @@ def main(argv=None) -> int:
               "max_new_tokens": args.max_new_tokens, "decoding": "greedy", "repeats": args.repeats,
               "engines": {f"target {d}": f.record | ({"error": f.error} if f.error else {}) for d, f in folders.items()}
               | {f"draft {d.dtype}": d.record | ({"error": d.error} if d.error else {}) for d in drafts},
-              "peer_builds": peer_builds,
+              "peer_builds": peer_builds, "attention_head": head_record,
               "systems": systems, "sweep": {"modes": sweep}, "roofline": roofline,
               "head_to_head": list(paired.values()), "targets": targets(systems, rows, roofline, paired),
               "load": load, "machine": machine(),
@@ -1065,6 +1113,12 @@ def markdown(r: dict) -> str:
                     f", {'reused' if e.get('reused') else 'exported in ' + str(e.get('export_s')) + ' s'}"
                     f"; native: {e.get('native') or 'none'}"
                     + (f"; precision gate {e.get('precision_gate')}" if e.get("precision_gate") else "")))
+    h = r.get("attention_head")
+    if h:
+        rows.append(f"- attention head: `{h['given']}` (sha256 {h['sha256']}, {h['width']} wide"
+                    + (f", widened to {h['widened_to']}: `{h['path']}`" if h.get("widened_to") else "") + ")"
+                    + (f", trained by `{h['trained_by']}` ({h.get('windows')} windows, {h.get('training_minutes')} "
+                       "min)" if h.get("trained_by") else ""))
     rows += ["", "Peer builds (one short runner call each, before the sweep):", ""]
     for k, b in r["peer_builds"].items():
         rows.append(f"- {k}: {b['status']}" + (f" ({b['rows']} rows): {b['error']}" if b["status"] != "ok" else "")

@@ -280,6 +280,60 @@ def test_an_engine_folder_is_reused_only_for_the_same_checkpoint_precision_and_e
     assert br.reuse_reason(tmp_path / "none", "int8", "abc", "code1") == "not exported yet"
 
 
+def test_an_attention_head_adds_head_rows_over_its_gammas_and_none_without_it():
+    assert not any(" head " in r.name for r in br.edgespec_rows(folders(), [DRAFT], args()))
+    rows = {r.name: r for r in br.edgespec_rows(folders(), [DRAFT], args(head=".cache/h.npz", head_gammas="6,8"))}
+    assert len(rows) == 3 * 2 * 5
+    head = rows["edgespec head fp16 cpu-native"]
+    assert head.kind == "head" and head.engine == ".cache/e/x-fp32"
+    assert [c.argv for c in head.mode.configs] == [
+        ("--mode", "draft", "--provider", "cpu-native", "--target-engine", ".cache/e/x-fp32", "--draft-engine",
+         ".cache/h.npz", "--gamma", g, "--threads", str(br.os.cpu_count())) for g in ("6", "8")]
+    assert "no engine folder has int4 native weights" in rows["edgespec head int4 cpu-native"].unavailable
+    assert [r.kind for r in br.order_rows(list(rows.values()))][:5] == ["plain", "draft", "draft+lookup", "head",
+                                                                         "ngram"]
+
+
+def test_a_head_of_the_stand_ins_source_is_widened_to_the_target_and_a_wider_one_refused(tmp_path, monkeypatch):
+    from edgespec.attn_head import AttnHeadWeights
+    from edgespec.export.training import train_attn_head as T
+    rng = np.random.default_rng(0)
+    embed = rng.normal(0, 1, (40, 32)).astype(np.float32)
+    cfg = T.AttnHeadConfig(hidden=24, heads=2)
+    T.to_weights(T.build(embed, embed.copy(), cfg), cfg).save(tmp_path / "h.npz")
+    (tmp_path / "h.json").write_text(json.dumps({"command": "python -m train_attn_head --windows code",
+                                                 "minutes": 19.5, "config": {"windows": "code"}}))
+    monkeypatch.setattr(br, "WORK", tmp_path / "work")
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    a = args(head=str(tmp_path / "h.npz"))
+    rec = br.prepare_head(a, ck)
+    assert rec["width"] == 32 and rec["widened_to"] == 64 and rec["windows"] == "code"
+    assert Path(a.head).parent == tmp_path / "work" / "heads" and AttnHeadWeights.load(a.head).w_out.shape == (24, 64)
+    same = args(head=str(tmp_path / "h.npz"))
+    (ck / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    assert "widened_to" not in br.prepare_head(same, ck) and Path(same.head) == tmp_path / "h.npz"
+    (ck / "config.json").write_text(json.dumps({"hidden_size": 16}))
+    with pytest.raises(SystemExit, match="32 wide, wider than the target's hidden size 16"):
+        br.prepare_head(args(head=str(tmp_path / "h.npz")), ck)
+    with pytest.raises(SystemExit, match="no such file"):
+        br.prepare_head(args(head=str(tmp_path / "none.npz")), ck)
+
+
+def test_a_folder_without_the_hidden_output_is_not_reused_for_the_head(tmp_path):
+    out = tmp_path / "x-fp16-hidden"
+    out.mkdir()
+    m = {"source_sha256": "abc", "precision": "fp16", "outputs": [{"name": "logits", "dtype": "float32", "shape": [1]}]}
+    (out / "engine.json").write_text(json.dumps(m))
+    (tmp_path / "x-fp16-hidden.export.json").write_text(json.dumps({"export_code": "c"}))
+    assert br.reuse_reason(out, "fp16", "abc", "c") is None
+    assert "no hidden-state output" in br.reuse_reason(out, "fp16", "abc", "c", hidden=True)
+    m["outputs"].append({"name": "hidden", "dtype": "float32", "shape": [1]})
+    (out / "engine.json").write_text(json.dumps(m))
+    assert br.reuse_reason(out, "fp16", "abc", "c", hidden=True) is None
+
+
 # ---- the targets and the report ---------------------------------------------------------------------------------
 RUN = {"id": "r1", "started_epoch": 1000.0, "ended_epoch": 2000.0, "started": "t0", "ended": "t1",
        "duration_min": 16.7, "command": "python bench/bench_realsize.py --preset qwen2.5-0.5b"}

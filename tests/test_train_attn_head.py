@@ -1,6 +1,7 @@
 """export/training/train_attn_head.py: the attention head's incremental drafting step computes what its batched
 passes compute, the acceptance protocol counts as it says, and a short run trains, validates and resumes."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,6 +61,43 @@ def test_a_short_run_trains_validates_and_resumes(tmp_path, capsys):
     assert json.loads((tmp_path / "h.json").read_text())["fit"]["epochs_run"] == 0
     assert T.main([*args, "--mlp-head", str(tmp_path / "none.npz")]) == 2
     assert "none.npz: no such file" in capsys.readouterr().err
+
+
+def test_window_settings_are_checked():
+    with pytest.raises(ValueError, match="windows must be one of corpus, code, got 'prose'"):
+        T.AttnHeadConfig(windows="prose")
+    with pytest.raises(ValueError, match="code_context .256. must be shorter than seq_len .256."):
+        T.AttnHeadConfig(windows="code", code_context=256)
+
+
+def test_code_contexts_end_after_a_def_line_and_too_few_files_are_refused():
+    from tokenizers import Tokenizer
+    tok_path = Path("models/demo-target/tokenizer.json")
+    tok = Tokenizer.from_file(str(tok_path))
+    body = "".join(f"x{i} = {i} * 2\n" for i in range(40))
+    texts = [body + "def f(a, b):\n    return a + b\n", body + "class A:\n    def g(self):\n        pass\n",
+             body + "y = 1\n"]
+    ctx = T.code_contexts(tok_path, texts, 2, 24, np.random.default_rng(0))
+    assert ctx.shape == (2, 24)
+    ends = sorted(tok.decode(list(c)).splitlines()[-1].strip() for c in ctx)
+    assert ends == ["def f(a, b):", "def g(self):"]
+    with pytest.raises(ValueError, match="only 2 code contexts of 24 tokens in 3 files, 3 wanted"):
+        T.code_contexts(tok_path, texts, 3, 24, np.random.default_rng(0))
+
+
+def test_code_windows_continue_each_context_with_the_targets_greedy_tokens(tmp_path):
+    args = ["--target", "models/demo-target", "--windows", "code", "--code-context", "24", "--out",
+            str(tmp_path / "h.npz"), "--work", str(tmp_path / "w"), "--train-seqs", "16", "--val-seqs", "2",
+            "--seq-len", "48", "--hidden", "32", "--heads", "2", "--epochs", "1", "--quiet", "--threads", "2"]
+    assert T.main(args) == 0
+    blocks = sorted((tmp_path / "w").glob("train-code24-*.npz"))
+    assert blocks and len(sorted((tmp_path / "w").glob("code-train-*.npy"))) == 1
+    data = T.load_blocks(blocks)
+    ids, greedy = data["ids"], data["greedy"]
+    assert ids.shape == (16, 48)
+    assert (ids[:, 24:] == greedy[:, 23:-1]).all()  # after the context, every token is the target's greedy choice
+    assert (ids[:, 1:24] != greedy[:, :23]).any()  # the context is the file's text, not greedy
+    assert json.loads((tmp_path / "h.json").read_text())["config"]["windows"] == "code"
 
 
 def test_the_runtime_head_computes_what_the_trained_torch_head_computes():

@@ -3,6 +3,8 @@ its chained greedy acceptance against the draft model's and the MLP text head's 
 
     python -m edgespec.export.training.train_attn_head --target models/demo-target --draft models/demo-draft \\
         --mlp-head models/demo-target/text_head.npz --out .cache/attn-head/attn_head.npz --threads 2
+    python -m edgespec.export.training.train_attn_head --windows code --draft models/demo-draft \
+        --out .cache/attn-head/code/attn_head.npz --work .cache/attn-head/code --threads 2
 
 The MLP text head (edgespec/text_head.py) guesses the target's next hidden state from the last one alone; this head
 reads every earlier position too. At position t its input is the target's final hidden state f_t beside the
@@ -11,7 +13,10 @@ self-attention with rotary positions over the positions before, a gated SiLU MLP
 guess of f_{t+1}, whose argmax through the target's LM head is the proposal for x_{t+2}. Drafting on, the head feeds
 its own guess and proposal as the next position's input; earlier positions keep the target's true states.
 
-1. Hidden states: the target (its torch reference) reads windows of the demo corpus; train_text_head's cached
+1. Windows and hidden states. --windows corpus: slices of the demo corpus. --windows code: the last 96 tokens of a
+   file up to a `def ...:` line (the real-size bench's prompts have that shape), then the target's greedy
+   continuation to 256 tokens, so the head learns the text it will draft on (training split for training, the
+   held-out split for validation). The target (its torch reference) reads the windows; train_text_head's cached
    blocks under --work, so an interrupted run resumes.
 2. Training: teacher-forced over each window (inputs with uniform noise, as EAGLE) plus a second pass in which each
    position reads the first pass's guess at the position before, as the second drafted step does (keys: the first
@@ -37,6 +42,7 @@ import numpy as np
 from .train_text_head import HeadConfig, corpus_windows, hidden_blocks, load_blocks
 
 SEED = 1234
+WINDOWS = ("corpus", "code")
 
 
 @dataclass
@@ -53,15 +59,83 @@ class AttnHeadConfig:
     noise: float = 0.1  # uniform noise on the input states, a fraction of their std (EAGLE: U(-0.1, 0.1))
     ce_weight: float = 0.1
     chain: int = 6  # validation: proposals per chain
+    windows: str = "corpus"  # "corpus": slices of the demo corpus; "code": a file up to a `def` line, then greedy
+    code_context: int = 96  # "code" windows: tokens of the file before the target's greedy continuation
 
     def __post_init__(self):
+        if self.windows not in WINDOWS:
+            raise ValueError(f"windows must be one of {', '.join(WINDOWS)}, got {self.windows!r}")
         for name, v in asdict(self).items():
-            if not v > 0 and name != "noise":
+            if name not in ("noise", "windows") and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
+        if self.code_context >= self.seq_len:
+            raise ValueError(f"code_context ({self.code_context}) must be shorter than seq_len ({self.seq_len}): "
+                             "the rest of a window is the target's continuation")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 2:
             raise ValueError(f"hidden {self.hidden} must split into {self.heads} heads of an even size")
+
+
+def code_contexts(tokenizer_path: Path, texts: list[str], n: int, context: int, rng) -> np.ndarray:
+    """-> (n, context) token ids: the last `context` tokens of a file up to a `def ...:` line (the shape of the
+    real-size bench's prompts, bench/lib/prompts.py), at most 4 lines per file, files and lines drawn from rng."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    out = []
+    for i in rng.permutation(len(texts)):
+        lines = texts[i].splitlines(keepends=True)
+        defs = [k for k, ln in enumerate(lines)
+                if k >= 8 and ln.lstrip().startswith("def ") and ln.rstrip().endswith(":")]
+        for k in rng.permutation(defs)[:4]:
+            ids = tok.encode("".join(lines[:k + 1])).ids
+            if len(ids) >= context:
+                out.append(ids[-context:])
+        if len(out) >= n:
+            return np.array(out[:n], np.int64)
+    raise ValueError(f"only {len(out)} code contexts of {context} tokens in {len(texts)} files, {n} wanted")
+
+
+def greedy_continue(target: Path, contexts: np.ndarray, length: int, work: Path, name: str, progress: bool,
+                    batch: int = 64) -> np.ndarray:
+    """-> (N, length) windows: each context (N, C) followed by the target's greedy continuation (transformers'
+    generate in fp32, no EOS stop), cached per batch under work so an interrupted run resumes."""
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    work.mkdir(parents=True, exist_ok=True)
+    model, out = None, []
+    for b in tqdm(range(0, len(contexts), batch), desc=f"greedy continuations ({name})", disable=not progress):
+        path = work / f"{name}-{b // batch:04d}.npy"
+        if not path.is_file():
+            if model is None:
+                model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+            x = torch.from_numpy(contexts[b:b + batch])
+            with torch.no_grad():
+                ids = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=length - x.shape[1],
+                                     do_sample=False, eos_token_id=None, pad_token_id=0).numpy()
+            if ids.shape != (len(x), length):
+                raise RuntimeError(f"{target}: generate gave {ids.shape}, expected {(len(x), length)}")
+            np.save(path.with_suffix(".partial.npy"), ids)
+            path.with_suffix(".partial.npy").replace(path)
+        out.append(np.load(path))
+    return np.concatenate(out)
+
+
+def code_windows(target: Path, cfg: AttnHeadConfig, work: Path, key: str, progress: bool):
+    """-> (train, val) "code" windows (N, seq_len): code_context tokens of a training-split (held-out) file up to a
+    `def` line, then the target's greedy continuation: what the head drafts on the real-size bench's prompts."""
+    from .train_demo import TrainConfig, split_corpus
+
+    train_txt, val_txt = split_corpus(TrainConfig())
+    rng = np.random.default_rng(SEED)
+    out = []
+    for split, texts, n in (("train", train_txt, cfg.train_seqs), ("val", val_txt, cfg.val_seqs)):
+        ctx = code_contexts(target / "tokenizer.json", texts, n, cfg.code_context, rng)
+        out.append(greedy_continue(target, ctx, cfg.seq_len, work, f"code-{split}-{key}", progress))
+    return out[0], out[1]
 
 
 def build(embed: np.ndarray, lm: np.ndarray, cfg: AttnHeadConfig):
@@ -236,6 +310,17 @@ def head_proposer(head, val: dict):
     return proposer
 
 
+def target_fingerprint(target: Path) -> str:
+    """12 hex digits of the target's config.json and weight files' names, sizes and modification times."""
+    import hashlib
+
+    h = hashlib.sha256((target / "config.json").read_bytes())
+    for p in sorted(target.glob("*.safetensors")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:12]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edgespec.export.training.train_attn_head", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,7 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quiet", action="store_true")
     for f, v in asdict(AttnHeadConfig()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v,
+                        **({"choices": WINDOWS, "help": "training and validation windows: slices of the demo corpus, "
+                            "or code up to a `def` line then the target's greedy continuation"}
+                           if f == "windows" else {}))
     args = ap.parse_args(argv)
     import torch
 
@@ -268,9 +356,14 @@ def main(argv=None) -> int:
     torch.manual_seed(SEED)
     t0, progress = time.time(), not args.quiet
     blocks = HeadConfig(seq_len=cfg.seq_len, train_seqs=cfg.train_seqs, val_seqs=cfg.val_seqs, block=cfg.block)
-    train_w, val_w = corpus_windows(args.target / "tokenizer.json", blocks)
-    ref = ReferenceDecoder(spec, weights)
     key = f"{spec.vocab_size}-{cfg.seq_len}-{SEED}-{cfg.train_seqs}-{cfg.val_seqs}"
+    if cfg.windows == "code":
+        # the continuations and states depend on the target itself: its config and weights' fingerprint in the key
+        key = f"code{cfg.code_context}-{target_fingerprint(args.target)}-{key}"
+        train_w, val_w = code_windows(args.target, cfg, args.work, key, progress)
+    else:
+        train_w, val_w = corpus_windows(args.target / "tokenizer.json", blocks)
+    ref = ReferenceDecoder(spec, weights)
     data = load_blocks(hidden_blocks(ref, train_w, args.work, f"train-{key}", blocks, progress))
     val = load_blocks(hidden_blocks(ref, val_w, args.work, f"val-{key}", blocks, progress))
     embed = np.ascontiguousarray(weights["model.embed_tokens.weight"], np.float32)
