@@ -1748,6 +1748,25 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     return 0;
 }
 
+/* y (T, N) = x (T, K) @ a float16 panel matrix (N a multiple of PANEL, T <= MAX_ROWS), on the calling thread alone:
+   the host drafts' small products (an attention head's), which must neither wake nor wait for the pool's threads */
+int es_rows_f16(const float *x, int64_t T, const uint16_t *w, int64_t K, int64_t N, float *y) {
+    if (T < 1 || T > MAX_ROWS || K < 1 || N < PANEL || N % PANEL) return -1;
+    const float *rows[MAX_ROWS];
+    for (int64_t t = 0; t < T; t++) rows[t] = x + t * K;
+    float out[MAX_ROWS * 8 * PANEL];
+    const int64_t panels = N / PANEL;
+    const int np = panels_for((int)T);
+    for (int64_t q = 0; q < panels;) {
+        const int n = panels - q >= np ? np : 1; /* out[t * n * PANEL + j * PANEL + c]: row t, panel q + j */
+        rows_panels(rows, (int)T, w + q * K * PANEL, n, K, out);
+        for (int64_t t = 0; t < T; t++)
+            memcpy(y + t * N + q * PANEL, out + t * n * PANEL, (size_t)(n * PANEL) * sizeof(float));
+        q += n;
+    }
+    return 0;
+}
+
 /* y (T, N) = x (T, K) @ a matrix of `kind` (panels), on `threads`: the kernels alone, for the tests */
 int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int64_t N, float *y, int threads) {
     es_model m;

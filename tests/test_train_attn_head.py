@@ -105,7 +105,7 @@ def test_the_runtime_head_computes_what_the_trained_torch_head_computes():
     true states, then after each drafted (guess, token); and both against the from-scratch reference."""
     from edgespec.attn_head import AttnHead
     head, e, v = small_head(seed=3)
-    rt = AttnHead(T.to_weights(head, T.AttnHeadConfig(hidden=24, heads=2)))
+    rt = AttnHead(T.to_weights(head, T.AttnHeadConfig(hidden=24, heads=2)), "numpy")
     f, x = torch.randn(1, 10, e), torch.randint(0, v, (1, 10))
     with torch.no_grad():
         g1, k1, v1 = head.teacher(f[:, :7], x[:, :7])
@@ -130,14 +130,14 @@ def test_the_runtime_head_computes_what_the_trained_torch_head_computes():
 
 def test_the_drafter_keeps_the_true_states_across_rounds_and_plain_rounds():
     """AttnHeadDraft over a fake target: rounds that commit 1..4 tokens and rounds of γ 0; each round's proposals
-    are what the head computes from scratch over the true states so far."""
+    are what the head computes from scratch over the true states so far (numpy products: the same arithmetic)."""
     from edgespec.attn_head import AttnHead, AttnHeadDraft
     head, e, v = small_head(seed=5)
     w = T.to_weights(head, T.AttnHeadConfig(hidden=24, heads=2))
     rng = np.random.default_rng(0)
     states = rng.normal(0, 1, (40, e)).astype(np.float32)  # the target's state at each position
     ctx = [int(t) for t in rng.integers(0, v, 6)]
-    draft, ref = AttnHeadDraft(AttnHead(w), lambda p: states[p]), AttnHead(w)
+    draft, ref = AttnHeadDraft(AttnHead(w, "numpy"), lambda p: states[p]), AttnHead(w, "numpy")
     out = np.zeros(8, np.int64)
     for gamma, commit in [(3, 2), (0, 1), (0, 1), (4, 4), (2, 1), (0, 1), (5, 3)]:
         c = draft.draft(ctx, gamma, out)
@@ -150,6 +150,54 @@ def test_the_drafter_keeps_the_true_states_across_rounds_and_plain_rounds():
             assert out[:c].tolist() == props
         ctx += [int(t) for t in rng.integers(0, v, commit)]
     assert draft.draft(ctx[:4], 2, out) == 2 and len(draft.head.keys) == 3  # a shorter context: a new sequence
+
+
+def test_native_products_are_the_float16_matrices_products_and_odd_widths_stay_on_numpy():
+    """es_rows_f16 (the head's products on the native kernel): x @ W rounded to float16, for 1..30 rows (calls of
+    at most 12), against float64; a width that is not a multiple of the panel stays float32 numpy."""
+    from edgespec.attn_head import ROWS_PER_CALL, Matrix, native_library
+    lib = native_library()
+    if lib is None:
+        pytest.skip("native_step.c's library does not build here (no C compiler)")
+    rng = np.random.default_rng(0)
+    for k, n in ((48, 64), (384, 4096), (33, 16)):
+        w = rng.normal(0, 1, (k, n)).astype(np.float32)
+        m = Matrix(w, lib)
+        assert m.lib is lib
+        w16 = w.astype(np.float16).astype(np.float64)
+        for t in (1, 2, 5, ROWS_PER_CALL, 13, 30):
+            x = rng.normal(0, 1, (t, k)).astype(np.float32)
+            np.testing.assert_allclose(m(x), x @ w16, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+        np.testing.assert_allclose(m(x[0]), x[0] @ w16, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    odd = Matrix(rng.normal(0, 1, (16, 24)).astype(np.float32), lib)
+    assert odd.lib is None and odd(np.ones(16, np.float32)).dtype == np.float32
+    x, y, w = np.ones((13, 16), np.float32), np.zeros((13, 32), np.float32), np.zeros(512, np.uint16)
+    assert lib.es_rows_f16(x.ctypes.data, 13, w.ctypes.data, 16, 32, y.ctypes.data) == -1  # more rows than a call
+    assert lib.es_rows_f16(x.ctypes.data, 1, w.ctypes.data, 16, 24, y.ctypes.data) == -1  # not whole panels
+
+
+def test_a_head_on_native_products_drafts_what_the_numpy_head_drafts():
+    from edgespec.attn_head import AttnHead, native_library
+    if native_library() is None:
+        pytest.skip("native_step.c's library does not build here (no C compiler)")
+    rng = np.random.default_rng(1)
+    embed = rng.normal(0, 1, (64, 32)).astype(np.float32)
+    cfg = T.AttnHeadConfig(hidden=32, heads=2)
+    torch.manual_seed(1)
+    w = T.to_weights(T.build(embed, embed.copy(), cfg), cfg)
+    a, b = AttnHead(w, "native"), AttnHead(w, "numpy")
+    assert (a.products, b.products) == ("native", "numpy") and a._m.lib is not None and a._gu.lib is not None
+    states, tokens = rng.normal(0, 1, (20, 32)).astype(np.float32), rng.integers(0, 64, 20)
+    za, zb = a.extend(states, tokens), b.extend(states, tokens)
+    np.testing.assert_allclose(za, zb, rtol=2e-3, atol=2e-3)
+    ka, va, kb, vb = a.keys, a.values, b.keys, b.values
+    for _ in range(6):
+        assert a.propose(za) == b.propose(zb)
+        za, ka, va = a.guess(za, b.propose(zb), ka, va)
+        zb, kb, vb = b.guess(zb, b.propose(zb), kb, vb)
+        np.testing.assert_allclose(za, zb, rtol=5e-3, atol=5e-3)
+    with pytest.raises(ValueError, match="products must be one of auto, native, numpy, got 'gpu'"):
+        AttnHead(w, "gpu")
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,8 @@ def _library(path: Path):
     lib.es_scratch_floats.restype = i64
     lib.es_matmul.argtypes = [ctypes.c_int, P, i64, P, i64, i64, P, ctypes.c_int]
     lib.es_matmul.restype = ctypes.c_int
+    lib.es_rows_f16.argtypes = [P, i64, P, i64, i64, P]
+    lib.es_rows_f16.restype = ctypes.c_int
     lib.es_quiesce.argtypes = []
     lib.es_quiesce.restype = None
     lib.es_stolen.argtypes = []

@@ -68,7 +68,7 @@ class AttnHeadConfig:
         for name, v in asdict(self).items():
             if name not in ("noise", "windows") and not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v}")
-        if self.code_context >= self.seq_len:
+        if self.windows == "code" and self.code_context >= self.seq_len:
             raise ValueError(f"code_context ({self.code_context}) must be shorter than seq_len ({self.seq_len}): "
                              "the rest of a window is the target's continuation")
         if self.noise < 0:
