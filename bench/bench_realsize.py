@@ -54,7 +54,9 @@ What one run does, all in one invocation (bench_peers.check_same_run refuses a t
      a third; the target is judged by the median of the per-chunk ratios, with the final passes' ratio beside it;
      then the report.
 
-Rows. edgespec: plain, draft, draft+lookup, ngram x provider cpu-native (edgespec/backends/native.py) and cpu (ONNX
+Rows. edgespec: plain, draft, draft+lookup, ngram (and head, with --head: an attention draft head, EAGLE-style,
+edgespec/attn_head.py, over --head-gammas; a head of the stand-in's source is widened to it, and every target
+folder is then exported with --hidden) x provider cpu-native (edgespec/backends/native.py) and cpu (ONNX
 Runtime) x weight precision. A row is labelled by the weights it reads: cpu rows by the engine folder's precision,
 cpu-native rows by engine.json's extra.native.weights ("fp16" when absent: the fp32 folder's native.npz holds the
 checkpoint's float16 weights). A (provider, precision) no exported folder supports is kept as an unavailable row
@@ -118,7 +120,8 @@ ENGINES = ROOT / ".cache" / "engines-realsize"
 WORK = ROOT / ".cache" / "realsize"
 # what an export's output depends on beside the checkpoint: a cached folder made by other code is re-exported
 EXPORT_CODE = ("export/onnx_export.py", "export/graph.py", "export/quantize.py", "export/native.py",
-               "export/checkpoint.py", "export/validate.py", "edgespec/backends/native_format.py", "edgespec/contract.py")
+               "export/checkpoint.py", "export/validate.py", "edgespec/backends/native_format.py",
+               "edgespec/contract.py")
 
 SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plain_threads="2", spec_threads="2",
              draft_dtype="int8",
@@ -126,7 +129,8 @@ SMOKE = dict(code_prompts=2, max_new_tokens=16, sweep_prompts=2, repeats=1, plai
              llamacpp_threads="1,2", llamacpp_spec_threads="2", llamacpp_draft_threads="0", llamacpp_draft_ks="4",
              llamacpp_draft_p_mins="0", llamacpp_draft_precisions="same",
              llamacpp_lookup_types="ngram-simple", llamacpp_ngram_sizes="3", llamacpp_lookup_lengths="8",
-             llamacpp_repack="on", genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4", genai_ngram_sizes="3",
+             llamacpp_repack="on", genai_threads="2", genai_spec_threads="2", genai_draft_ks="4", genai_ngram_ks="4",
+             genai_ngram_sizes="3",
              membw_reps=3, paired_rounds=1, paired_chunks=2)
 
 
@@ -340,7 +344,8 @@ def _edgespec_configs(kind: str, prov: str, eng: str, drafts: list[Folder], args
                 out += [Config(f"γ={g}, {dl}, threads {t}", base + ("--gamma", g) + dv + thr(t))
                         for g in _list(args.gammas)]
             else:
-                out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "") + f", {dl}, threads {t}",
+                out += [Config(f"γ={g}, lookup={n}" + (f", lookup γ={L}" if L != "0" else "")
+                               + f", {dl}, threads {t}",
                                base + ("--gamma", g, "--lookup", n) + (("--lookup-gamma", L) if L != "0" else ())
                                + dv + thr(t))
                         for L in _list(args.lookup_lengths) for n in _list(args.lookups)
@@ -1085,9 +1090,9 @@ def markdown(r: dict) -> str:
             f"{t} thread{'s' if t != '1' else ''} {v['gbs_best']:.1f} GB/s (median {v['gbs_median']:.1f})"
             if "gbs_best" in v else f"{t}: {v.get('error')}" for t, v in m.items() if isinstance(v, dict))
             if "error" not in m else f"error: {m['error']}")
-    rows += ["", f"DRAM read bandwidth (bench/lib/membw.c, a native read loop over 512 MiB): {'; '.join(bwl)}. Roofline "
-                 f"rows use the best at their thread count; KV cache at the prompts' mean context "
-                 f"({rf['mean_context_tokens']:.0f} tokens).", ""]
+    rows += ["", "DRAM read bandwidth (bench/lib/membw.c, a native read loop over 512 MiB): "
+                 f"{'; '.join(bwl)}. Roofline rows use the best at their thread count; KV cache at the prompts' "
+                 f"mean context ({rf['mean_context_tokens']:.0f} tokens).", ""]
     for name, e in rf["rows"].items():
         run_best = e.get("share_run_best", e["share"])
         line = (f"- {name}: {e['bytes_per_token'] / 1e6:.1f} MB per token ({e['how']}) x "
