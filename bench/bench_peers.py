@@ -251,6 +251,7 @@ def edgespec_runner(args) -> None:
     from edgespec.export.bundled import ensure_demo_engines
     from edgespec.backends import draft_provider
     from edgespec.generate import draft_threads_for
+    from edgespec.speculation import DEFAULT_GAMMA_MAX
     if getattr(args, "target_engine", None):  # explicit engine folders (bench_realsize.py's stand-ins)
         target, draft = args.target_engine, args.draft_engine
     else:
@@ -270,8 +271,10 @@ def edgespec_runner(args) -> None:
         lookup["lookup_gamma"] = args.lookup_gamma
     threads = getattr(args, "threads", None)
     try:
+        # a fixed γ past the default longest draft raises gamma_max with it (γ 10 is otherwise refused)
+        longer = {"gamma_max": gamma} if isinstance(gamma, int) and gamma > DEFAULT_GAMMA_MAX else {}
         gen = edgespec.load(target, draft=d, gamma=gamma if d else "auto", provider=args.provider, **ngram, **lookup,
-                            **({"threads": threads} if threads else {}))
+                            **longer, **({"threads": threads} if threads else {}))
     except TypeError as e:  # an edgespec without load(lookup=): the mode fails with the reason, the run goes on
         if not lookup or "lookup" not in str(e):
             raise
