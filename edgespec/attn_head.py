@@ -243,7 +243,7 @@ class AttnHead:
         """Slow and obvious: the guessed states (E,) after true states (T, E) / tokens (T,), then after each drafted
         token fed with the guess before it, unfolded, every position computed from scratch over all so far, in
         float32 numpy products."""
-        w, ref = self.w, self if self.products == "numpy" else AttnHead(self.w, "numpy")
+        w, ref = self.w, self if self.products == "numpy" else self._numpy_twin()
         feats, toks, out = [np.asarray(s, np.float32) for s in states], [int(t) for t in tokens], []
         for step in range(len(drafted) + 1):
             r = np.concatenate([np.stack(feats), w.embed[np.array(toks)]], -1) @ w.w_in + w.b_in
@@ -253,6 +253,12 @@ class AttnHead:
                 feats.append(out[-1])
                 toks.append(drafted[step])
         return out
+
+    def _numpy_twin(self) -> "AttnHead":
+        """This head on numpy products (made once: its fold reads the (V, E) tables)."""
+        if getattr(self, "_twin", None) is None:
+            self._twin = AttnHead(self.w, "numpy")
+        return self._twin
 
     def reference_proposal(self, g: np.ndarray) -> int:
         """The proposal from a guessed state (E,), unfolded: its argmax through the LM head."""
