@@ -558,8 +558,11 @@ def test_a_hung_policy_latches_a_stop_and_publishes_nothing_more(make_node, doma
         peer.reset("still hung")  # the worker has not come back: the watchdog latches again
         assert not peer.wait_for(lambda: len(peer.chunks) > n, timeout=0.6)
         assert node.status()["safety"].startswith("stopped: policy hung")
+        done = node.status()["inferences"]
     finally:
         policy.hang.clear()
         policy.release.set()
+    # a reset the node takes before the hung call has returned latches again (above): wait for its return first
+    assert peer.wait_for(lambda: node.status()["inferences"] > done, publish=False), node.status()
     peer.reset("policy back")
     assert peer.wait_for(lambda: len(peer.chunks) > n and node.status()["safety"] == "ok"), node.status()
