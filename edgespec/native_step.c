@@ -462,10 +462,10 @@ static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, 
 }
 #endif
 
-/* Attention for GS query heads that read one kv head (GS = 1, 2 or 4: attn_group), so each key and value row is
-   loaded once for all of them. Each (head, row) score and each output column is the same chain as dotD and
+/* Attention for GS query heads that read one kv head (GS <= 8: attn_group), so each key and value row is loaded
+   once for all of them. Each (head, row) score and each output column is the same chain as dotD and
    weighted_rows compute for one head, so the grouping changes no bit. */
-#define ATT_GROUP_MAX 4
+#define ATT_GROUP_MAX 8
 
 #ifdef ES_AVX2
 /* out[j] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of a[j], j < 8: reduce8's order */
@@ -477,7 +477,8 @@ static inline void reduce8x8(const __m256 *a, float *out) {
     _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
 }
 
-/* sc[g ss + t] = q_g . k_t for g < GS, t < n: 8 / GS key rows at a time, each loaded once for the GS heads */
+/* sc[g ss + t] = q_g . k_t for g < GS, t < n: 8 / GS key rows at a time (rounded down: GS = 3 takes 2 rows and
+   leaves 2 of the 8 sums idle), each loaded once for the GS heads */
 static inline __attribute__((always_inline)) void group_scores_r(const float *q, const int GS, const float *k,
                                                                  int64_t n, int64_t D, float *sc, int64_t ss) {
     const int RT = 8 / GS;
@@ -502,28 +503,27 @@ static inline __attribute__((always_inline)) void group_scores_r(const float *q,
         for (int g = 0; g < GS; g++) sc[g * ss + t] = dotD(q + g * D, k + t * D, D);
 }
 
-/* o[g D + d] = sum over t < n of p[g ps + t] v_t[d], in order of t, for g < GS: 32 columns at a time */
+/* o[g D + d] = sum over t < n of p[g ps + t] v_t[d], in order of t, for g < GS: 32 columns at a time for up to 4
+   heads, 16 for more (the sums stay in registers) */
 static inline __attribute__((always_inline)) void group_weighted_r(const float *p, int64_t ps, const int GS,
                                                                    const float *v, int64_t n, int64_t D, float *o) {
+    const int CV = GS <= 4 ? 4 : 2, CW = 8 * CV; /* vectors and columns per pass */
     int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
+    for (; d0 + CW <= D; d0 += CW) {
         __m256 a[ATT_GROUP_MAX][4];
         for (int g = 0; g < GS; g++)
-            for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
+            for (int c = 0; c < CV; c++) a[g][c] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; t++) {
             const float *vr = v + t * D + d0;
-            const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8), v2 = _mm256_loadu_ps(vr + 16),
-                         v3 = _mm256_loadu_ps(vr + 24);
+            __m256 vv[4];
+            for (int c = 0; c < CV; c++) vv[c] = _mm256_loadu_ps(vr + 8 * c);
             for (int g = 0; g < GS; g++) {
                 const __m256 pv = _mm256_broadcast_ss(p + g * ps + t);
-                a[g][0] = _mm256_fmadd_ps(pv, v0, a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(pv, v1, a[g][1]);
-                a[g][2] = _mm256_fmadd_ps(pv, v2, a[g][2]);
-                a[g][3] = _mm256_fmadd_ps(pv, v3, a[g][3]);
+                for (int c = 0; c < CV; c++) a[g][c] = _mm256_fmadd_ps(pv, vv[c], a[g][c]);
             }
         }
         for (int g = 0; g < GS; g++)
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + g * D + d0 + 8 * c, a[g][c]);
+            for (int c = 0; c < CV; c++) _mm256_storeu_ps(o + g * D + d0 + 8 * c, a[g][c]);
     }
     for (int g = 0; g < GS; g++)
         for (int64_t d = d0; d < D; d++) {
@@ -533,20 +533,26 @@ static inline __attribute__((always_inline)) void group_weighted_r(const float *
         }
 }
 
-static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
-    switch (GS) {
-    case 4: group_scores_r(q, 4, k, n, D, sc, ss); break;
-    case 2: group_scores_r(q, 2, k, n, D, sc, ss); break;
-    default: group_scores_r(q, 1, k, n, D, sc, ss); break;
+#define GROUP_CASES(f, ...)                                                                                       \
+    switch (GS) {                                                                                                 \
+    case 8: f(__VA_ARGS__, 8); break;                                                                             \
+    case 7: f(__VA_ARGS__, 7); break;                                                                             \
+    case 6: f(__VA_ARGS__, 6); break;                                                                             \
+    case 5: f(__VA_ARGS__, 5); break;                                                                             \
+    case 4: f(__VA_ARGS__, 4); break;                                                                             \
+    case 3: f(__VA_ARGS__, 3); break;                                                                             \
+    case 2: f(__VA_ARGS__, 2); break;                                                                             \
+    default: f(__VA_ARGS__, 1); break;                                                                            \
     }
+#define SCORES_GS(q, k, n, D, sc, ss, G) group_scores_r(q, G, k, n, D, sc, ss)
+#define WEIGHTED_GS(p, ps, v, n, D, o, G) group_weighted_r(p, ps, G, v, n, D, o)
+
+static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
+    GROUP_CASES(SCORES_GS, q, k, n, D, sc, ss)
 }
 
 static void group_weighted(const float *p, int64_t ps, int GS, const float *v, int64_t n, int64_t D, float *o) {
-    switch (GS) {
-    case 4: group_weighted_r(p, ps, 4, v, n, D, o); break;
-    case 2: group_weighted_r(p, ps, 2, v, n, D, o); break;
-    default: group_weighted_r(p, ps, 1, v, n, D, o); break;
-    }
+    GROUP_CASES(WEIGHTED_GS, p, ps, v, n, D, o)
 }
 #else
 static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
@@ -559,14 +565,17 @@ static void group_weighted(const float *p, int64_t ps, int GS, const float *v, i
 }
 #endif
 
-/* query heads per attention chunk: the largest of 4, 2, 1 that divides the heads per kv head (-DES_ATTN_GROUP=1:
-   one head per chunk, the tests' build that shows the grouping changes no bit) */
+/* query heads per attention chunk: the largest divisor of the heads per kv head up to ATT_GROUP_MAX (Qwen2.5-0.5B's
+   7 take one chunk per kv head; -DES_ATTN_GROUP=1: one head per chunk, the tests' build that shows the grouping
+   changes no bit) */
 static int64_t attn_group(int64_t H, int64_t Hkv) {
     const int64_t G = H / Hkv;
 #ifdef ES_ATTN_GROUP
     if (G % ES_ATTN_GROUP == 0) return ES_ATTN_GROUP;
 #endif
-    return G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
+    for (int64_t g = ATT_GROUP_MAX; g > 1; g--)
+        if (G % g == 0) return g;
+    return 1;
 }
 
 /* one row: h (E) = w * x * rsqrt(mean(x^2) + eps), the reference's order: normalise, then scale (h may be x) */

@@ -93,7 +93,7 @@ def test_native_calls_match_onnx_runtime_across_a_regrowth(native_engines, march
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("heads,kv_heads,hidden", [(8, 2, 256), (6, 2, 192), (16, 2, 256)])
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(8, 2, 256), (6, 2, 192), (16, 2, 256), (14, 2, 224), (10, 2, 160)])
 def test_grouped_attention_changes_no_bit(tmp_path, heads, kv_heads, hidden, monkeypatch):
     """Attention chunks take 4, 2 or 1 query heads of one kv head together (native_step.c's attn_group: 4 for 4
     and 8 heads per kv head, 1 for 3): every call's logits equal, bit for bit, those of the build with one head
