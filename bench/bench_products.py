@@ -1,7 +1,7 @@
 """The native step's matrix products alone, from DRAM: time and bandwidth by rows, weight kind and prefetch distance.
 
     python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
-        [--prefetch 0,2048] [--panels-row1 0] [--prefetch-rows 1] [--shape 8192x2048] [--gb 1.3]
+        [--prefetch 0,2048] [--panels-row1 0] [--prefetch-rows 1] [--pf-next-pass 1] [--shape 8192x2048] [--gb 1.3]
         [--threads 2] [--repeats 3] [--marches native,x86-64]
 
 A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
@@ -33,14 +33,14 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 SHAPE = "8192x2048"  # out x in: a Llama-3.2-1B MLP matrix (gate, up)
 
 
-def variant(distance: int, panels_row1: int = 0, march: str = "native"):
-    """native_step.c built with ES_PREFETCH = distance, (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1 and
-    -march=`march`, each combination its own cached library."""
+def variant(distance: int, panels_row1: int = 0, march: str = "native", next_pass: int = 1):
+    """native_step.c built with ES_PREFETCH = distance, (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1,
+    ES_PF_NEXT_PASS = next_pass and -march=`march`, each combination its own cached library."""
     from edgespec.backends import native_lib
 
     saved = {k: os.environ.get(k) for k in ("EDGESPEC_NATIVE_CFLAGS", "EDGESPEC_NATIVE_MARCH")}
     row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
-    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}"
+    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1} -DES_PF_NEXT_PASS={next_pass}"
     os.environ["EDGESPEC_NATIVE_CFLAGS"] = flags.strip()
     os.environ["EDGESPEC_NATIVE_MARCH"] = march
     try:
@@ -80,12 +80,13 @@ def markdown(report: dict) -> str:
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
              f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
-             "| kind | -march | prefetch bytes | panels per pass, 1 row | rows | ms per pass | GMAC/s "
-             "| GB/s of weights |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| kind | -march | prefetch bytes | past a panel's end | panels per pass, 1 row | rows | ms per pass "
+             "| GMAC/s | GB/s of weights |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
-        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {row1} | {r['rows']} "
+        ahead = "next pass" if r.get("pf_next_pass", 1) else "straight on"
+        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {ahead} | {row1} | {r['rows']} "
                      f"| {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--marches", default="native", help="-march targets, comma-separated (x86-64: the portable C "
                                                          "kernels; haswell: AVX2)")
+    ap.add_argument("--pf-next-pass", default="1",
+                    help="where a stream's prefetch goes past its panel's end (ES_PF_NEXT_PASS): 1 the same stream's "
+                         "panel of the next pass, 0 straight on into the next panel; comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     from host import command_line, machine, machine_load, write_results
@@ -118,6 +122,9 @@ def main(argv=None) -> int:
     kinds = a.kinds.split(",")
     dists = [int(x) for x in a.prefetch.split(",")]
     row1s = [int(x) for x in a.panels_row1.split(",")]
+    nexts = [int(x) for x in a.pf_next_pass.split(",")]
+    if any(v not in (0, 1) for v in nexts):
+        ap.error(f"--pf-next-pass: each 0 or 1, got {nexts}")
     if any(f not in (0, 1, 2, 4) for f in row1s):
         ap.error(f"--panels-row1: each 0 (the library's choice), 1, 2 or 4 (the kernel's one-row variants), got {row1s}")
     if any(not 1 <= r <= 12 for r in rows):
@@ -136,7 +143,7 @@ def main(argv=None) -> int:
         ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
     load = machine_load()
     rng = np.random.default_rng(0)
-    keys = [(d, f, m) for d in dists for f in row1s for m in a.marches.split(",")]
+    keys = [(d, f, m, n) for d in dists for f in row1s for m in a.marches.split(",") for n in nexts]
     libs = {k: variant(*k) for k in keys}
     cpu_default = libs[keys[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
     for lib in libs.values():
@@ -156,7 +163,8 @@ def main(argv=None) -> int:
         for k in keys:
             for r in rows:
                 t = best[(kind, k, r)]
-                best[(kind, k, r)] = {"kind": kind, "march": k[2], "prefetch": k[0], "panels_row1": k[1], "rows": r,
+                best[(kind, k, r)] = {"kind": kind, "march": k[2], "prefetch": k[0], "panels_row1": k[1],
+                                      "pf_next_pass": k[3], "rows": r,
                                       "ms": t * 1e3,
                                       "matrices": len(mats), "gmacs": len(mats) * r * N * K / t / 1e9,
                                       "gbs": nbytes / t / 1e9}

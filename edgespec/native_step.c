@@ -184,6 +184,20 @@ int es_set_q4_row_panels(int n) {
 }
 
 #define ES_PF(ptr) __builtin_prefetch((const char *)(ptr) + ES_PREFETCH)
+
+/* The prefetch of stream q of a pass over NP consecutive panels of ps bytes from p, at byte o of its panel: the line
+   ES_PREFETCH bytes ahead, or, past the panel's end, as far into panel q + NP, the one this stream reads next pass.
+   (Straight ahead would land in panel q + 1, which another stream of this pass is reading already, and leave each
+   new pass's first lines to DRAM's latency: a product over short panels (K = 896: 8 KB of int4) paid that on
+   every pass. -DES_PF_NEXT_PASS=0: straight ahead, bench/bench_products.py's comparison.) With NP = 1 both are
+   the same address. */
+#ifndef ES_PF_NEXT_PASS
+#define ES_PF_NEXT_PASS 1
+#endif
+static inline __attribute__((always_inline)) void pf_stream(const void *p, int q, int NP, int64_t ps, int64_t o) {
+    const int64_t a = o + ES_PREFETCH;
+    __builtin_prefetch((const char *)p + (ES_PF_NEXT_PASS && a >= ps ? (q + NP) * ps + a - ps : q * ps + a));
+}
 #define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
 #ifdef ES_NEON
@@ -208,7 +222,7 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
         for (int64_t k = 0; k < K; k++) {
             __m256 xv = _mm256_broadcast_ss(x + k);
             if (pf && !(k & 1))
-                for (int q = 0; q < 4; q++) ES_PF(p + q * stride + k * PANEL);
+                for (int q = 0; q < 4; q++) pf_stream(p, q, 4, 2 * stride, 2 * k * PANEL);
             for (int j = 0; j < 8; j++) {
                 const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
                 a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
@@ -232,7 +246,7 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
     for (int64_t k = 0; k < K; k++) {
         const float32x4_t xv = vdupq_n_f32(x[k]);
         for (int q = 0; q < np; q++) {
-            if (pf && !(k & 1)) ES_PF(p + q * stride + k * PANEL);
+            if (pf && !(k & 1)) pf_stream(p, q, np, 2 * stride, 2 * k * PANEL);
             float32x4_t w[4];
             neon_panel_row(p + q * stride + k * PANEL, w);
             for (int j = 0; j < 4; j++) a[4 * q + j] = vfmaq_f32(a[4 * q + j], xv, w[j]);
@@ -260,7 +274,7 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
     for (int64_t k = 0; k < K; k++) {
         __m512 w[8];
         if (pf && !(k & 1)) /* one 64-byte line of each panel per two k */
-            for (int q = 0; q < NP; q++) ES_PF(p + q * K * PANEL + k * PANEL);
+            for (int q = 0; q < NP; q++) pf_stream(p, q, NP, 2 * K * PANEL, 2 * k * PANEL);
         for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * K * PANEL + k * PANEL)));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r][k]);
@@ -694,7 +708,7 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
         /* a block is 4.5 (int4) or 8.5 (int8) lines: one prefetch per line and one more covers them */
         if (pf)
             for (int q = 0; q < NP; q++)
-                for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + q * ps + o);
+                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, b * bb + o);
         /* each sum starts at -offset x the block's input sum: the stored weights are q + offset */
         for (int r = 0; r < R; r++) {
             const __m512i start = _mm512_set1_epi32(-off * xs[r][b]);
@@ -822,7 +836,7 @@ static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *co
         const uint8_t *blk = p + b * bb;
         if (pf)
             for (int q = 0; q < NP; q++)
-                for (int64_t o = 0; o <= bb; o += 64) ES_PF(blk + q * ps + o);
+                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, b * bb + o);
         __m256i a0[4], a1[4];
         if (kind == ES_Q8) {
             for (int i = 0; i < RT * NP; i++) a0[i] = a1[i] = _mm256_setzero_si256();
