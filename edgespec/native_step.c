@@ -481,6 +481,21 @@ static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, 
    weighted_rows compute for one head, so the grouping changes no bit. */
 #define ATT_GROUP_MAX 8
 
+/* Before scoring key rows t..t+RT-1: ask for the key rows ATT_PF_ROWS ahead and for value rows t..t+RT-1, which
+   the weighted sum reads next. Once the weights of a step have streamed through the cache, a layer's cached rows
+   come from DRAM, and without this each attention chunk waited on them row by row. */
+#define ATT_PF_ROWS 8
+static inline __attribute__((always_inline)) void attn_prefetch(const float *k, const float *v, int64_t t, int RT,
+                                                                int64_t n, int64_t D) {
+    for (int u = 0; u < RT; u++) {
+        const int64_t tk = t + u + ATT_PF_ROWS;
+        for (int64_t d = 0; d < D; d += 16) {
+            if (tk < n) __builtin_prefetch(k + tk * D + d);
+            __builtin_prefetch(v + (t + u) * D + d);
+        }
+    }
+}
+
 #ifdef ES_AVX2
 /* out[j] = ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of a[j], j < 8: reduce8's order */
 static inline void reduce8x8(const __m256 *a, float *out) {
@@ -494,10 +509,12 @@ static inline void reduce8x8(const __m256 *a, float *out) {
 /* sc[g ss + t] = q_g . k_t for g < GS, t < n: 8 / GS key rows at a time (rounded down: GS = 3 takes 2 rows and
    leaves 2 of the 8 sums idle), each loaded once for the GS heads */
 static inline __attribute__((always_inline)) void group_scores_r(const float *q, const int GS, const float *k,
-                                                                 int64_t n, int64_t D, float *sc, int64_t ss) {
+                                                                 int64_t n, int64_t D, float *sc, int64_t ss,
+                                                                 const float *v) {
     const int RT = 8 / GS;
     int64_t t = 0;
     for (; t + RT <= n; t += RT) {
+        attn_prefetch(k, v, t, RT, n, D);
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
@@ -558,20 +575,24 @@ static inline __attribute__((always_inline)) void group_weighted_r(const float *
     case 2: f(__VA_ARGS__, 2); break;                                                                             \
     default: f(__VA_ARGS__, 1); break;                                                                            \
     }
-#define SCORES_GS(q, k, n, D, sc, ss, G) group_scores_r(q, G, k, n, D, sc, ss)
+#define SCORES_GS(q, k, n, D, sc, ss, v, G) group_scores_r(q, G, k, n, D, sc, ss, v)
 #define WEIGHTED_GS(p, ps, v, n, D, o, G) group_weighted_r(p, ps, G, v, n, D, o)
 
-static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
-    GROUP_CASES(SCORES_GS, q, k, n, D, sc, ss)
+static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss,
+                         const float *v) {
+    GROUP_CASES(SCORES_GS, q, k, n, D, sc, ss, v)
 }
 
 static void group_weighted(const float *p, int64_t ps, int GS, const float *v, int64_t n, int64_t D, float *o) {
     GROUP_CASES(WEIGHTED_GS, p, ps, v, n, D, o)
 }
 #else
-static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss) {
-    for (int g = 0; g < GS; g++)
-        for (int64_t t = 0; t < n; t++) sc[g * ss + t] = dotD(q + g * D, k + t * D, D);
+static void group_scores(const float *q, int GS, const float *k, int64_t n, int64_t D, float *sc, int64_t ss,
+                         const float *v) {
+    for (int64_t t = 0; t < n; t++) {
+        attn_prefetch(k, v, t, 1, n, D);
+        for (int g = 0; g < GS; g++) sc[g * ss + t] = dotD(q + g * D, k + t * D, D);
+    }
 }
 
 static void group_weighted(const float *p, int64_t ps, int GS, const float *v, int64_t n, int64_t D, float *o) {
@@ -1524,7 +1545,9 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         }
         const float *K = c->kc[b * m->L + j->l] + (kh * c->cap + lo) * D;
         const float *Vv = c->vc[b * m->L + j->l] + (kh * c->cap + lo) * D;
-        group_scores(q, (int)GS, K, n, D, sc, ss);
+        for (int64_t t = 0; t < ATT_PF_ROWS && t < n; t++) /* the first rows; group_scores asks for the rest */
+            for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(K + t * D + d);
+        group_scores(q, (int)GS, K, n, D, sc, ss, Vv);
         for (int64_t g = 0; g < GS; g++) {
             float *sg = sc + g * ss, mx = -INFINITY;
             for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
