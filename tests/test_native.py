@@ -116,6 +116,101 @@ def test_grouped_attention_changes_no_bit(tmp_path, heads, kv_heads, hidden, mon
         assert np.array_equal(a, b)
 
 
+def _native_twins(target, prompt, chunk=16):
+    """Two native decoders of one engine with `prompt` prefilled, caches growing by `chunk` rows (regrowth inside
+    a run of steps) -> (a, b, the first new id)."""
+    from edgespec.kvcache import KVCache
+    eng = open_engine(target, "cpu-native")
+    m = eng.manifest
+    twins = []
+    for _ in range(2):
+        d = eng.decoder()
+        d.cache = KVCache(m.num_layers, 1, m.num_kv_heads, m.head_dim, m.max_context, "float32", d.memory,
+                          chunk=chunk)
+        first = int(d.ids(np.array([prompt]))[0, -1])
+        d.cache.commit(len(prompt))
+        twins.append(d)
+    return twins[0], twins[1], first
+
+
+def _same_native_cache(a, b):
+    assert a.cache.lengths.tolist() == b.cache.lengths.tolist()
+    n = int(a.cache.lengths[0])
+    for ra, rb in zip(a.cache.buffers, b.cache.buffers):
+        assert np.array_equal(ra.handle[:, :, :n], rb.handle[:, :, :n])
+
+
+def test_native_plain_steps_equal_the_reference_call_by_call(native_engines):
+    """NativeDecoder.greedy_steps (es_forward back to back, lengths committed at the end) against
+    greedy_steps_reference (ids() and commit() per call): the same ids, the same committed rows and last
+    logits, bit for bit, also when the caller stops early and goes on, and across cache regrowths."""
+    a, b, first = _native_twins(native_engines[0], [5, 17, 3, 60, 42, 9, 11, 2, 8])
+    pending = [first, first]
+    for n, take in ((5, 5), (30, 12), (40, 40)):  # take < n: the caller closes the generator early
+        got = []
+        for d, steps in ((a, a.greedy_steps), (b, b.greedy_steps_reference)):
+            gen, ids = steps(pending[d is b], n), []
+            for tok in gen:
+                ids.append(tok)
+                if len(ids) == take:
+                    break
+            gen.close()
+            got.append(ids)
+        assert got[0] == got[1] and len(got[0]) == take
+        _same_native_cache(a, b)
+        assert np.array_equal(a.last_logits(), b.last_logits())
+        assert a.last_start.tolist() == b.last_start.tolist()
+        pending = [got[0][-1], got[1][-1]]
+    assert a.calls == b.calls and a.cache.generation > 1
+    v = a.m.vocab_size
+    with pytest.raises(ValueError, match=f"token ids must be in 0..{v - 1}, got {v}..{v}"):
+        next(a.greedy_steps(v, 3))
+    with pytest.raises(ValueError, match="one sequence; this decoder runs batches of 2"):
+        next(a.engine.decoder(2).greedy_steps(1, 3))
+
+
+def test_native_plain_steps_stop_at_nan_with_the_row_zeroed(native_engines):
+    """The 3rd call of a run of steps gives NaN logits: FloatingPointError naming the step, the two good rows
+    committed, the failed row zeroed, and the next steps equal to a decoder that never saw the NaN."""
+    from edgespec import contract as C
+    a, b, first = _native_twins(native_engines[0], [1, 2, 3, 4, 5])
+    real, calls = a._forward, []
+
+    def poison_third(bb, s, ids, x_in, start, out):
+        t = real(bb, s, ids, x_in, start, out)
+        calls.append(int(start[0]))
+        if len(calls) == 3:
+            for buf in a.cache.buffers:
+                buf.handle[0, :, int(start[0])] = np.nan
+            out.ids.handle[...] = C.NONFINITE_ID
+        return t
+
+    a._forward = poison_third
+    got = []
+    with pytest.raises(FloatingPointError, match="target engine produced NaN/inf logits at step 8"):
+        for tok in a.greedy_steps(first, 10):
+            got.append(tok)
+    del a._forward
+    want = list(b.greedy_steps_reference(first, 2))
+    assert got == want and a.cache.lengths.tolist() == [7] and calls == [5, 6, 7]
+    assert all(np.isfinite(buf.handle).all() for buf in a.cache.buffers)
+    _same_native_cache(a, b)
+    assert list(a.greedy_steps(want[-1], 6)) == list(b.greedy_steps_reference(want[-1], 6))
+
+
+def test_native_plain_generation_equals_the_generic_round(native_engines):
+    """Plain greedy generation on cpu-native runs greedy_steps; Generator.lean = False the generic round: the
+    same tokens and finish reasons."""
+    lean = edgespec.load(native_engines[0], provider="cpu-native")
+    generic = edgespec.load(native_engines[0], provider="cpu-native")
+    generic.lean = False
+    for p in ([1, 2, 3], list(range(30, 52)), [9] * 40):
+        for kw in (dict(max_new_tokens=40), dict(max_new_tokens=30, stop=["A", "B"]), dict(max_new_tokens=1)):
+            x, y = lean.generate(p, **kw), generic.generate(p, **kw)
+            assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+            assert x.stats.target_calls == y.stats.target_calls
+
+
 def test_a_row_does_not_depend_on_the_calls_s(native_engines):
     """Verify (S = k+1) and plain steps (S = 1) compute each row bit for bit alike (S = 17: a group of 12 rows
     and one of 5)."""

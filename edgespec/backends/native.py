@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ import numpy as np
 from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
 from ..memory import Buffer, HostMemory
+from ..sampling import check_ids
 from .base import Capabilities, Decoder, EmbeddingTable
 from .native_folder import NativeFolder, model_struct, read_native
 from .native_lib import library
@@ -97,18 +99,13 @@ class NativeDecoder(Decoder):
         self._scratch, self._scratch_s = np.zeros(0, np.float32), 0  # scratch sized for calls of up to S tokens
         self._pointers: tuple = (-1, [])  # (cache generation, per sequence (key, value) address tables)
 
-    def run(self, tokens, valid=None, embeds=None) -> None:
-        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
-        (valid False) are computed like any token; their rows are never committed."""
-        ids, x_in = self._ids_or_rows(tokens, valid, embeds, "cpu-native")  # x_in: an inputs_embeds engine's rows
-        b, s = ids.shape
-        cache = self.cache
-        e = self.engine
-        grow = int(cache.lengths.max()) + s > cache.capacity or s > self._scratch_s
-        if grow:  # buffers a helper thread of the last call may still read are about to be freed
-            e.lib.es_quiesce()
-        cache.reserve(int(cache.lengths.max()) + s)
-        start = np.ascontiguousarray(cache.lengths, np.int64)  # a copy: (B,)
+    def _prepare_call(self, b: int, s: int, rows: int) -> _Outputs:
+        """Room for calls of S tokens per sequence up to `rows` cache rows: the cache reserved, the scratch and
+        the outputs sized, the key / value address tables current. -> the outputs of an S-token call."""
+        cache, e = self.cache, self.engine
+        if rows > cache.capacity or s > self._scratch_s:  # buffers a helper thread of the last call may still
+            e.lib.es_quiesce()                            # read are about to be freed
+        cache.reserve(rows)
         out = self._outs.get(s)
         if out is None:
             out = self._outs[s] = _Outputs(self.memory, b, s, self.m, e.head_rows)
@@ -122,25 +119,87 @@ class NativeDecoder(Decoder):
             keys = [cache.buffers[2 * j].handle[i].ctypes.data for i in range(b) for j in range(L)]
             values = [cache.buffers[2 * j + 1].handle[i].ctypes.data for i in range(b) for j in range(L)]
             self._pointers = (cache.generation, ((ctypes.c_void_p * (b * L))(*keys), (ctypes.c_void_p * (b * L))(*values)))
+        return out
+
+    def _forward(self, b: int, s: int, ids: np.ndarray, x_in, start: np.ndarray, out: _Outputs) -> tuple[float, float]:
+        """One es_forward of S tokens per sequence at rows start (B,) into `out`, on the governor's thread
+        count. -> (t0, t1) around the C call."""
+        e, gov = self.engine, self.engine.governor
         ks, vs = self._pointers[1]
-        logits, nid = out.full.handle, out.ids.handle
         hidden = out.hidden.handle if out.hidden is not None else None
-        gov = e.governor
         threads = gov.threads((b, s)) if gov is not None else e.threads
         t0 = time.perf_counter()
         rc = e.lib.es_forward(ctypes.byref(e.model), b, s, ids.ctypes.data,
                               x_in.ctypes.data if x_in is not None else None, start.ctypes.data, ks, vs,
-                              cache.capacity, logits.ctypes.data, nid.ctypes.data,
+                              self.cache.capacity, out.full.handle.ctypes.data, out.ids.handle.ctypes.data,
                               hidden.ctypes.data if hidden is not None else None, self._scratch.ctypes.data,
                               threads)
         t1 = time.perf_counter()
         if rc == -1:
-            raise EngineError(f"native step: rows {start.tolist()} + {s} do not fit the cache's {cache.capacity} rows")
+            raise EngineError(f"native step: rows {start.tolist()} + {s} do not fit the cache's "
+                              f"{self.cache.capacity} rows")
         if rc != 0:
             raise MemoryError("native step: could not allocate its scratch")
         if gov is not None:
             gov.observe((b, s), threads, t1 - t0)
+        return t0, t1
+
+    def run(self, tokens, valid=None, embeds=None) -> None:
+        """tokens (B, S) int64 at positions lengths[b]..lengths[b]+S-1 (see Decoder.run). Padding tokens
+        (valid False) are computed like any token; their rows are never committed."""
+        ids, x_in = self._ids_or_rows(tokens, valid, embeds, "cpu-native")  # x_in: an inputs_embeds engine's rows
+        b, s = ids.shape
+        out = self._prepare_call(b, s, int(self.cache.lengths.max()) + s)
+        start = np.ascontiguousarray(self.cache.lengths, np.int64)  # a copy: (B,)
+        t0, t1 = self._forward(b, s, ids, x_in, start, out)
         self._called(s, out, t0, t1, start, valid)
+
+    def greedy_steps(self, pending: int, n: int) -> Iterator[int]:
+        """Plain greedy decoding of one sequence: up to n S=1 calls back to back, the first fed `pending` (the
+        sequence's last id, not yet in the cache), each later one the argmax id of the call before; yields
+        each call's id. Nothing else may call this decoder until the generator is done or closed (the caller
+        may close it after any id); then the cache has committed exactly the rows of the ids it was fed. NaN
+        or inf logits: that row is zeroed and FloatingPointError raised.
+
+        The cache is reserved for all n rows first and its lengths brought up to date at the end; between two
+        calls only the id and the row are written. The host's time per token is then a few microseconds of
+        Python where run()'s checks and bookkeeping took a tenth of a millisecond or more: after each step
+        has streamed the weights through the caches, every object Python touches comes back from DRAM.
+        greedy_steps_reference is the same through ids() and commit() (tests compare)."""
+        if self.batch != 1:
+            raise ValueError(f"greedy_steps decodes one sequence; this decoder runs batches of {self.batch}")
+        if self.m.input_mode != "ids":
+            yield from self.greedy_steps_reference(pending, n)
+            return
+        self._check_ids(np.array([pending], np.int64))
+        cache = self.cache
+        base = int(cache.lengths[0])
+        out = self._prepare_call(1, 1, base + n)
+        ids, start, next_ids = np.zeros((1, 1), np.int64), np.zeros(1, np.int64), out.ids.handle
+        tok, kept, ran = pending, 0, 0  # kept: rows whose ids came back finite (committed at the end)
+        try:
+            for _ in range(n):
+                ids[0, 0], start[0] = tok, base + kept
+                t0, t1 = self._forward(1, 1, ids, None, start, out)
+                self.engine_s += t1 - t0
+                self.calls += 1
+                ran += 1
+                if self.trace is not None:
+                    self.trace.append((f"{self.trace_name}.run S=1", t0, t1))
+                tok = next_ids.item(0)
+                if tok < 0:  # NONFINITE_ID: this row may hold NaN or inf
+                    break
+                kept += 1
+                yield tok
+        finally:
+            cache.wrote(kept)
+            cache.commit(kept)
+            if ran:
+                self._last, self._ids_host, self.last_start = out, None, np.array([base + ran - 1], np.int64)
+        if ran > kept:
+            cache.wrote(1)
+            cache.zero_written(1)
+            check_ids(np.array([tok]), "target", base + ran)
 
     def __del__(self):
         try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)
