@@ -2,7 +2,7 @@
 
     python bench/bench_native_profile.py --engine .cache/engines-realsize/qwen2.5-0.5b-int4 \\
         --out bench/results/native-profile-int4.json [--rows 1,2,5,8] [--threads 2] [--calls 48] [--hugepages 1] \
-        [--int4-row-panels 0]
+        [--int4-row-panels 0] [--cflags= --cflags=-DES_PF_NEXT_PASS=0]
 
 For each call size S (--rows: S = 1 is a decode step, S = k + 1 a verify pass of k drafted tokens) this runs
 --calls calls of S tokens on provider cpu-native from a 64-token prompt, the sizes interleaved, --repeats
@@ -15,8 +15,11 @@ measured in the same run (bench/lib/membw.c, as bench_realsize.py measures it). 
 once per setting (EDGESPEC_HUGEPAGES: its weights on 4 KiB pages, or in one arena advised for huge pages,
 edgespec/backends/hugepages.py) and interleaves them within each repeat, with the huge-page bytes each got.
 --int4-row-panels 1,4 does the same for the panels a one-row int4 product streams per pass (es_set_q4_row_panels;
-0: this CPU's default), one setting of the library at a time, on the same engine. Writes JSON and a markdown table
-per setting beside --out, with the command and the machine's load.
+0: this CPU's default), one setting of the library at a time, on the same engine. Each --cflags (repeatable) opens
+the engine once more on the library built with those EDGESPEC_NATIVE_CFLAGS (native_step.c's switches, such as
+-DES_PF_NEXT_PASS=0, -DES_ATTN_PF=0 or -DES_ATTN_GROUP=1: a change and the code before it, interleaved in one
+process); without it the process's own flags. Writes JSON and a markdown table per setting beside --out, with the
+command and the machine's load.
 """
 from __future__ import annotations
 
@@ -42,13 +45,13 @@ def profile_calls(engine, rows: int, calls: int, prompt: int, seed: int) -> dict
     dec(rng.integers(0, vocab, (1, prompt)))
     dec.cache.commit(prompt)
     feeds = [rng.integers(0, vocab, (1, rows)) for _ in range(calls)]
-    native.profile(reset=True)
+    native.profile(reset=True, lib=engine.lib)
     t0 = time.perf_counter()
     for ids in feeds:
         dec(ids)
         dec.cache.commit(rows)
     wall = (time.perf_counter() - t0) * 1e3 / calls
-    prof = native.profile(reset=True)
+    prof = native.profile(reset=True, lib=engine.lib)
     return {"ms": wall, "kinds": {k: {"ms": v["ms"] / calls, "wait_ms": v["wait_ms"] / calls,
                                       "jobs": v["jobs"] / calls} for k, v in prof.items()}}
 
@@ -80,6 +83,7 @@ def markdown(r: dict) -> str:
         if name:
             hb = v.get("huge_page_bytes")
             rp = f", int4 one-row panels per pass: {v['int4_row_panels']}" if "int4_row_panels" in v else ""
+            rp += f", EDGESPEC_NATIVE_CFLAGS {v['cflags']!r}" if v.get("cflags") is not None else ""
             lines += ["", f"## {name} (weights on huge pages: "
                       f"{'unknown' if hb is None else f'{hb / 1e6:.0f} MB'}{rp})"]
         lines += table(v["calls"])
@@ -100,21 +104,24 @@ def table(calls: dict) -> list[str]:
     return lines
 
 
-def open_with_hugepages(path: Path, threads: int, setting: str):
-    """The engine at `path` on cpu-native, its weights read with EDGESPEC_HUGEPAGES=setting."""
+def open_with(path: Path, threads: int, hugepages: str, cflags: str | None):
+    """The engine at `path` on cpu-native, its weights read with EDGESPEC_HUGEPAGES=hugepages, on the library
+    built with EDGESPEC_NATIVE_CFLAGS=cflags (None: the process's own)."""
     import os
 
     from edgespec.backends import open_engine
 
-    old = os.environ.get("EDGESPEC_HUGEPAGES")
-    os.environ["EDGESPEC_HUGEPAGES"] = setting
+    env = {"EDGESPEC_HUGEPAGES": hugepages} | ({} if cflags is None else {"EDGESPEC_NATIVE_CFLAGS": cflags})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return open_engine(path, "cpu-native", threads=threads)
     finally:
-        if old is None:
-            del os.environ["EDGESPEC_HUGEPAGES"]
-        else:
-            os.environ["EDGESPEC_HUGEPAGES"] = old
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def main(argv=None) -> int:
@@ -130,6 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hugepages", default="1", help="EDGESPEC_HUGEPAGES settings, interleaved (0, 1 or 0,1)")
     ap.add_argument("--int4-row-panels", default="0",
                     help="panels per pass of one-row int4 products (0: the CPU's default; 1, 2, 4), interleaved")
+    ap.add_argument("--cflags", action="append", default=None,
+                    help="EDGESPEC_NATIVE_CFLAGS of a library variant, as --cflags=FLAGS (repeat for several, "
+                         "interleaved; --cflags= the default build)")
     a = ap.parse_args(argv)
     from host import command_line, machine_load, read_bandwidth, write_results
 
@@ -161,30 +171,35 @@ def main(argv=None) -> int:
     bw = read_bandwidth([a.threads], a.membw_mib, 5)
     gbs = bw.get(str(a.threads), {}).get("gbs_best")
     from edgespec.backends.native_lib import library
-    lib = library()
-    engines = {s: open_with_hugepages(a.engine, a.threads, s) for s in settings}
+    flags = list(dict.fromkeys(a.cflags)) if a.cflags else [None]
+    engines = {(s, c): open_with(a.engine, a.threads, s, c) for s in settings for c in flags}
     for engine in engines.values():
         profile_calls(engine, 1, 8, a.prompt, 99)  # warm: the library built and loaded, the weights paged in
-    combos = [(s, p) for s in settings for p in panels]  # (EDGESPEC_HUGEPAGES, int4 one-row panels; 0: default)
-    name = lambda s, p: f"hugepages={s}" + (f" int4_row_panels={p}" if len(panels) > 1 else "")  # noqa: E731
+    # (EDGESPEC_HUGEPAGES, int4 one-row panels (0: default), EDGESPEC_NATIVE_CFLAGS (None: the process's))
+    combos = [(s, p, c) for s in settings for p in panels for c in flags]
+    name = lambda s, p, c: (f"hugepages={s}" + (f" int4_row_panels={p}" if len(panels) > 1 else "")  # noqa: E731
+                            + (f" cflags={c!r}" if len(flags) > 1 else ""))
     in_force = {}
-    runs = {c: {r: [] for r in rows} for c in combos}
+    runs = {k: {r: [] for r in rows} for k in combos}
     for rep in range(a.repeats):
         for r in rows:
-            for s, p in (combos if rep % 2 == 0 else combos[::-1]):  # the order alternates each repeat
-                in_force[p] = lib.es_set_q4_row_panels(int(p))
-                runs[s, p][r].append(profile_calls(engines[s], r, a.calls, a.prompt, rep))
-    lib.es_set_q4_row_panels(0)
+            for s, p, c in (combos if rep % 2 == 0 else combos[::-1]):  # the order alternates each repeat
+                eng = engines[s, c]
+                in_force[p, c] = eng.lib.es_set_q4_row_panels(int(p))
+                runs[s, p, c][r].append(profile_calls(eng, r, a.calls, a.prompt, rep))
+    for eng in engines.values():
+        eng.lib.es_set_q4_row_panels(0)
     bytes_per_call = int(info["weight_bytes_per_token"])
-    largest = {s: max(e.arrays.values(), key=lambda x: x.nbytes) for s, e in engines.items()}
-    variants = {name(s, p): {"hugepages": s, "huge_page_bytes": huge_bytes(largest[s]), "int4_row_panels": in_force[p],
-                             "calls": {str(r): summarize(runs[s, p][r], bytes_per_call, gbs) for r in rows},
-                             "raw": runs[s, p]} for s, p in combos}
+    largest = {k: max(e.arrays.values(), key=lambda x: x.nbytes) for k, e in engines.items()}
+    variants = {name(s, p, c): {"hugepages": s, "huge_page_bytes": huge_bytes(largest[s, c]), "cflags": c,
+                                "int4_row_panels": in_force[p, c],
+                                "calls": {str(r): summarize(runs[s, p, c][r], bytes_per_call, gbs) for r in rows},
+                                "raw": runs[s, p, c]} for s, p, c in combos}
     report = {"command": command_line(__file__),
               "engine": str(a.engine), "weights": info.get("weights"), "threads": a.threads,
               "repeats": a.repeats, "calls_per_repeat": a.calls, "prompt": a.prompt, "load": load,
               "prefetch_rows": library().es_prefetch_rows(), "read_bandwidth": bw, "read_gbs": gbs,
-              "bytes_per_call": bytes_per_call, "hugepages": settings, "int4_row_panels": panels,
+              "bytes_per_call": bytes_per_call, "hugepages": settings, "int4_row_panels": panels, "cflags": flags,
               "calls": variants[name(*combos[0])]["calls"], "variants": variants}
     write_results(a.out, report, markdown(report))
     print(markdown(report))

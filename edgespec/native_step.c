@@ -485,9 +485,12 @@ static void weighted_rows(const float *p, const float *v, int64_t n, int64_t D, 
    the weighted sum reads next. Once the weights of a step have streamed through the cache, a layer's cached rows
    come from DRAM, and without this each attention chunk waited on them row by row. */
 #define ATT_PF_ROWS 8
+#ifndef ES_ATTN_PF /* -DES_ATTN_PF=0: no such prefetch (bench/bench_native_profile.py --cflags compares) */
+#define ES_ATTN_PF 1
+#endif
 static inline __attribute__((always_inline)) void attn_prefetch(const float *k, const float *v, int64_t t, int RT,
                                                                 int64_t n, int64_t D) {
-    for (int u = 0; u < RT; u++) {
+    for (int u = 0; u < RT * ES_ATTN_PF; u++) {
         const int64_t tk = t + u + ATT_PF_ROWS;
         for (int64_t d = 0; d < D; d += 16) {
             if (tk < n) __builtin_prefetch(k + tk * D + d);
@@ -1545,7 +1548,8 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         }
         const float *K = c->kc[b * m->L + j->l] + (kh * c->cap + lo) * D;
         const float *Vv = c->vc[b * m->L + j->l] + (kh * c->cap + lo) * D;
-        for (int64_t t = 0; t < ATT_PF_ROWS && t < n; t++) /* the first rows; group_scores asks for the rest */
+        for (int64_t t = 0; t < ATT_PF_ROWS * ES_ATTN_PF && t < n; t++) /* the first rows; group_scores asks for
+                                                                          the rest */
             for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(K + t * D + d);
         group_scores(q, (int)GS, K, n, D, sc, ss, Vv);
         for (int64_t g = 0; g < GS; g++) {

@@ -534,6 +534,15 @@ def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
         "hugepages=1 int4_row_panels=1": 1, "hugepages=1 int4_row_panels=4": four}
     assert all(len(v["raw"]["1"]) == 2 for v in r["variants"].values())
     assert bench.main(["--engine", str(folder), "--out", str(out), "--int4-row-panels", "3"]) == 2
+    # two builds in one process, each variant counted by its own library (another's counters would read 0 jobs)
+    assert bench.main(["--engine", str(folder), "--out", str(out), "--rows", "1", "--calls", "2", "--prompt", "8",
+                       "--repeats", "2", "--membw-mib", "16", "--cflags=", "--cflags=-DES_ATTN_GROUP=1"]) == 0
+    r = json.loads(out.read_text())
+    assert {k: v["cflags"] for k, v in r["variants"].items()} == {
+        "hugepages=1 cflags=''": "", "hugepages=1 cflags='-DES_ATTN_GROUP=1'": "-DES_ATTN_GROUP=1"}
+    for v in r["variants"].values():
+        assert v["calls"]["1"]["kinds"]["matmul"]["jobs"] == 4 * L + 1 and len(v["raw"]["1"]) == 2
+    assert "EDGESPEC_NATIVE_CFLAGS '-DES_ATTN_GROUP=1'" in out.with_suffix(".md").read_text()
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     m = Manifest.read(bare)
@@ -559,6 +568,7 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
                        "--prefetch-rows", "3"] + (["--marches", "native,x86-64"] if X86 else [])) == 0
     r = json.loads(out.read_text())
     marches = ("native", "x86-64") if X86 else ("native",)
+    assert {x["pf_next_pass"] for x in r["results"]} == {1}
     assert [(x["kind"], x["prefetch"], x["panels_row1"], x["march"], x["rows"]) for x in r["results"]] == [
         (k, d, f, m, n) for k in ("float16", "int4") for d in (0, 512) for f in (0, 4) for m in marches for n in (1, 3)]
     for x in r["results"]:
@@ -568,7 +578,8 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
     assert library().es_prefetch_rows() == before  # the variants are libraries of their own: the runtime's untouched
     for bad, what in ((["--shape", "100x128"], "--shape"), (["--shape", "big"], "--shape"),
                       (["--rows", "13"], "--rows"), (["--kinds", "int2"], "--kinds"),
-                      (["--prefetch-rows", "0"], "--prefetch-rows"), (["--panels-row1", "3"], "--panels-row1")):
+                      (["--prefetch-rows", "0"], "--prefetch-rows"), (["--panels-row1", "3"], "--panels-row1"),
+                      (["--pf-next-pass", "2"], "--pf-next-pass")):
         with pytest.raises(SystemExit):
             bench.main(["--out", str(tmp_path / "x.json"), *bad])
         assert what in capsys.readouterr().err

@@ -157,11 +157,12 @@ def library():
 JOB_KINDS = ("norm", "add_norm", "matmul", "kv", "attention", "activation", "argmax", "quantize")  # native_step.c
 
 
-def profile(reset: bool = True) -> dict[str, dict]:
+def profile(reset: bool = True, lib=None) -> dict[str, dict]:
     """Where the native step's calls spent their time since the last reset, by job kind (JOB_KINDS):
     {kind: {"jobs": n, "ms": the calling thread's wall time in them, "wait_ms": of which waiting for helper
-    threads to finish chunks they had claimed}}. Counted in every build; reading costs a few microseconds."""
-    lib = library()
+    threads to finish chunks they had claimed}}. Counted in every build; reading costs a few microseconds.
+    lib: whose counters (an engine's `lib`, when a process loads builds with other flags); default library()."""
+    lib = lib or library()
     out = np.zeros(3 * len(JOB_KINDS), np.int64)
     if lib.es_profile(out.ctypes.data, int(reset)) != len(JOB_KINDS):
         raise EngineError(f"{SOURCE}: es_profile counts other job kinds than native.py's {JOB_KINDS}")
