@@ -1130,8 +1130,11 @@ static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, in
 #define IDX_BITS 24 /* chunks per job < 2^24; the job number takes the other 40 bits */
 #define IDX_MASK ((UINT64_C(1) << IDX_BITS) - 1)
 #define SPIN_NS 100000 /* a helper spins this long for the next job before it sleeps */
-#define MIN_PARALLEL 300000 /* multiply-adds below which a job runs on the caller alone: handing out a few
-                               microseconds of work costs more than it saves */
+#ifndef ES_MIN_PARALLEL /* the tests' -DES_MIN_PARALLEL=1: every job of more than one chunk on the pool */
+#define ES_MIN_PARALLEL 300000
+#endif
+#define MIN_PARALLEL ES_MIN_PARALLEL /* multiply-adds below which a job runs on the caller alone: handing out a few
+                                        microseconds of work costs more than it saves */
 
 enum { J_NORM, J_ADDNORM, J_MATMUL, J_KV, J_ATTN, J_ACT, J_ARGMAX, J_QUANT, J_KINDS };
 
@@ -1159,6 +1162,8 @@ typedef struct {
     float *dst;              /* J_NORM: dst = ..; J_ADDNORM: dst += ..; J_MATMUL: dst = or += (residual) */
     es_mat mat;
     int residual, np, kw;    /* J_MATMUL: panels per chunk; panels per kernel pass (np is a multiple) */
+    int quant;               /* J_NORM, J_ACT: each written row also quantized (J_QUANT's output) for the integer
+                                product that reads it next, which then skips its own J_QUANT job */
     int64_t row_groups;      /* J_MATMUL: chunks per panel group (of MAX_ROWS rows) */
 } es_job;
 
@@ -1591,6 +1596,7 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
     switch (j->kind) {
     case J_NORM:
         memcpy(j->dst + i * E, local, E * sizeof(float));
+        if (j->quant) quantize_row(j->dst + i * E, E, c->xq + i * E, c->xd + i * (E / QB), c->xs + i * (E / QB));
         break;
     case J_ADDNORM:
         for (int64_t e = 0; e < E; e++) j->dst[i * E + e] += local[e];
@@ -1618,6 +1624,7 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
     }
     case J_ACT:
         memcpy(c->act + i * I, local, I * sizeof(float));
+        if (j->quant) quantize_row(c->act + i * I, I, c->xq + i * I, c->xd + i * (I / QB), c->xs + i * (I / QB));
         break;
     case J_ARGMAX:
         memcpy(c->next_ids + i, local, sizeof(int64_t));
@@ -1633,6 +1640,10 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
 }
 
 /* ---- one call ---- */
+
+#ifndef ES_FUSE_QUANT /* -DES_FUSE_QUANT=0: every integer product quantizes its input in a job of its own */
+#define ES_FUSE_QUANT 1
+#endif
 
 typedef struct { /* how es_forward runs its jobs */
     es_call c;
@@ -1664,17 +1675,18 @@ static void runner_end(es_runner *u) {
 }
 
 static void job_rows(es_runner *u, int kind, int64_t l, int64_t n, int64_t local, int64_t cost, const float *src,
-                     const float *w, float *dst) {
+                     const float *w, float *dst, int quant) {
     es_job j;
     memset(&j, 0, sizeof j);
     j.kind = kind, j.active = u->threads, j.n = n, j.local = local, j.cost = cost, j.c = u->c, j.l = l;
-    j.src = src, j.w = w, j.dst = dst;
+    j.src = src, j.w = w, j.dst = dst, j.quant = quant;
     run_job(&j, u->pooled, u->local);
 }
 
-/* dst (T, N) [+]= src (T, K) @ a (+ bias) */
+/* dst (T, N) [+]= src (T, K) @ a (+ bias); quantized: the job before wrote src's quantized rows too (J_NORM,
+   J_ACT with quant) */
 static void job_matmul(es_runner *u, const float *src, const void *w, int kind, int64_t K, int64_t N, float *dst,
-                       int residual, const float *bias) {
+                       int residual, const float *bias, int quantized) {
     es_job j;
     memset(&j, 0, sizeof j);
     const int64_t T = u->c.T, panels = N / PANEL;
@@ -1697,7 +1709,7 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.n = (panels + j.np - 1) / j.np * j.row_groups;
     j.local = MAX_ROWS * CHUNK_PANELS_MAX * PANEL;
     j.cost = T * K * N;
-    if (kind != ES_F16) { /* the input rows quantized first (K is a multiple of QB: native.py checks) */
+    if (kind != ES_F16 && !quantized) { /* the input rows quantized first (K is a multiple of QB: native.py checks) */
         es_job qj;
         memset(&qj, 0, sizeof qj);
         qj.kind = J_QUANT, qj.active = u->threads, qj.n = T, qj.local = K / 4 + 2 * (K / QB), qj.cost = 4 * T * K;
@@ -1764,35 +1776,40 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     const int64_t needs[] = {2 * D, E, I, MAX_ROWS * CHUNK_PANELS_MAX * PANEL, 2, Kw / 4 + 2 * (Kw / QB)};
     for (size_t k = 0; k < sizeof needs / sizeof needs[0]; k++) local = needs[k] > local ? needs[k] : local;
     if (runner_begin(&u, threads, local) != 0) return -2;
+    /* integer weights: the norms and the activation quantize the rows they write for the product after them */
+    const int qw = m->wkind != ES_F16 && ES_FUSE_QUANT;
+    const int64_t nq_cost = 3 * T * E + (qw ? 4 * T * E : 0);
 
     for (int64_t l = 0; l < m->L; l++) {
         const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
         const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
-        job_rows(&u, J_NORM, l, T, E, 3 * T * E, x, m->ln1[l], h);
-        job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL);
-        job_rows(&u, J_KV, l, Hkv * T, 2 * D, 4 * Hkv * T * D, NULL, NULL, NULL); /* keys (normed, rotated) and values into the cache */
+        job_rows(&u, J_NORM, l, T, E, nq_cost, x, m->ln1[l], h, qw);
+        job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL, qw);
+        /* keys (normed, rotated) and values into the cache */
+        job_rows(&u, J_KV, l, Hkv * T, 2 * D, 4 * Hkv * T * D, NULL, NULL, NULL, 0);
         /* cost in a matrix product's multiply-adds: one of attention's takes about 4 (its cache rows come from
            beyond L2 once the weights have streamed through, and the softmax adds its own), so a one-token step
            past a few dozen positions runs its attention on the pool */
-        job_rows(&u, J_ATTN, l, H / c->gs * T, c->gs * (D + maxcap), 8 * H * T * D * attended, NULL, NULL, NULL);
+        job_rows(&u, J_ATTN, l, H / c->gs * T, c->gs * (D + maxcap), 8 * H * T * D * attended, NULL, NULL, NULL, 0);
         const float *bo = m->bo ? m->bo[l] : NULL;
         if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed into x */
-            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo);
-            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_attn, x);
+            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo, 0);
+            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_attn, x, 0);
         } else
-            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, x, 1, bo);
-        job_rows(&u, J_NORM, l, T, E, 3 * T * E, x, m->ln2[l], h);
-        job_matmul(&u, h, m->wgu[l], (int)m->wkind, E, 2 * I, c->gu, 0, NULL);
-        job_rows(&u, J_ACT, l, T, I, 20 * T * I, NULL, NULL, NULL);
+            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, x, 1, bo, 0);
+        job_rows(&u, J_NORM, l, T, E, nq_cost, x, m->ln2[l], h, qw);
+        job_matmul(&u, h, m->wgu[l], (int)m->wkind, E, 2 * I, c->gu, 0, NULL, qw);
+        job_rows(&u, J_ACT, l, T, I, 20 * T * I + (qw ? 4 * T * I : 0), NULL, NULL, NULL, qw);
         if (post_mlp) { /* x += norm(m) */
-            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, h, 0, NULL);
-            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_mlp, x);
+            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, h, 0, NULL, qw);
+            job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_mlp, x, 0);
         } else
-            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, x, 1, NULL);
+            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, x, 1, NULL, qw);
     }
-    job_rows(&u, J_NORM, 0, T, E, 3 * T * E, x, m->norm, h);
-    job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL);
-    job_rows(&u, J_ARGMAX, 0, T, 2, 2 * T * V, NULL, NULL, NULL);
+    const int qh = m->head_kind != ES_F16 && ES_FUSE_QUANT;
+    job_rows(&u, J_NORM, 0, T, E, 3 * T * E + (qh ? 4 * T * E : 0), x, m->norm, h, qh);
+    job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL, qh);
+    job_rows(&u, J_ARGMAX, 0, T, 2, 2 * T * V, NULL, NULL, NULL, 0);
     runner_end(&u);
     if (hidden) memcpy(hidden, h, (size_t)(T * E) * sizeof(float));
     return 0;
@@ -1832,7 +1849,7 @@ int es_matmul(int kind, const float *x, int64_t T, const void *w, int64_t K, int
         free(q);
         return -2;
     }
-    job_matmul(&u, x, w, kind, K, N, y, 0, NULL);
+    job_matmul(&u, x, w, kind, K, N, y, 0, NULL, 0);
     runner_end(&u);
     es_quiesce(); /* q is freed next: no helper may still read it */
     free(q);

@@ -315,6 +315,28 @@ def test_a_batch_equals_each_sequence_alone(quant_folders, kind):
         assert np.array_equal(batch[b], alone[b]), b
 
 
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])  # gemma3: the sandwich norms' other path to a product
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantizing_in_the_norms_and_the_activation_changes_no_bit(quant_folders, name, kind, monkeypatch):
+    """The norms and the activation quantize the rows they write (ES_FUSE_QUANT): every call's logits equal, bit
+    for bit, those of the build where each product quantizes its input in a job of its own: on one thread, and on
+    two with every job of several rows on the pool (-DES_MIN_PARALLEL=1), so a helper writes some of the rows."""
+    folder = quant_folders[(name, kind)][0]
+    toks = np.random.default_rng(6).integers(0, 96, (1, 60))
+    for threads, extra in ((2, "-DES_MIN_PARALLEL=1"), (1, "")):
+        monkeypatch.setenv("EDGESPEC_NATIVE_CFLAGS", extra)
+        fused = open_engine(folder, "cpu-native", threads=threads).decoder()
+        monkeypatch.setenv("EDGESPEC_NATIVE_CFLAGS", f"{extra} -DES_FUSE_QUANT=0")
+        apart = open_engine(folder, "cpu-native", threads=threads).decoder()
+        monkeypatch.delenv("EDGESPEC_NATIVE_CFLAGS")
+        assert fused.engine.lib is not apart.engine.lib
+        for a, b in ((0, 40), (40, 41), (41, 46), (46, 60)):
+            x, y = np.array(fused(toks[:, a:b])), np.array(apart(toks[:, a:b]))
+            fused.cache.commit(b - a)
+            apart.cache.commit(b - a)
+            assert np.array_equal(x, y), (name, kind, threads, a, float(np.abs(x - y).max()))
+
+
 def test_a_stalling_helper_changes_no_bit(quant_folders, monkeypatch):
     """The -DES_TEST_STALL build: helpers sleep 2 ms inside every third chunk they hold. The caller computes
     those chunks itself (es_stolen counts them) and every output bit equals the one-thread run."""
@@ -488,8 +510,9 @@ def test_the_governor_recovery_bench_runs_both_governors_from_one_thread(quant_f
 
 
 def test_the_profile_counts_each_job_of_a_call(quant_folders):
-    """One call of a 2-layer int4 model runs per layer 2 norms, 4 products (each after its input's quantize
-    job), the cache rows and the attention, and the final norm, lm_head and argmax: the profile counts them."""
+    """One call of a 2-layer int4 model runs per layer 2 norms, 4 products, the cache rows and the attention, and
+    the final norm, lm_head and argmax: the profile counts them. The norms and the activation quantize the rows
+    they write for the product after them, so only the attention output's product has a quantize job."""
     from edgespec.backends import native_lib as native
     folder = quant_folders[("llama3", "int4")][0]
     dec = open_engine(folder, "cpu-native", threads=1).decoder()
@@ -498,7 +521,7 @@ def test_the_profile_counts_each_job_of_a_call(quant_folders):
     dec(np.arange(5)[None])
     p = native.profile(reset=True)
     want = {"norm": 2 * L + 1, "add_norm": 0, "matmul": 4 * L + 1, "kv": L, "attention": L, "activation": L,
-            "argmax": 1, "quantize": 4 * L + 1}
+            "argmax": 1, "quantize": L}
     assert {k: v["jobs"] for k, v in p.items()} == want
     assert all(v["ms"] > 0 for k, v in p.items() if want[k]) and p["matmul"]["wait_ms"] == 0  # one thread
     assert native.profile(reset=False)["matmul"]["jobs"] == 0  # the reset zeroed them
@@ -522,7 +545,7 @@ def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
     L = Manifest.read(folder).num_layers
     for rows in ("1", "3"):
         c = r["calls"][rows]
-        assert c["kinds"]["matmul"]["jobs"] == 4 * L + 1 and c["kinds"]["quantize"]["jobs"] == 4 * L + 1
+        assert c["kinds"]["matmul"]["jobs"] == 4 * L + 1 and c["kinds"]["quantize"]["jobs"] == L  # o-proj only
         assert 0 < c["native_ms"] <= c["ms_per_call"] and c["host_ms"] == pytest.approx(c["ms_per_call"] - c["native_ms"])
     assert r["weights"] == "int4" and out.with_suffix(".md").read_text().count("\n| ") == 3
     assert bench.main(["--engine", str(folder), "--out", str(out), "--rows", "1", "--calls", "2", "--prompt", "8",
