@@ -263,6 +263,36 @@ class Decoder(ABC):
         may run the calls back to back (the ONNX Runtime decoder does); this one goes through ids()."""
         return self.greedy_steps_reference(pending, n)
 
+    def _steps_back_to_back(self, pending: int, n: int, start: int, one, last) -> Iterator[int]:
+        """The loop of a backend's greedy_steps, its calls back to back: `one(tok, row)` runs one S = 1 call of
+        id `tok` at cache row `row` (the cache already reserved through row start + n - 1) and returns (t0, t1
+        around the engine call, the call's argmax id); `last` is that call's outputs (the decoder's `_last`
+        after the run). Yields each finite id. The lengths are committed when the run ends or the caller closes
+        the generator; a non-finite row (NONFINITE_ID) is zeroed and FloatingPointError raised."""
+        cache = self.cache
+        tok, kept, ran = pending, 0, 0  # kept: rows whose ids came back finite (committed at the end)
+        try:
+            for _ in range(n):
+                t0, t1, tok = one(tok, start + kept)
+                self.engine_s += t1 - t0
+                self.calls += 1
+                ran += 1
+                if self.trace is not None:
+                    self.trace.append((f"{self.trace_name}.run S=1", t0, t1))
+                if tok < 0:  # NONFINITE_ID: this row may hold NaN or inf
+                    break
+                kept += 1
+                yield tok
+        finally:
+            cache.wrote(kept)
+            cache.commit(kept)
+            if ran:
+                self._last, self._ids_host, self.last_start = last, None, np.array([start + ran - 1], np.int64)
+        if ran > kept:
+            cache.wrote(1)
+            cache.zero_written(1)
+            check_ids(np.array([tok]), "target", start + ran)
+
     def greedy_steps_reference(self, pending: int, n: int) -> Iterator[int]:
         """greedy_steps through ids() and commit(), one call at a time (slow, obvious)."""
         if self.batch != 1:

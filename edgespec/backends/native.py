@@ -39,7 +39,6 @@ import numpy as np
 from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
 from ..memory import Buffer, HostMemory
-from ..sampling import check_ids
 from .base import Capabilities, Decoder, EmbeddingTable
 from .native_folder import NativeFolder, model_struct, read_native
 from .native_lib import library
@@ -162,10 +161,10 @@ class NativeDecoder(Decoder):
         or inf logits: that row is zeroed and FloatingPointError raised.
 
         The cache is reserved for all n rows first and its lengths brought up to date at the end; between two
-        calls only the id and the row are written. The host's time per token is then a few microseconds of
-        Python where run()'s checks and bookkeeping took a tenth of a millisecond or more: after each step
-        has streamed the weights through the caches, every object Python touches comes back from DRAM.
-        greedy_steps_reference is the same through ids() and commit() (tests compare)."""
+        calls only the id and the row are written (Decoder._steps_back_to_back). run()'s checks and bookkeeping
+        cost more here than they seem: each step streams the weights through the caches, so every object Python
+        touches after it comes back from DRAM. greedy_steps_reference is the same through ids() and commit()
+        (tests compare)."""
         if self.batch != 1:
             raise ValueError(f"greedy_steps decodes one sequence; this decoder runs batches of {self.batch}")
         if self.m.input_mode != "ids":
@@ -176,30 +175,13 @@ class NativeDecoder(Decoder):
         base = int(cache.lengths[0])
         out = self._prepare_call(1, 1, base + n)
         ids, start, next_ids = np.zeros((1, 1), np.int64), np.zeros(1, np.int64), out.ids.handle
-        tok, kept, ran = pending, 0, 0  # kept: rows whose ids came back finite (committed at the end)
-        try:
-            for _ in range(n):
-                ids[0, 0], start[0] = tok, base + kept
-                t0, t1 = self._forward(1, 1, ids, None, start, out)
-                self.engine_s += t1 - t0
-                self.calls += 1
-                ran += 1
-                if self.trace is not None:
-                    self.trace.append((f"{self.trace_name}.run S=1", t0, t1))
-                tok = next_ids.item(0)
-                if tok < 0:  # NONFINITE_ID: this row may hold NaN or inf
-                    break
-                kept += 1
-                yield tok
-        finally:
-            cache.wrote(kept)
-            cache.commit(kept)
-            if ran:
-                self._last, self._ids_host, self.last_start = out, None, np.array([base + ran - 1], np.int64)
-        if ran > kept:
-            cache.wrote(1)
-            cache.zero_written(1)
-            check_ids(np.array([tok]), "target", base + ran)
+
+        def one(tok: int, row: int) -> tuple[float, float, int]:
+            ids[0, 0], start[0] = tok, row
+            t0, t1 = self._forward(1, 1, ids, None, start, out)
+            return t0, t1, next_ids.item(0)
+
+        yield from self._steps_back_to_back(pending, n, base, one, out)
 
     def __del__(self):
         try:  # a helper thread may still read this decoder's buffers (native_step.c's pool)

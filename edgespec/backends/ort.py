@@ -33,7 +33,6 @@ from ..contract import EngineError, Manifest
 from ..kvcache import KVCache
 from ..masks import one_step_into, step_inputs, step_inputs_into
 from ..memory import Buffer, HostMemory
-from ..sampling import check_ids
 from .providers import PROVIDERS, default_threads, memory_for, require_portable
 from .base import Capabilities, Decoder, EmbeddingTable
 
@@ -237,33 +236,15 @@ class OrtDecoder(Decoder):
         entry = self._binding(1)
         inputs, bind, run, to_host = entry.inputs, entry.bind, self.engine.session.run_with_iobinding, self.memory.to_host
         ids_in, capacity = inputs[m.inputs[0].name], cache.capacity  # (1, 1) int64
-        tok, kept, ran = pending, 0, 0  # kept: rows whose ids came back finite (committed at the end)
-        try:
-            for _ in range(n):
-                ids_in[0, 0] = tok
-                one_step_into(m, start + kept, capacity, inputs)
-                t0 = time.perf_counter()
-                run(bind)
-                t1 = time.perf_counter()
-                self.engine_s += t1 - t0
-                self.calls += 1
-                ran += 1
-                if self.trace is not None:
-                    self.trace.append((f"{self.trace_name}.run S=1", t0, t1))
-                tok = to_host(entry.ids).item(0)
-                if tok < 0:  # NONFINITE_ID: this row may hold NaN or inf
-                    break
-                kept += 1
-                yield tok
-        finally:
-            cache.wrote(kept)
-            cache.commit(kept)
-            if ran:
-                self._last, self._ids_host, self.last_start = entry, None, np.array([start + ran - 1], np.int64)
-        if ran > kept:
-            cache.wrote(1)
-            cache.zero_written(1)
-            check_ids(np.array([tok]), "target", start + ran)
+
+        def one(tok: int, row: int) -> tuple[float, float, int]:
+            ids_in[0, 0] = tok
+            one_step_into(m, row, capacity, inputs)
+            t0 = time.perf_counter()
+            run(bind)
+            return t0, time.perf_counter(), to_host(entry.ids).item(0)
+
+        yield from self._steps_back_to_back(pending, n, start, one, entry)
 
     def reference_call(self, tokens: np.ndarray, valid: np.ndarray | None = None,
                        embeds: np.ndarray | None = None) -> np.ndarray:
