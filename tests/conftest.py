@@ -325,3 +325,24 @@ def random_text_head(e: int, v: int, seed: int = 0):
     embed = r(v, e)
     vocab = np.arange(0, v, 2)
     return TextHeadWeights(r(e, 32), r(e, 32), r(32), r(32, e), r(e), embed, embed[vocab], vocab)
+
+
+def plain_steps_like_reference(a, b, first: int, same_cache) -> None:
+    """Decoder a's greedy_steps against decoder b's greedy_steps_reference (both prefilled alike, next id
+    `first`): runs of 5, 30 and 40 steps, the caller closing the 30-step run after 12 ids; after each run the
+    same ids and same_cache(a, b) (it asserts)."""
+    pending = [first, first]
+    for n, take in ((5, 5), (30, 12), (40, 40)):  # take < n: the caller closes the generator early
+        got = []
+        for d, steps in ((a, a.greedy_steps), (b, b.greedy_steps_reference)):
+            gen, ids = steps(pending[d is b], n), []
+            for tok in gen:
+                ids.append(tok)
+                if len(ids) == take:
+                    break
+            gen.close()
+            got.append(ids)
+        assert got[0] == got[1] and len(got[0]) == take
+        same_cache(a, b)
+        pending = [got[0][-1], got[1][-1]]
+    assert a.calls == b.calls

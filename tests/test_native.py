@@ -144,24 +144,16 @@ def test_native_plain_steps_equal_the_reference_call_by_call(native_engines):
     """NativeDecoder.greedy_steps (es_forward back to back, lengths committed at the end) against
     greedy_steps_reference (ids() and commit() per call): the same ids, the same committed rows and last
     logits, bit for bit, also when the caller stops early and goes on, and across cache regrowths."""
-    a, b, first = _native_twins(native_engines[0], [5, 17, 3, 60, 42, 9, 11, 2, 8])
-    pending = [first, first]
-    for n, take in ((5, 5), (30, 12), (40, 40)):  # take < n: the caller closes the generator early
-        got = []
-        for d, steps in ((a, a.greedy_steps), (b, b.greedy_steps_reference)):
-            gen, ids = steps(pending[d is b], n), []
-            for tok in gen:
-                ids.append(tok)
-                if len(ids) == take:
-                    break
-            gen.close()
-            got.append(ids)
-        assert got[0] == got[1] and len(got[0]) == take
+    from conftest import plain_steps_like_reference
+
+    def same(a, b):
         _same_native_cache(a, b)
         assert np.array_equal(a.last_logits(), b.last_logits())
         assert a.last_start.tolist() == b.last_start.tolist()
-        pending = [got[0][-1], got[1][-1]]
-    assert a.calls == b.calls and a.cache.generation > 1
+
+    a, b, first = _native_twins(native_engines[0], [5, 17, 3, 60, 42, 9, 11, 2, 8])
+    plain_steps_like_reference(a, b, first, same)
+    assert a.cache.generation > 1
     v = a.m.vocab_size
     with pytest.raises(ValueError, match=f"token ids must be in 0..{v - 1}, got {v}..{v}"):
         next(a.greedy_steps(v, 3))

@@ -313,22 +313,10 @@ def test_plain_steps_equal_the_reference_call_by_call(engines, name, flavor):
     """OrtDecoder.greedy_steps (the calls back to back, lengths committed at the end) against
     greedy_steps_reference (ids() and commit() per call): the same ids, the same committed rows, also when
     the caller stops early and goes on, and across cache regrowths (16-row chunks, 9 + 70 rows)."""
+    from conftest import plain_steps_like_reference
     a, b, first = _twins(engines[name, flavor], [5, 17, 3, 60, 42, 9, 11, 2, 8])
-    pending = [first, first]
-    for n, take in ((5, 5), (30, 12), (40, 40)):  # take < n: the caller closes the generator early
-        got = []
-        for d, steps in ((a, a.greedy_steps), (b, b.greedy_steps_reference)):
-            gen, ids = steps(pending[d is b], n), []
-            for tok in gen:
-                ids.append(tok)
-                if len(ids) == take:
-                    break
-            gen.close()
-            got.append(ids)
-        assert got[0] == got[1] and len(got[0]) == take
-        _same_cache(a, b)
-        pending = [got[0][-1], got[1][-1]]
-    assert a.calls == b.calls and a.cache.capacity == 80
+    plain_steps_like_reference(a, b, first, _same_cache)
+    assert a.cache.capacity == 80
 
 
 def test_plain_steps_fall_back_where_calls_cannot_repeat_one_binding(engines):
