@@ -1199,6 +1199,36 @@ typedef struct {
 
 static es_pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+/* The next matrix product's weights, for helpers with nothing to do. While the caller runs the small jobs between
+   two products alone (norms, the cache rows, the activation), and while the host runs between two calls, the
+   memory bus is idle: a waiting helper asks for the first ES_IDLE_PF bytes of the share of the next product that
+   it will stream itself (thread t of n: bytes [t B / n, (t + 1) B / n), as run_job_timed splits the chunks), so
+   that share starts from its cache and the helper then takes more of the caller's share from its back. es_forward
+   names the next product after each one (idle_ahead). A hint read while it changes only sends a few requests to
+   the wrong lines (a prefetch never faults). -DES_IDLE_PF=0: none. */
+#ifndef ES_IDLE_PF
+#define ES_IDLE_PF (128 << 10)
+#endif
+#ifndef ES_IDLE_PF_LINES /* lines asked for between two looks for a job */
+#define ES_IDLE_PF_LINES 1
+#endif
+typedef struct {
+    _Alignas(64) _Atomic uint64_t gen; /* bumped for each new hint */
+    _Atomic uintptr_t p;
+    _Atomic int64_t bytes;
+    _Atomic int threads;
+} es_ahead;
+static es_ahead ahead;
+
+static void idle_ahead(int pooled, int threads, const void *w, int64_t bytes) {
+    if (!ES_IDLE_PF || !pooled || threads < 2 || atomic_load_explicit(&ahead.p, memory_order_relaxed) == (uintptr_t)w)
+        return;
+    atomic_store_explicit(&ahead.p, (uintptr_t)w, memory_order_relaxed);
+    atomic_store_explicit(&ahead.bytes, bytes, memory_order_relaxed);
+    atomic_store_explicit(&ahead.threads, threads, memory_order_relaxed);
+    atomic_fetch_add_explicit(&ahead.gen, 1, memory_order_release);
+}
+
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -1331,7 +1361,9 @@ int64_t es_model_layout(int64_t *inv_freq_offset) {
 
 static void *helper_main(void *arg) {
     const int tid = (int)(intptr_t)arg;
-    uint64_t seen = 0;
+    uint64_t seen = 0, pf_gen = 0;
+    const char *pf_base = NULL;
+    int64_t pf_at = 0, pf_end = 0; /* the idle hint's lines this thread asks for (ahead) */
     es_job j;
     for (;;) {
         const uint64_t s = atomic_load_explicit(&pool.claim, memory_order_acquire) >> IDX_BITS;
@@ -1352,8 +1384,25 @@ static void *helper_main(void *arg) {
             continue;
         }
         const int64_t t0 = now_ns();
-        for (int k = 1;; k++) { /* spin for the next job, then sleep */
+        for (int k = 1;; k++) { /* spin for the next job (asking for the next product's lines), then sleep */
             if ((atomic_load_explicit(&pool.claim, memory_order_acquire) >> IDX_BITS) != seen) break;
+            if (ES_IDLE_PF) {
+                const uint64_t g = atomic_load_explicit(&ahead.gen, memory_order_acquire);
+                if (g != pf_gen) { /* a new hint: this thread's share of it */
+                    const int n = atomic_load_explicit(&ahead.threads, memory_order_relaxed);
+                    const int64_t b = atomic_load_explicit(&ahead.bytes, memory_order_relaxed);
+                    pf_gen = g;
+                    pf_base = (const char *)atomic_load_explicit(&ahead.p, memory_order_relaxed);
+                    pf_at = tid < n ? b * tid / n / 64 * 64 : 0;
+                    pf_end = tid < n ? b * (tid + 1) / n : 0;
+                    pf_end = pf_end - pf_at > ES_IDLE_PF ? pf_at + ES_IDLE_PF : pf_end;
+                }
+                if (pf_at < pf_end) { /* a few lines at a time, then look for a job again */
+                    for (int q = 0; q < ES_IDLE_PF_LINES && pf_at < pf_end; q++, pf_at += 64)
+                        __builtin_prefetch(pf_base + pf_at, 0, 2);
+                    continue;
+                }
+            }
             if ((k & 63) == 0 && now_ns() - t0 > SPIN_NS) {
                 atomic_fetch_add(&pool.sleepers, 1);
                 const uint32_t w = atomic_load(&pool.wake);
@@ -1779,12 +1828,18 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
     /* integer weights: the norms and the activation quantize the rows they write for the product after them */
     const int qw = m->wkind != ES_F16 && ES_FUSE_QUANT;
     const int64_t nq_cost = 3 * T * E + (qw ? 4 * T * E : 0);
+    const int wk = (int)m->wkind;
+    /* after each product, the next one's weights for the helpers' idle time (idle_ahead) */
+#define AHEAD(w_, kind_, K_, N_) \
+    idle_ahead(u.pooled, u.threads, (w_), (N_) / PANEL * panel_bytes(&(es_mat){(w_), (kind_), (K_), (N_)}))
+    AHEAD(m->wqkv[0], wk, E, NQKV);
 
     for (int64_t l = 0; l < m->L; l++) {
         const float *post_attn = m->post_attn ? m->post_attn[l] : NULL;
         const float *post_mlp = m->post_mlp ? m->post_mlp[l] : NULL;
         job_rows(&u, J_NORM, l, T, E, nq_cost, x, m->ln1[l], h, qw);
-        job_matmul(&u, h, m->wqkv[l], (int)m->wkind, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL, qw);
+        job_matmul(&u, h, m->wqkv[l], wk, E, NQKV, c->qkv, 0, m->bqkv ? m->bqkv[l] : NULL, qw);
+        AHEAD(m->wo[l], wk, H * D, E);
         /* keys (normed, rotated) and values into the cache */
         job_rows(&u, J_KV, l, Hkv * T, 2 * D, 4 * Hkv * T * D, NULL, NULL, NULL, 0);
         /* cost in a matrix product's multiply-adds: one of attention's takes about 4 (its cache rows come from
@@ -1793,22 +1848,33 @@ int es_forward(const es_model *m, int64_t B, int64_t S, const int64_t *ids, cons
         job_rows(&u, J_ATTN, l, H / c->gs * T, c->gs * (D + maxcap), 8 * H * T * D * attended, NULL, NULL, NULL, 0);
         const float *bo = m->bo ? m->bo[l] : NULL;
         if (post_attn) { /* x += norm(a Wo + bo): the product into h (free until ln2), normed into x */
-            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, h, 0, bo, 0);
+            job_matmul(&u, c->att, m->wo[l], wk, H * D, E, h, 0, bo, 0);
+            AHEAD(m->wgu[l], wk, E, 2 * I);
             job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_attn, x, 0);
-        } else
-            job_matmul(&u, c->att, m->wo[l], (int)m->wkind, H * D, E, x, 1, bo, 0);
+        } else {
+            job_matmul(&u, c->att, m->wo[l], wk, H * D, E, x, 1, bo, 0);
+            AHEAD(m->wgu[l], wk, E, 2 * I);
+        }
         job_rows(&u, J_NORM, l, T, E, nq_cost, x, m->ln2[l], h, qw);
-        job_matmul(&u, h, m->wgu[l], (int)m->wkind, E, 2 * I, c->gu, 0, NULL, qw);
+        job_matmul(&u, h, m->wgu[l], wk, E, 2 * I, c->gu, 0, NULL, qw);
+        AHEAD(m->wd[l], wk, I, E);
         job_rows(&u, J_ACT, l, T, I, 20 * T * I + (qw ? 4 * T * I : 0), NULL, NULL, NULL, qw);
-        if (post_mlp) { /* x += norm(m) */
-            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, h, 0, NULL, qw);
+        if (post_mlp) /* x += norm(m), below */
+            job_matmul(&u, c->act, m->wd[l], wk, I, E, h, 0, NULL, qw);
+        else
+            job_matmul(&u, c->act, m->wd[l], wk, I, E, x, 1, NULL, qw);
+        if (l + 1 < m->L)
+            AHEAD(m->wqkv[l + 1], wk, E, NQKV);
+        else
+            AHEAD(m->lm_head, (int)m->head_kind, E, V);
+        if (post_mlp)
             job_rows(&u, J_ADDNORM, l, T, E, 3 * T * E, h, post_mlp, x, 0);
-        } else
-            job_matmul(&u, c->act, m->wd[l], (int)m->wkind, I, E, x, 1, NULL, qw);
     }
     const int qh = m->head_kind != ES_F16 && ES_FUSE_QUANT;
     job_rows(&u, J_NORM, 0, T, E, 3 * T * E + (qh ? 4 * T * E : 0), x, m->norm, h, qh);
     job_matmul(&u, h, m->lm_head, (int)m->head_kind, E, V, logits, 0, NULL, qh);
+    AHEAD(m->wqkv[0], wk, E, NQKV); /* the next call's first product, while the host runs */
+#undef AHEAD
     job_rows(&u, J_ARGMAX, 0, T, 2, 2 * T * V, NULL, NULL, NULL, 0);
     runner_end(&u);
     if (hidden) memcpy(hidden, h, (size_t)(T * E) * sizeof(float));
