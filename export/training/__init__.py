@@ -7,3 +7,16 @@
     python -m edgespec.export.training.train_feature_head --model ...    # a FAST policy's feature head, distilled
     python -m edgespec.export.training.train_openvla ...                 # an OpenVLA-format reacher policy
 """
+
+
+def optimizer_step(loss, opt, sched, bar, scale: float = 1.0) -> float:
+    """One training step on `loss` (a torch scalar): gradients zeroed, back-propagated, the optimizer and its
+    schedule stepped, the progress bar moved with loss / scale shown. -> loss.item()"""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    value = loss.item()
+    bar.update(1)
+    bar.set_postfix(loss=f"{value / scale:.3f}")
+    return value

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import optimizer_step
 from .train_attn_head import chain_acceptance, tokens_per_round
 from .train_text_head import load_blocks
 
@@ -102,13 +103,7 @@ def distil(model, data: dict, cfg: DistillConfig, progress: bool) -> dict:
                 sel = torch.from_numpy(order[b * cfg.batch:(b + 1) * cfg.batch])
                 logits = model(ids[sel]).logits  # (B, T, V)
                 step = torch.nn.functional.cross_entropy(logits.flatten(0, 1), greedy[sel].flatten())
-                opt.zero_grad()
-                step.backward()
-                opt.step()
-                sched.step()
-                loss = step.item()
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}")
+                loss = optimizer_step(step, opt, sched, bar)
     model.eval()
     return {"steps": cfg.epochs * per_epoch, "last_loss": round(loss, 4)}
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import optimizer_step
 from .train_text_head import HeadConfig, corpus_windows, hidden_blocks, load_blocks
 
 SEED = 1234
@@ -250,13 +251,7 @@ def train(head, data: dict, cfg: AttnHeadConfig, work: Path, progress: bool) -> 
             for g in (g1, g2):
                 ce = torch.nn.functional.cross_entropy((g @ head.lm.T).flatten(0, 1), y_next.flatten())
                 loss = loss + torch.nn.functional.smooth_l1_loss(g, f_next) + cfg.ce_weight * ce
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            loss = loss.item()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}")
+            loss = optimizer_step(loss, opt, sched, bar)
         torch.save({"config": asdict(cfg), "epoch": epoch + 1, "head": head.state_dict(), "opt": opt.state_dict(),
                     "sched": sched.state_dict()}, ckpt)
     bar.close()

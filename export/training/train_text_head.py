@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import optimizer_step
+
 SEED = 1234
 
 
@@ -157,12 +159,7 @@ def train(data: dict, val: dict, embed: np.ndarray, lm: np.ndarray, cfg: HeadCon
                 loss = loss + ce / (y != -100).sum().clamp(min=1)
                 reg = torch.nn.functional.smooth_l1_loss(g, hid[si, sj + k + 1], reduction="none").mean(-1)
                 loss = loss + cfg.feature_weight * (reg * w).sum() / w.sum().clamp(min=1)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item() / u:.3f}")
+            optimizer_step(loss, opt, sched, bar, scale=u)
     bar.close()
     sd = {k: v.detach().numpy() for k, v in head.state_dict().items()}
     w = TextHeadWeights(sd["w_h.weight"].T.copy(), sd["w_e.weight"].T.copy(), sd["w_e.bias"].copy(),
