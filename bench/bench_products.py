@@ -2,7 +2,7 @@
 
     python bench/bench_products.py --out bench/results/products.json [--rows 1,5,9] [--kinds float16,int8,int4]
         [--prefetch 0,2048] [--panels-row1 0] [--prefetch-rows 1] [--pf-next-pass 1] [--shape 8192x2048] [--gb 1.3]
-        [--threads 2] [--repeats 3] [--marches native,x86-64]
+        [--threads 2] [--repeats 3] [--marches native,x86-64] [--stream-split 0,1]
 
 A decode step streams every weight once, so its matrix products run at the speed memory delivers the weights; a
 verify pass of S rows does S times the arithmetic over the same bytes. This times `es_matmul` (native_step.c) over a
@@ -12,7 +12,9 @@ own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight s
 being read, which leaves the hardware prefetcher alone), and so does each --panels-row1 value (`-DES_QPANELS_ROW1=n`:
 the panels a one-row integer product computes per pass, each its own weight stream; 0 leaves the library's own
 choice per kind and CPU, es_set_q4_row_panels; float16 products ignore it, and so do the AVX2 build's int8
-products, which stream one panel), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
+products, which stream one panel), each --stream-split value (`-DES_STREAM_SPLIT`: 1, the default, has a chunk's
+pass read panels S apart so that each weight stream runs on through S consecutive panels; 0 reads consecutive
+panels in each pass), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
 portable C kernels, haswell AVX2 without AVX-512); the variants, kinds and row counts are interleaved within
 each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
 beside --out.
@@ -33,14 +35,15 @@ sys.path.insert(0, str(HERE / "lib"))  # the benches' shared helpers (bench/lib)
 SHAPE = "8192x2048"  # out x in: a Llama-3.2-1B MLP matrix (gate, up)
 
 
-def variant(distance: int, panels_row1: int = 0, march: str = "native", next_pass: int = 1):
+def variant(distance: int, panels_row1: int = 0, march: str = "native", next_pass: int = 1, split: int = 1):
     """native_step.c built with ES_PREFETCH = distance, (panels_row1 > 0) ES_QPANELS_ROW1 = panels_row1,
-    ES_PF_NEXT_PASS = next_pass and -march=`march`, each combination its own cached library."""
+    ES_PF_NEXT_PASS = next_pass, ES_STREAM_SPLIT = split and -march=`march`, each combination its own cached
+    library."""
     from edgespec.backends import native_lib
 
     saved = {k: os.environ.get(k) for k in ("EDGESPEC_NATIVE_CFLAGS", "EDGESPEC_NATIVE_MARCH")}
     row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
-    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1} -DES_PF_NEXT_PASS={next_pass}"
+    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}  -DES_PF_NEXT_PASS={next_pass} -DES_STREAM_SPLIT={split}"
     os.environ["EDGESPEC_NATIVE_CFLAGS"] = flags.strip()
     os.environ["EDGESPEC_NATIVE_MARCH"] = march
     try:
@@ -80,13 +83,14 @@ def markdown(report: dict) -> str:
              f"Machine load before: {report['load'].get('others_cpu_percent', '?')}% of a core used by other processes. Fastest of {report['repeats']} repeats; each pass reads "
              f"about {report['gb']} GB of {report['shape'][0]} x {report['shape'][1]} matrices. CPU: {report['machine']['cpu']}; prefetching from "
              f"{report['prefetch_rows']} rows (this CPU's default: {report['prefetch_rows_cpu_default']}).", "",
-             "| kind | -march | prefetch bytes | past a panel's end | panels per pass, 1 row | rows | ms per pass "
-             "| GMAC/s | GB/s of weights |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| kind | -march | prefetch bytes | past a panel's end | panels per pass, 1 row | a pass's panels | rows "
+             "| ms per pass | GMAC/s | GB/s of weights |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
         ahead = "next pass" if r.get("pf_next_pass", 1) else "straight on"
-        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {ahead} | {row1} | {r['rows']} "
+        split = "split" if r.get("stream_split", 0) else "consecutive"
+        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {ahead} | {row1} | {split} | {r['rows']} "
                      f"| {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -112,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pf-next-pass", default="1",
                     help="where a stream's prefetch goes past its panel's end (ES_PF_NEXT_PASS): 1 the same stream's "
                          "panel of the next pass, 0 straight on into the next panel; comma-separated")
+    ap.add_argument("--stream-split", default="1",
+                    help="the panels of a chunk's pass (ES_STREAM_SPLIT): 1 S apart, so each stream reads S consecutive "
+                         "panels over the chunk's S passes; 0 consecutive; comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     from host import command_line, machine, machine_load, write_results
@@ -125,6 +132,9 @@ def main(argv=None) -> int:
     nexts = [int(x) for x in a.pf_next_pass.split(",")]
     if any(v not in (0, 1) for v in nexts):
         ap.error(f"--pf-next-pass: each 0 or 1, got {nexts}")
+    splits = [int(x) for x in a.stream_split.split(",")]
+    if any(v not in (0, 1) for v in splits):
+        ap.error(f"--stream-split: each 0 or 1, got {splits}")
     if any(f not in (0, 1, 2, 4) for f in row1s):
         ap.error(f"--panels-row1: each 0 (the library's choice), 1, 2 or 4 (the kernel's one-row variants), got {row1s}")
     if any(not 1 <= r <= 12 for r in rows):
@@ -143,7 +153,8 @@ def main(argv=None) -> int:
         ap.error(f"--prefetch-rows: expected >= 1, got {a.prefetch_rows}")
     load = machine_load()
     rng = np.random.default_rng(0)
-    keys = [(d, f, m, n) for d in dists for f in row1s for m in a.marches.split(",") for n in nexts]
+    keys = [(d, f, m, n, v) for d in dists for f in row1s for m in a.marches.split(",") for n in nexts
+            for v in splits]
     libs = {k: variant(*k) for k in keys}
     cpu_default = libs[keys[0]].es_set_prefetch_rows(0)  # what the runtime would use on this CPU
     for lib in libs.values():
@@ -164,7 +175,7 @@ def main(argv=None) -> int:
             for r in rows:
                 t = best[(kind, k, r)]
                 best[(kind, k, r)] = {"kind": kind, "march": k[2], "prefetch": k[0], "panels_row1": k[1],
-                                      "pf_next_pass": k[3], "rows": r,
+                                      "pf_next_pass": k[3], "stream_split": k[4], "rows": r,
                                       "ms": t * 1e3,
                                       "matrices": len(mats), "gmacs": len(mats) * r * N * K / t / 1e9,
                                       "gbs": nbytes / t / 1e9}

@@ -185,18 +185,24 @@ int es_set_q4_row_panels(int n) {
 
 #define ES_PF(ptr) __builtin_prefetch((const char *)(ptr) + ES_PREFETCH)
 
-/* The prefetch of stream q of a pass over NP consecutive panels of ps bytes from p, at byte o of its panel: the line
-   ES_PREFETCH bytes ahead, or, past the panel's end, as far into panel q + NP, the one this stream reads next pass.
-   (Straight ahead would land in panel q + 1, which another stream of this pass is reading already, and leave each
-   new pass's first lines to DRAM's latency: a product over short panels (K = 896: 8 KB of int4) paid that on
-   every pass. -DES_PF_NEXT_PASS=0: straight ahead, bench/bench_products.py's comparison.) With NP = 1 both are
-   the same address. */
+/* The prefetch of stream q of a pass over NP panels of ps bytes, qs bytes apart from p (stream q reads the panel
+   at p + q qs), at byte o of its panel: the line ES_PREFETCH bytes ahead. Past the panel's end that line lies in
+   the panel this stream reads next pass, except where the pass's panels are consecutive (qs = ps: the
+   old arrangement, -DES_STREAM_SPLIT=0, and a chunk of one pass): there it lies in panel q + 1, which another
+   stream of this pass is reading already, so the request goes as far into panel q + NP instead, the one this
+   stream reads next. (Straight ahead left each new pass's first lines to DRAM's latency: a product over short
+   panels (K = 896: 8 KB of int4) paid that on every pass. -DES_PF_NEXT_PASS=0: straight ahead,
+   bench/bench_products.py's comparison.) With NP = 1 both are the same address. */
 #ifndef ES_PF_NEXT_PASS
 #define ES_PF_NEXT_PASS 1
 #endif
-static inline __attribute__((always_inline)) void pf_stream(const void *p, int q, int NP, int64_t ps, int64_t o) {
+#ifndef ES_STREAM_SPLIT /* -DES_STREAM_SPLIT=0: a pass takes consecutive panels (run_chunk) */
+#define ES_STREAM_SPLIT 1
+#endif
+static inline __attribute__((always_inline)) void pf_stream(const void *p, int q, int NP, int64_t ps, int64_t qs,
+                                                            int64_t o) {
     const int64_t a = o + ES_PREFETCH;
-    __builtin_prefetch((const char *)p + (ES_PF_NEXT_PASS && a >= ps ? (q + NP) * ps + a - ps : q * ps + a));
+    __builtin_prefetch((const char *)p + (ES_PF_NEXT_PASS && a >= ps && qs == ps ? (q + NP) * ps + a - ps : q * qs + a));
 }
 #define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
@@ -211,18 +217,19 @@ static inline __attribute__((always_inline)) void neon_panel_row(const uint16_t 
 }
 #endif
 
-/* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4, consecutive in memory) */
-__attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y) {
+/* one row: y[0 .. 16 np) = x (K) @ np panels (np <= 4), panel q at p + q qs (qs >= K 16 values) */
+__attribute__((unused)) static void row_panels(const float *x, const uint16_t *p, int np, int64_t K, float *y,
+                                               int64_t qs) {
 #ifdef ES_AVX2
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    const int64_t stride = K * PANEL;
+    const int64_t stride = qs;
     const int pf = PF_ON(1);
     if (np == 4) { /* the common case: 8 chains in flight */
         for (int64_t k = 0; k < K; k++) {
             __m256 xv = _mm256_broadcast_ss(x + k);
             if (pf && !(k & 1))
-                for (int q = 0; q < 4; q++) pf_stream(p, q, 4, 2 * stride, 2 * k * PANEL);
+                for (int q = 0; q < 4; q++) pf_stream(p, q, 4, 2 * K * PANEL, 2 * stride, 2 * k * PANEL);
             for (int j = 0; j < 8; j++) {
                 const uint16_t *w = p + (j >> 1) * stride + k * PANEL + (j & 1) * 8;
                 a[j] = _mm256_fmadd_ps(xv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)), a[j]);
@@ -241,12 +248,12 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
 #elif defined(ES_NEON)
     float32x4_t a[16]; /* np panels x 4 quarters: 4 np chains in flight */
     for (int j = 0; j < 4 * np; j++) a[j] = vdupq_n_f32(0.f);
-    const int64_t stride = K * PANEL;
+    const int64_t stride = qs;
     const int pf = PF_ON(1);
     for (int64_t k = 0; k < K; k++) {
         const float32x4_t xv = vdupq_n_f32(x[k]);
         for (int q = 0; q < np; q++) {
-            if (pf && !(k & 1)) pf_stream(p, q, np, 2 * stride, 2 * k * PANEL);
+            if (pf && !(k & 1)) pf_stream(p, q, np, 2 * K * PANEL, 2 * stride, 2 * k * PANEL);
             float32x4_t w[4];
             neon_panel_row(p + q * stride + k * PANEL, w);
             for (int j = 0; j < 4; j++) a[4 * q + j] = vfmaq_f32(a[4 * q + j], xv, w[j]);
@@ -257,25 +264,25 @@ __attribute__((unused)) static void row_panels(const float *x, const uint16_t *p
     for (int q = 0; q < np; q++)
         for (int c = 0; c < PANEL; c++) {
             float acc = 0.f;
-            for (int64_t k = 0; k < K; k++) acc = fmaf(x[k], half_to_float(p[q * K * PANEL + k * PANEL + c]), acc);
+            for (int64_t k = 0; k < K; k++) acc = fmaf(x[k], half_to_float(p[q * qs + k * PANEL + c]), acc);
             y[q * PANEL + c] = acc;
         }
 #endif
 }
 
 #if defined(ES_AVX512)
-/* R rows x NP consecutive panels (R, NP constants at each call site; R * NP <= 24 of the 32 registers):
+/* R rows x NP panels, panel q at p + q qs (R, NP constants at each call site; R * NP <= 24 of the 32 registers):
    out[r * NP * PANEL + q * PANEL + c] = x[r] (K) @ column c of panel q */
 static inline __attribute__((always_inline)) void rows_panels_r(const float *const *x, const int R, const uint16_t *p,
-                                                                const int NP, int64_t K, float *out) {
+                                                                const int NP, int64_t K, float *out, int64_t qs) {
     __m512 a[24];
     for (int i = 0; i < R * NP; i++) a[i] = _mm512_setzero_ps();
     const int pf = PF_ON(R);
     for (int64_t k = 0; k < K; k++) {
         __m512 w[8];
         if (pf && !(k & 1)) /* one 64-byte line of each panel per two k */
-            for (int q = 0; q < NP; q++) pf_stream(p, q, NP, 2 * K * PANEL, 2 * k * PANEL);
-        for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * K * PANEL + k * PANEL)));
+            for (int q = 0; q < NP; q++) pf_stream(p, q, NP, 2 * K * PANEL, 2 * qs, 2 * k * PANEL);
+        for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * qs + k * PANEL)));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r][k]);
             for (int q = 0; q < NP; q++) a[r * NP + q] = _mm512_fmadd_ps(xv, w[q], a[r * NP + q]);
@@ -287,10 +294,10 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
 /* how many panels a pass over R rows takes: enough chains in flight for few rows, registers for many */
 static int panels_for(int R) { return R == 1 ? 4 : R <= 2 ? 8 : R <= 5 ? 4 : 2; }
 
-#define RP_CASE(n) case n: { if (np == panels_for(n)) rows_panels_r(x, n, p, panels_for(n), K, out); \
-                             else rows_panels_r(x, n, p, 1, K, out); } break;
-/* np is panels_for(R), or 1 (the last panels of a matrix) */
-static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out) {
+#define RP_CASE(n) case n: { if (np == panels_for(n)) rows_panels_r(x, n, p, panels_for(n), K, out, qs); \
+                             else rows_panels_r(x, n, p, 1, K, out, qs); } break;
+/* np is panels_for(R), or 1 (the last panels of a matrix); panel q at p + q qs */
+static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out, int64_t qs) {
     switch (R) {
     RP_CASE(12) RP_CASE(11) RP_CASE(10) RP_CASE(9) RP_CASE(8) RP_CASE(7)
     RP_CASE(6) RP_CASE(5) RP_CASE(4) RP_CASE(3) RP_CASE(2) RP_CASE(1)
@@ -353,8 +360,8 @@ static inline __attribute__((always_inline)) void rows_panel_r(const float *cons
 static int panels_for(int R) { (void)R; return 1; }
 
 #define RP_CASE(n) case n: rows_panel_r(x, n, p, K, out); break;
-static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out) {
-    (void)np;
+static void rows_panels(const float *const *x, int R, const uint16_t *p, int np, int64_t K, float *out, int64_t qs) {
+    (void)np, (void)qs; /* one panel */
     switch (R) { /* R a constant in each branch, so the accumulators stay in registers */
     RP_CASE(12) RP_CASE(11) RP_CASE(10) RP_CASE(9) RP_CASE(8) RP_CASE(7)
     RP_CASE(6) RP_CASE(5) RP_CASE(4) RP_CASE(3) RP_CASE(2) RP_CASE(1)
@@ -716,10 +723,12 @@ static void quantize_row(const float *x, int64_t K, int8_t *xq, float *dx, int32
 
 #if defined(ES_AVX512) && defined(__AVX512VNNI__)
 #define ES_VNNI 1
-/* R rows x NP consecutive panels (constants at each call site; R * NP <= 12): out[(r NP + q) 16 + c] */
+/* R rows x NP panels, panel q at p + q qs bytes (R, NP constants at each call site; R * NP <= 12):
+   out[(r NP + q) 16 + c] */
 static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *xq, const float *const *dx,
                                                           const int32_t *const *xs, const int R, const uint8_t *p,
-                                                          const int NP, int64_t K, const int kind, float *out) {
+                                                          const int NP, int64_t K, const int kind, float *out,
+                                                          int64_t qs) {
     const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
     const __m512i low4 = _mm512_set1_epi8(15);
     const int32_t off = weight_offset(kind);
@@ -732,7 +741,7 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
         /* a block is 4.5 (int4) or 8.5 (int8) lines: one prefetch per line and one more covers them */
         if (pf)
             for (int q = 0; q < NP; q++)
-                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, b * bb + o);
+                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, qs, b * bb + o);
         /* each sum starts at -offset x the block's input sum: the stored weights are q + offset */
         for (int r = 0; r < R; r++) {
             const __m512i start = _mm512_set1_epi32(-off * xs[r][b]);
@@ -741,7 +750,7 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
         if (kind == ES_Q8) {
             for (int g = 0; g < QB / 4; g++) {
                 __m512i w[4];
-                for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512((const void *)(blk + q * ps + 32 + g * 64));
+                for (int q = 0; q < NP; q++) w[q] = _mm512_loadu_si512((const void *)(blk + q * qs + 32 + g * 64));
                 for (int r = 0; r < R; r++) {
                     int32_t x4;
                     memcpy(&x4, xq[r] + b * QB + 4 * g, 4);
@@ -753,7 +762,7 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
             for (int g = 0; g < QB / 8; g++) {
                 __m512i lo[4], hi[4];
                 for (int q = 0; q < NP; q++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(blk + q * ps + 32 + g * 64));
+                    const __m512i v = _mm512_loadu_si512((const void *)(blk + q * qs + 32 + g * 64));
                     lo[q] = _mm512_and_si512(v, low4);
                     hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
                 }
@@ -770,7 +779,7 @@ static inline __attribute__((always_inline)) void qrows_r(const int8_t *const *x
             }
         }
         for (int q = 0; q < NP; q++) {
-            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * ps)));
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * qs)));
             for (int r = 0; r < R; r++) {
                 const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(dx[r][b]), s);
                 tot[r * NP + q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r * NP + q]), ds, tot[r * NP + q]);
@@ -798,19 +807,19 @@ static int qpanels_for(int kind, int R) {
 
 #define QP_CASE(n, K8)                                                                              \
     case n:                                                                                         \
-        if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out);    \
-        else qrows_r(xq, dx, xs, n, p, 1, K, K8, out);                                              \
+        if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out, qs);    \
+        else qrows_r(xq, dx, xs, n, p, 1, K, K8, out, qs);                                             \
         break;
 /* one row: np is set at run time (es_set_q4_row_panels), so each of its values has its own inlined kernel */
 #define QP_ROW1(K8)                                                                                 \
     case 1:                                                                                         \
-        if (np == 4) qrows_r(xq, dx, xs, 1, p, 4, K, K8, out);                                      \
-        else if (np == 2) qrows_r(xq, dx, xs, 1, p, 2, K, K8, out);                                 \
-        else qrows_r(xq, dx, xs, 1, p, 1, K, K8, out);                                              \
+        if (np == 4) qrows_r(xq, dx, xs, 1, p, 4, K, K8, out, qs);                                      \
+        else if (np == 2) qrows_r(xq, dx, xs, 1, p, 2, K, K8, out, qs);                                 \
+        else qrows_r(xq, dx, xs, 1, p, 1, K, K8, out, qs);                                              \
         break;
-/* np is qpanels_for(kind, R), or 1 */
+/* np is qpanels_for(kind, R), or 1; panel q at p + q qs bytes */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
-                  int np, int64_t K, int kind, float *out) {
+                  int np, int64_t K, int kind, float *out, int64_t qs) {
     if (kind == ES_Q8) {
         switch (R) {
         QP_CASE(12, ES_Q8) QP_CASE(11, ES_Q8) QP_CASE(10, ES_Q8) QP_CASE(9, ES_Q8) QP_CASE(8, ES_Q8)
@@ -843,13 +852,13 @@ static int qpanels_for(int kind, int R) {
      int8: u is q + 128 with q in -127..127 (quantize_blocks), so q = u ^ 0x80 as int8 and maddubs(|x|, sign(q, x))
            adds two q x products (at most 2 x 127 x 127 = 32258), widened to int32 at once; the sum of q x is the
            AVX-512 kernel's -128 sum(x) + sum(u x). */
-/* RT rows over NP consecutive panels (constants at each call, RT x NP <= 4): each group's weights are loaded and
-   unpacked once for the RT rows, and the NP panels' groups are interleaved, so NP address streams are read at once
-   (one int4 row: es_set_q4_row_panels). outs[r] + 16 q: row r's outputs of panel q. */
+/* RT rows over NP panels, panel q at p + q qs bytes (constants at each call, RT x NP <= 4): each group's weights
+   are loaded and unpacked once for the RT rows, and the NP panels' groups are interleaved, so NP address streams
+   are read at once (one int4 row: es_set_q4_row_panels). outs[r] + 16 q: row r's outputs of panel q. */
 static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *const *xq, const float *const *dx,
                                                                 const int32_t *const *xs, const int RT,
                                                                 const uint8_t *p, const int NP, int64_t nb, int kind,
-                                                                float *const *outs) {
+                                                                float *const *outs, int64_t qs) {
     const int64_t bb = block_bytes(kind), ps = nb * bb; /* bytes per panel */
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     const int32_t off = weight_offset(kind);
@@ -860,13 +869,13 @@ static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *co
         const uint8_t *blk = p + b * bb;
         if (pf)
             for (int q = 0; q < NP; q++)
-                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, b * bb + o);
+                for (int64_t o = 0; o <= bb; o += 64) pf_stream(p, q, NP, ps, qs, b * bb + o);
         __m256i a0[4], a1[4];
         if (kind == ES_Q8) {
             for (int i = 0; i < RT * NP; i++) a0[i] = a1[i] = _mm256_setzero_si256();
             for (int g = 0; g < QB / 4; g++)
                 for (int q = 0; q < NP; q++) {
-                    const uint8_t *w = blk + q * ps + 32 + g * 64;
+                    const uint8_t *w = blk + q * qs + 32 + g * 64;
                     const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)w), flip);
                     const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32)), flip);
                     for (int r = 0; r < RT; r++) {
@@ -884,7 +893,7 @@ static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *co
             for (int i = 0; i < RT * NP; i++) s0[i] = s1[i] = _mm256_setzero_si256();
             for (int g = 0; g < QB / 8; g++)
                 for (int q = 0; q < NP; q++) {
-                    const uint8_t *w = blk + q * ps + 32 + g * 64;
+                    const uint8_t *w = blk + q * qs + 32 + g * 64;
                     const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
                     const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
                     const __m256i l0 = _mm256_and_si256(w0, low4), l1 = _mm256_and_si256(w1, low4);
@@ -912,8 +921,8 @@ static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *co
             }
         }
         for (int q = 0; q < NP; q++) {
-            const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps)));
-            const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * ps + 16)));
+            const __m256 sc0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * qs)));
+            const __m256 sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + q * qs + 16)));
             for (int r = 0; r < RT; r++) {
                 const __m256 d = _mm256_set1_ps(dx[r][b]);
                 const int i = r * NP + q;
@@ -933,14 +942,14 @@ static inline __attribute__((always_inline)) void qrows_avx2_np(const int8_t *co
 static inline __attribute__((always_inline)) void qrows_avx2(const int8_t *const *xq, const float *const *dx,
                                                              const int32_t *const *xs, const int RT, const uint8_t *p,
                                                              int64_t nb, int kind, float *const *outs) {
-    qrows_avx2_np(xq, dx, xs, RT, p, 1, nb, kind, outs);
+    qrows_avx2_np(xq, dx, xs, RT, p, 1, nb, kind, outs, nb * block_bytes(kind));
 }
 
-/* one int4 row over NP (2 or 4) panels: out, NP x 16 outputs */
+/* one int4 row over NP (2 or 4) panels qs bytes apart: out, NP x 16 outputs */
 static inline __attribute__((always_inline)) void q4row_avx2(const int8_t *const *xq, const float *const *dx,
                                                              const int32_t *const *xs, const uint8_t *p, const int NP,
-                                                             int64_t nb, float *out) {
-    qrows_avx2_np(xq, dx, xs, 1, p, NP, nb, ES_Q4, &out);
+                                                             int64_t nb, float *out, int64_t qs) {
+    qrows_avx2_np(xq, dx, xs, 1, p, NP, nb, ES_Q4, &out, qs);
 }
 
 #define QROWS_KERNEL qrows_avx2 /* qrows below: up to 4 rows a call */
@@ -1022,15 +1031,15 @@ static int qpanels_for(int kind, int R) { (void)kind; (void)R; return 1; }
 
 /* the portable kernel: the same integer sums and float chain, one output at a time */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
-                  int np, int64_t K, int kind, float *out) {
-    const int64_t nb = K / QB, bb = block_bytes(kind), ps = nb * bb;
+                  int np, int64_t K, int kind, float *out, int64_t qs) {
+    const int64_t nb = K / QB, bb = block_bytes(kind);
     const int o = weight_offset(kind);
     for (int r = 0; r < R; r++)
         for (int q = 0; q < np; q++)
             for (int c = 0; c < PANEL; c++) {
                 float tot = 0.f;
                 for (int64_t b = 0; b < nb; b++) {
-                    const uint8_t *blk = p + q * ps + b * bb;
+                    const uint8_t *blk = p + q * qs + b * bb;
                     uint16_t s16;
                     memcpy(&s16, blk + 2 * c, 2);
                     int32_t dot = 0;
@@ -1044,14 +1053,15 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
 #endif
 
 #ifdef QROWS_KERNEL
-/* R rows, np panels: 4 rows at a time through QROWS_KERNEL (rows a constant in each case) */
+/* R rows, np panels (panel q at p + q qs bytes): 4 rows at a time through QROWS_KERNEL (rows a constant in each
+   case) */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
-                  int np, int64_t K, int kind, float *out) {
-    const int64_t nb = K / QB, ps = nb * block_bytes(kind);
+                  int np, int64_t K, int kind, float *out, int64_t qs) {
+    const int64_t nb = K / QB;
 #ifdef Q4ROW_KERNEL
     if (R == 1 && kind == ES_Q4 && (np == 2 || np == 4)) {
-        if (np == 4) Q4ROW_KERNEL(xq, dx, xs, p, 4, nb, out);
-        else Q4ROW_KERNEL(xq, dx, xs, p, 2, nb, out);
+        if (np == 4) Q4ROW_KERNEL(xq, dx, xs, p, 4, nb, out, qs);
+        else Q4ROW_KERNEL(xq, dx, xs, p, 2, nb, out, qs);
         return;
     }
 #endif
@@ -1064,10 +1074,10 @@ static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t
             const float *const *d = dx + r0;
             const int32_t *const *xsum = xs + r0;
             switch (rt) {
-            case 4: QROWS_KERNEL(x, d, xsum, 4, p + q * ps, nb, kind, outs); break;
-            case 3: QROWS_KERNEL(x, d, xsum, 3, p + q * ps, nb, kind, outs); break;
-            case 2: QROWS_KERNEL(x, d, xsum, 2, p + q * ps, nb, kind, outs); break;
-            default: QROWS_KERNEL(x, d, xsum, 1, p + q * ps, nb, kind, outs);
+            case 4: QROWS_KERNEL(x, d, xsum, 4, p + q * qs, nb, kind, outs); break;
+            case 3: QROWS_KERNEL(x, d, xsum, 3, p + q * qs, nb, kind, outs); break;
+            case 2: QROWS_KERNEL(x, d, xsum, 2, p + q * qs, nb, kind, outs); break;
+            default: QROWS_KERNEL(x, d, xsum, 1, p + q * qs, nb, kind, outs);
             }
         }
 }
@@ -1098,21 +1108,23 @@ typedef struct {
     const int32_t *xs[MAX_ROWS];
 } es_rows;
 
-/* out[(r np + j) 16 + c] = row r (K) @ column c of panel p0 + j, for r < R, j < np: np is 1, or
+/* out[(r np + j) 16 + c] = row r (K) @ column c of panel p0 + j stride, for r < R, j < np: np is 1, or
    mat_panels_for(kind, R), or (R = 1, float16) up to 4 */
-static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, int np, float *out) {
+static void mat_rows(const es_mat *a, const es_rows *rows, int R, int64_t p0, int np, int64_t stride, float *out) {
     const uint8_t *p = (const uint8_t *)a->w + p0 * panel_bytes(a);
+    const int64_t qs = stride * panel_bytes(a); /* bytes from one of the pass's panels to the next */
     if (a->kind == ES_F16) {
+        const uint16_t *h = (const uint16_t *)p;
 #ifdef ES_AVX512 /* one row takes rows_panels' 16-lane path: a conversion and an FMA per 16 weights */
         if (R == 1 && np != panels_for(1))
-            for (int j = 0; j < np; j++) rows_panels(rows->x, 1, (const uint16_t *)p + j * a->K * PANEL, 1, a->K, out + j * PANEL);
-        else rows_panels(rows->x, R, (const uint16_t *)p, np, a->K, out);
+            for (int j = 0; j < np; j++) rows_panels(rows->x, 1, h + j * (qs / 2), 1, a->K, out + j * PANEL, qs / 2);
+        else rows_panels(rows->x, R, h, np, a->K, out, qs / 2);
 #else
-        if (R == 1 && np <= 4) row_panels(rows->x[0], (const uint16_t *)p, np, a->K, out);
-        else rows_panels(rows->x, R, (const uint16_t *)p, np, a->K, out);
+        if (R == 1 && np <= 4) row_panels(rows->x[0], h, np, a->K, out, qs / 2);
+        else rows_panels(rows->x, R, h, np, a->K, out, qs / 2);
 #endif
     } else
-        qrows(rows->xq, rows->dx, rows->xs, R, p, np, a->K, a->kind, out);
+        qrows(rows->xq, rows->dx, rows->xs, R, p, np, a->K, a->kind, out, qs);
 }
 
 /* ---- the pool: jobs of independent chunks, claimed one at a time ----
@@ -1558,14 +1570,28 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
             rows.dx[r] = c->xd + row * (a->K / QB);
             rows.xs[r] = c->xs + row * (a->K / QB);
         }
-        const int64_t p0 = g * j->np;
+        /* the chunk's n panels from p0: S passes of np panels, then one panel at a time. Pass k's stream q reads
+           panel p0 + k + q S (ES_STREAM_SPLIT), so each stream runs on through S consecutive panels, one address
+           sequence across the passes; else panels p0 + k np + q, consecutive (the stream jumps np panels at
+           each pass's end: on the Intel VM a one-row int4 product over 8 KB panels (K = 896) read 29 GB/s that
+           way and 33 split, where 43 KB panels read 34 either way: bench/results/NOTES.md) */
+        /* the chunk's n panels from p0: S passes of np panels, then the rest one at a time. Pass k's stream q
+           reads panel p0 + k + q S (ES_STREAM_SPLIT), so each stream runs on through S consecutive panels, one
+           address sequence across the passes; with -DES_STREAM_SPLIT=0 a pass reads panels p0 + k np + q, and each
+           stream jumps np panels at each pass's end. Short panels paid for those jumps: on the Intel VM a one-row
+           int4 product over 8 KB panels (K = 896) read 29 GB/s that way and 32-34 split, where 43 KB panels
+           (K = 4864) read 34 either way (bench/results/NOTES.md, "split streams"). */
+        const int64_t p0 = g * j->np, n = panels - p0 < j->np ? panels - p0 : j->np;
+        const int np = n >= j->kw && matmul_fits(a->kind, rows_n, j->kw) ? j->kw : 1;
+        const int64_t S = n / np, step = ES_STREAM_SPLIT ? S : 1; /* passes; from one of a pass's panels to the next */
         float tmp[MAX_ROWS * 8 * PANEL];
-        for (int64_t q = p0; q < p0 + j->np && q < panels;) {
-            const int np = (panels - q >= j->kw && matmul_fits(a->kind, rows_n, j->kw)) ? j->kw : 1;
-            mat_rows(a, &rows, rows_n, q, np, tmp);
+        for (int64_t k = 0; k < S + n - S * np; k++) {
+            const int w = k < S ? np : 1; /* pass k of the S, then the panels after them one at a time */
+            const int64_t at = k >= S ? S * np + k - S : ES_STREAM_SPLIT ? k : k * np; /* its first panel - p0 */
+            mat_rows(a, &rows, rows_n, p0 + at, w, step, tmp);
             for (int r = 0; r < rows_n; r++)
-                memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
-            q += np;
+                for (int q = 0; q < w; q++)
+                    memcpy(local + (r * j->np + at + q * step) * PANEL, tmp + (r * w + q) * PANEL, PANEL * sizeof(float));
         }
         break;
     }
@@ -1892,7 +1918,7 @@ int es_rows_f16(const float *x, int64_t T, const uint16_t *w, int64_t K, int64_t
     const int np = panels_for((int)T);
     for (int64_t q = 0; q < panels;) {
         const int n = panels - q >= np ? np : 1; /* out[t * n * PANEL + j * PANEL + c]: row t, panel q + j */
-        rows_panels(rows, (int)T, w + q * K * PANEL, n, K, out);
+        rows_panels(rows, (int)T, w + q * K * PANEL, n, K, out, K * PANEL);
         for (int64_t t = 0; t < T; t++)
             memcpy(y + t * N + q * PANEL, out + t * n * PANEL, (size_t)(n * PANEL) * sizeof(float));
         q += n;

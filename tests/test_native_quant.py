@@ -591,7 +591,7 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
                        "--prefetch-rows", "3"] + (["--marches", "native,x86-64"] if X86 else [])) == 0
     r = json.loads(out.read_text())
     marches = ("native", "x86-64") if X86 else ("native",)
-    assert {x["pf_next_pass"] for x in r["results"]} == {1}
+    assert {x["pf_next_pass"] for x in r["results"]} == {1} and {x["stream_split"] for x in r["results"]} == {1}
     assert [(x["kind"], x["prefetch"], x["panels_row1"], x["march"], x["rows"]) for x in r["results"]] == [
         (k, d, f, m, n) for k in ("float16", "int4") for d in (0, 512) for f in (0, 4) for m in marches for n in (1, 3)]
     for x in r["results"]:
@@ -602,7 +602,7 @@ def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_pat
     for bad, what in ((["--shape", "100x128"], "--shape"), (["--shape", "big"], "--shape"),
                       (["--rows", "13"], "--rows"), (["--kinds", "int2"], "--kinds"),
                       (["--prefetch-rows", "0"], "--prefetch-rows"), (["--panels-row1", "3"], "--panels-row1"),
-                      (["--pf-next-pass", "2"], "--pf-next-pass")):
+                      (["--pf-next-pass", "2"], "--pf-next-pass"), (["--stream-split", "3"], "--stream-split")):
         with pytest.raises(SystemExit):
             bench.main(["--out", str(tmp_path / "x.json"), *bad])
         assert what in capsys.readouterr().err
@@ -633,3 +633,36 @@ def test_one_row_products_give_the_same_bits_with_any_panels_per_pass(kind):
             outs.append(y)
         for y in outs[1:]:
             np.testing.assert_array_equal(y, outs[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_pass_over_split_streams_changes_no_bit(kind):
+    """ES_STREAM_SPLIT=1 (the default) has pass k of a chunk's S passes read panels k, k + S, k + 2 S, ..; 0 reads
+    consecutive panels. Only the order the panels are computed in changes: on every SIMD build, the libraries built
+    each way agree exactly with each other and with the numpy reference, for calls of 1, 2, 5 and 12 rows on one and
+    two threads, over chunks of several passes and a remainder of single panels."""
+    from edgespec.backends.native_format import matmul_reference
+    bench = _products_bench()
+    rng = np.random.default_rng(11)
+    N, K = 16 * 83, 32 * 6  # 83 panels: chunks of several passes, and tails that no pass of 2 or 4 fills
+    w = rng.normal(0, 0.1, (N, K)).astype(np.float32)
+    packed = _packed(w, kind)
+    for march in ("native", "haswell") if X86 else ("native",):
+        libs = [bench.variant(0, 0, march, 1, split) for split in (0, 1)]
+        for rows in (1, 2, 5, 12):
+            x = rng.normal(0, 1, (rows, K)).astype(np.float32)
+            exact = matmul_reference(x, packed, kind)
+            for threads in (1, 2):
+                got = [_matmul(lib, kind, x, packed, K, N, threads) for lib in libs]
+                np.testing.assert_array_equal(got[1], got[0], err_msg=f"{march}, {rows} rows, {threads} threads")
+                np.testing.assert_allclose(got[1], exact, rtol=0, atol=1e-6 * np.abs(exact).max())
+
+
+def _products_bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
+    spec = importlib.util.spec_from_file_location("bench_products", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
