@@ -75,8 +75,12 @@
 #endif
 #define MAX_ROWS 12 /* rows of x per pass over a panel */
 #define CHUNK_PANELS_MAX 64 /* panels of a matrix product's chunk, at most */
-#define CHUNK_MIN_BYTES (64 << 10) /* weight bytes a chunk streams, at least, where the matrix has enough */
-#define CHUNKS_PER_THREAD 16 /* a product's chunks per thread, at most */
+#ifndef CHUNK_MIN_BYTES /* weight bytes a chunk streams, at least, where the matrix has enough */
+#define CHUNK_MIN_BYTES (64 << 10)
+#endif
+#ifndef CHUNKS_PER_THREAD /* a product's chunks per thread, at most (-D for bench_native_profile --cflags) */
+#define CHUNKS_PER_THREAD 16
+#endif
 
 enum { ES_SILU = 0, ES_GELU_TANH = 1 };
 enum { ES_F16 = 0, ES_Q8 = 1, ES_Q4 = 2 }; /* how a weight matrix is stored (es_model.wkind, head_kind) */
