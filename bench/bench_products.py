@@ -12,9 +12,9 @@ own variant of the library (`-DES_PREFETCH=bytes`, the bytes ahead each weight s
 being read, which leaves the hardware prefetcher alone), and so does each --panels-row1 value (`-DES_QPANELS_ROW1=n`:
 the panels a one-row integer product computes per pass, each its own weight stream; 0 leaves the library's own
 choice per kind and CPU, es_set_q4_row_panels; float16 products ignore it, and so do the AVX2 build's int8
-products, which stream one panel), each --stream-split value (`-DES_STREAM_SPLIT`: 1, the default, has a chunk's
-pass read panels S apart so that each weight stream runs on through S consecutive panels; 0 reads consecutive
-panels in each pass), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
+products, which stream one panel), each --stream-split value (`-DES_STREAM_SPLIT`: 1, the default, gives each thread's
+share kw weight streams that run through it chunk after chunk, a pass reading one panel of each; 0 makes chunks and
+passes of consecutive panels), and each --marches target (`EDGESPEC_NATIVE_MARCH`: x86-64 is the
 portable C kernels, haswell AVX2 without AVX-512); the variants, kinds and row counts are interleaved within
 each repeat and the fastest repeat is kept. Writes JSON (ms per pass, GMAC/s, GB/s of weights) and a markdown table
 beside --out.
@@ -117,8 +117,8 @@ def main(argv=None) -> int:
                     help="where a stream's prefetch goes past its panel's end (ES_PF_NEXT_PASS): 1 the same stream's "
                          "panel of the next pass, 0 straight on into the next panel; comma-separated")
     ap.add_argument("--stream-split", default="1",
-                    help="the panels of a chunk's pass (ES_STREAM_SPLIT): 1 S apart, so each stream reads S consecutive "
-                         "panels over the chunk's S passes; 0 consecutive; comma-separated")
+                    help="how a thread's share is read (ES_STREAM_SPLIT): 1 as a pass's kw streams, each through a kw-th "
+                         "of the share; 0 in chunks and passes of consecutive panels; comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     from host import command_line, machine, machine_load, write_results

@@ -636,15 +636,16 @@ def test_one_row_products_give_the_same_bits_with_any_panels_per_pass(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_pass_over_split_streams_changes_no_bit(kind):
-    """ES_STREAM_SPLIT=1 (the default) has pass k of a chunk's S passes read panels k, k + S, k + 2 S, ..; 0 reads
-    consecutive panels. Only the order the panels are computed in changes: on every SIMD build, the libraries built
-    each way agree exactly with each other and with the numpy reference, for calls of 1, 2, 5 and 12 rows on one and
-    two threads, over chunks of several passes and a remainder of single panels."""
+def test_split_streams_change_no_bit(kind):
+    """ES_STREAM_SPLIT=1 (the default) gives each thread's share of a product kw address streams that run through
+    it chunk after chunk, a pass reading one panel of each; 0 makes chunks and passes of consecutive panels. Only
+    the order the panels are computed in changes: on every SIMD build, the libraries built each way agree exactly
+    with each other and with the numpy reference, for calls of 1, 2, 5 and 12 rows on one and two threads, with
+    several chunks per share and the matrix ending inside the last share's last stream."""
     from edgespec.backends.native_format import matmul_reference
     bench = _products_bench()
     rng = np.random.default_rng(11)
-    N, K = 16 * 83, 32 * 6  # 83 panels: chunks of several passes, and tails that no pass of 2 or 4 fills
+    N, K = 16 * 301, 32 * 6  # 301 panels: no whole number of panels per stream (2 threads x 1, 2 or 4 streams)
     w = rng.normal(0, 0.1, (N, K)).astype(np.float32)
     packed = _packed(w, kind)
     for march in ("native", "haswell") if X86 else ("native",):
