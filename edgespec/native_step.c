@@ -203,10 +203,14 @@ int es_set_q4_row_panels(int n) {
 #ifndef ES_STREAM_SPLIT /* -DES_STREAM_SPLIT=0: a chunk is consecutive panels, and so is each pass (job_matmul) */
 #define ES_STREAM_SPLIT 1
 #endif
+#ifndef ES_SPLIT_PANEL_MAX /* the longest panel (bytes) whose products take split streams (job_matmul) */
+#define ES_SPLIT_PANEL_MAX (16 << 10)
+#endif
 static inline __attribute__((always_inline)) void pf_stream(const void *p, int q, int NP, int64_t ps, int64_t qs,
                                                             int64_t o) {
     const int64_t a = o + ES_PREFETCH;
-    __builtin_prefetch((const char *)p + (ES_PF_NEXT_PASS && a >= ps && qs == ps ? (q + NP) * ps + a - ps : q * qs + a));
+    const int64_t next_pass = ES_PF_NEXT_PASS && a >= ps && qs == ps;
+    __builtin_prefetch((const char *)p + (next_pass ? (q + NP) * ps + a - ps : q * qs + a));
 }
 #define PF_ON(R) ((R) >= atomic_load_explicit(&pf_rows, memory_order_relaxed))
 
@@ -1178,8 +1182,8 @@ typedef struct {
     float *dst;              /* J_NORM: dst = ..; J_ADDNORM: dst += ..; J_MATMUL: dst = or += (residual) */
     es_mat mat;
     int residual, np, kw;    /* J_MATMUL: panels per chunk; panels per kernel pass (np is a multiple) */
-    int64_t lq, sp, cps;     /* J_MATMUL (ES_STREAM_SPLIT): panels per stream, per stream and chunk; chunks per
-                                thread's share (job_matmul) */
+    int64_t lq, sp, cps;     /* J_MATMUL, split streams (lq > 0): panels per stream, per stream and chunk; chunks
+                                per thread's share (job_matmul) */
     int quant;               /* J_NORM, J_ACT: each written row also quantized (J_QUANT's output) for the integer
                                 product that reads it next, which then skips its own J_QUANT job */
     int64_t row_groups;      /* J_MATMUL: chunks per panel group (of MAX_ROWS rows) */
@@ -1555,6 +1559,53 @@ static int matmul_fits(int kind, int R, int np) {
     return np == mat_panels_for(kind, R);
 }
 
+/* A matrix product's chunk g into local[(r np + j) 16 + c] (rows r of its row group, rows->x ..). A pass reads one
+   panel from each of kw address streams. Split (job_matmul, short panels): each stream runs through a kw-th of the
+   thread's share, chunk after chunk. Consecutive (long panels, and -DES_STREAM_SPLIT=0): a chunk is np consecutive
+   panels and a pass kw consecutive ones, so every stream jumps kw panels at each pass's end. Short panels paid for
+   those jumps: on the Intel VM a one-row int4 product over 8 KB panels (K = 896) read 29 GB/s that way, where
+   43 KB panels (K = 4864) read 34 (bench/results/NOTES.md, "split streams"). */
+static void chunk_split(const es_job *j, int64_t g, const es_rows *rows, int rows_n, float *local) {
+    /* share t = g / cps: kw streams of lq consecutive panels, stream q from panel (t kw + q) lq; this chunk, the
+       cc-th of the share, takes panels cc sp .. cc sp + len - 1 of each, in len passes that read one panel of
+       every stream */
+    const es_mat *a = &j->mat;
+    const int64_t panels = a->N / PANEL, t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp;
+    const int64_t base = t * j->kw * L + cc * S, len = L - cc * S < S ? L - cc * S : S;
+    const int full = matmul_fits(a->kind, rows_n, j->kw);
+    for (int64_t k = 0; k < len; k++) {
+        int w = 0; /* the streams that hold a panel at this offset (the matrix ends inside the last share) */
+        while (w < j->kw && base + w * L + k < panels) w++;
+        float tmp[MAX_ROWS * 8 * PANEL];
+        if (w == j->kw && full) {
+            mat_rows(a, rows, rows_n, base + k, w, L, tmp);
+        } else {
+            for (int q = 0; q < w; q++) {
+                float one[MAX_ROWS * PANEL];
+                mat_rows(a, rows, rows_n, base + q * L + k, 1, 1, one);
+                for (int r = 0; r < rows_n; r++)
+                    memcpy(tmp + (r * w + q) * PANEL, one + r * PANEL, PANEL * sizeof(float));
+            }
+        }
+        for (int r = 0; r < rows_n; r++)
+            for (int q = 0; q < w; q++)
+                memcpy(local + (r * j->np + q * S + k) * PANEL, tmp + (r * w + q) * PANEL, PANEL * sizeof(float));
+    }
+}
+
+static void chunk_consecutive(const es_job *j, int64_t g, const es_rows *rows, int rows_n, float *local) {
+    const es_mat *a = &j->mat;
+    const int64_t panels = a->N / PANEL, p0 = g * j->np;
+    float tmp[MAX_ROWS * 8 * PANEL];
+    for (int64_t q = p0; q < p0 + j->np && q < panels;) {
+        const int np = (panels - q >= j->kw && matmul_fits(a->kind, rows_n, j->kw)) ? j->kw : 1;
+        mat_rows(a, rows, rows_n, q, np, 1, tmp);
+        for (int r = 0; r < rows_n; r++)
+            memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
+        q += np;
+    }
+}
+
 static void run_chunk(const es_job *j, int64_t i, float *local) {
     const es_call *c = &j->c;
     const es_model *m = c->m;
@@ -1566,7 +1617,7 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
         break;
     case J_MATMUL: { /* rows rg MAX_ROWS.. of panels g np..: local[(r np + q) 16 + c] */
         const es_mat *a = &j->mat;
-        const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
+        const int64_t g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
         const int rows_n = T - s0 < MAX_ROWS ? (int)(T - s0) : MAX_ROWS;
         es_rows rows;
         for (int r = 0; r < MAX_ROWS; r++) {
@@ -1576,46 +1627,8 @@ static void run_chunk(const es_job *j, int64_t i, float *local) {
             rows.dx[r] = c->xd + row * (a->K / QB);
             rows.xs[r] = c->xs + row * (a->K / QB);
         }
-        /* A pass reads one panel from each of kw address streams. Split (job_matmul): each stream runs through a
-           kw-th of the thread's share, chunk after chunk. -DES_STREAM_SPLIT=0: a chunk is np consecutive panels
-           and a pass kw consecutive ones, so every stream jumps kw panels at each pass's end. Short panels paid
-           for those jumps: on the Intel VM a one-row int4 product over 8 KB panels (K = 896) read 29 GB/s that way,
-           where 43 KB panels (K = 4864) read 34 (bench/results/NOTES.md, "split streams"). */
-#if ES_STREAM_SPLIT
-        /* share t = g / cps: kw streams of lq consecutive panels, stream q from panel (t kw + q) lq; this chunk,
-           the cc-th of the share, takes panels cc sp .. cc sp + len - 1 of each, in len passes that read one panel
-           of every stream (job_matmul) */
-        const int64_t t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp, base = t * j->kw * L + cc * S;
-        const int64_t len = L - cc * S < S ? L - cc * S : S;
-        const int full = matmul_fits(a->kind, rows_n, j->kw);
-        for (int64_t k = 0; k < len; k++) {
-            int w = 0; /* the streams that hold a panel at this offset (the matrix ends inside the last share) */
-            while (w < j->kw && base + w * L + k < panels) w++;
-            float tmp[MAX_ROWS * 8 * PANEL];
-            if (w == j->kw && full) {
-                mat_rows(a, &rows, rows_n, base + k, w, L, tmp);
-            } else {
-                for (int q = 0; q < w; q++) {
-                    float one[MAX_ROWS * PANEL];
-                    mat_rows(a, &rows, rows_n, base + q * L + k, 1, 1, one);
-                    for (int r = 0; r < rows_n; r++) memcpy(tmp + (r * w + q) * PANEL, one + r * PANEL, PANEL * sizeof(float));
-                }
-            }
-            for (int r = 0; r < rows_n; r++)
-                for (int q = 0; q < w; q++)
-                    memcpy(local + (r * j->np + q * S + k) * PANEL, tmp + (r * w + q) * PANEL, PANEL * sizeof(float));
-        }
-#else
-        const int64_t p0 = g * j->np;
-        float tmp[MAX_ROWS * 8 * PANEL];
-        for (int64_t q = p0; q < p0 + j->np && q < panels;) {
-            const int np = (panels - q >= j->kw && matmul_fits(a->kind, rows_n, j->kw)) ? j->kw : 1;
-            mat_rows(a, &rows, rows_n, q, np, 1, tmp);
-            for (int r = 0; r < rows_n; r++)
-                memcpy(local + (r * j->np + (q - p0)) * PANEL, tmp + r * np * PANEL, (size_t)np * PANEL * sizeof(float));
-            q += np;
-        }
-#endif
+        if (j->lq) chunk_split(j, g, &rows, rows_n, local);
+        else chunk_consecutive(j, g, &rows, rows_n, local);
         break;
     }
     case J_KV: { /* kv head kh, row r: local = its key (normed, rotated), then its value */
@@ -1703,21 +1716,21 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
         const es_mat *a = &j->mat;
         const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
         const int64_t rows_n = T - s0 < MAX_ROWS ? T - s0 : MAX_ROWS;
-#if ES_STREAM_SPLIT /* each stream's len panels from base + q lq (run_chunk) */
-        const int64_t t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp, base = t * j->kw * L + cc * S;
-        const int64_t len = L - cc * S < S ? L - cc * S : S;
-        for (int q = 0; q < j->kw; q++) {
-            const int64_t p0 = base + q * L, np = panels - p0 < len ? panels - p0 : len;
-            for (int64_t r = 0; np > 0 && r < rows_n; r++)
-                put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + (r * j->np + q * S) * PANEL, (int)(np * PANEL),
-                    j->residual, j->bias ? j->bias + p0 * PANEL : NULL);
+        if (j->lq) { /* split: each stream's len panels from base + q lq (chunk_split) */
+            const int64_t t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp, base = t * j->kw * L + cc * S;
+            const int64_t len = L - cc * S < S ? L - cc * S : S;
+            for (int q = 0; q < j->kw; q++) {
+                const int64_t p0 = base + q * L, np = panels - p0 < len ? panels - p0 : len;
+                for (int64_t r = 0; np > 0 && r < rows_n; r++)
+                    put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + (r * j->np + q * S) * PANEL,
+                        (int)(np * PANEL), j->residual, j->bias ? j->bias + p0 * PANEL : NULL);
+            }
+            break;
         }
-#else
-        const int64_t p0 = g * j->np, np = panels - p0 < j->np ? panels - p0 : j->np;
+        const int64_t p0 = g * j->np, np = panels - p0 < j->np ? panels - p0 : j->np; /* consecutive */
         for (int64_t r = 0; r < rows_n; r++)
             put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + r * j->np * PANEL, (int)(np * PANEL), j->residual,
                 j->bias ? j->bias + p0 * PANEL : NULL);
-#endif
         break;
     }
     case J_KV: {
@@ -1812,23 +1825,24 @@ static void job_matmul(es_runner *u, const float *src, const void *w, int kind, 
     j.row_groups = (T + MAX_ROWS - 1) / MAX_ROWS;
     int64_t per_thread = panels * panel_bytes(&j.mat) / ((int64_t)u->threads * CHUNK_MIN_BYTES);
     per_thread = per_thread < 1 ? 1 : per_thread > CHUNKS_PER_THREAD ? CHUNKS_PER_THREAD : per_thread;
-#if ES_STREAM_SPLIT
-    /* Thread t's share (as run_job_timed splits the chunks) is kw streams of lq consecutive panels, and each of
-       its chunks takes the next sp panels of every stream, so the kernel's kw address streams run on from one
-       chunk to the next through the whole share: a chunk's size sets only how finely the threads' finishing
-       times even out, not how long a stream runs before it jumps. */
-    j.lq = (panels + (int64_t)u->threads * j.kw - 1) / ((int64_t)u->threads * j.kw);
-    j.sp = (j.lq + per_thread - 1) / per_thread;
-    j.sp = j.sp > CHUNK_PANELS_MAX / j.kw ? CHUNK_PANELS_MAX / j.kw : j.sp;
-    j.cps = (j.lq + j.sp - 1) / j.sp;
-    j.np = (int)(j.kw * j.sp);
-    j.n = u->threads * j.cps * j.row_groups;
-#else
-    int64_t np = (panels + per_thread * u->threads - 1) / (per_thread * u->threads);
-    np = (np + j.kw - 1) / j.kw * j.kw;
-    j.np = (int)(np < j.kw ? j.kw : np > CHUNK_PANELS_MAX ? CHUNK_PANELS_MAX / j.kw * j.kw : np);
-    j.n = (panels + j.np - 1) / j.np * j.row_groups;
-#endif
+    if (ES_STREAM_SPLIT && panel_bytes(&j.mat) <= ES_SPLIT_PANEL_MAX) {
+        /* split streams (chunk_split): thread t's share (as run_job_timed splits the chunks) is kw streams of lq
+           consecutive panels, and each of its chunks takes the next sp panels of every stream, so the kernel's
+           address streams run on from one chunk to the next through the whole share, and a chunk's size sets only
+           how finely the threads' finishing times even out. Only short panels gain: on the Intel VM int4 (8 KB)
+           and int8 (15 KB) panels read 1-4% faster a step, float16 ones (28 KB) 2-5% slower. */
+        j.lq = (panels + (int64_t)u->threads * j.kw - 1) / ((int64_t)u->threads * j.kw);
+        j.sp = (j.lq + per_thread - 1) / per_thread;
+        j.sp = j.sp > CHUNK_PANELS_MAX / j.kw ? CHUNK_PANELS_MAX / j.kw : j.sp;
+        j.cps = (j.lq + j.sp - 1) / j.sp;
+        j.np = (int)(j.kw * j.sp);
+        j.n = u->threads * j.cps * j.row_groups;
+    } else { /* consecutive: chunks of np panels (chunk_consecutive) */
+        int64_t np = (panels + per_thread * u->threads - 1) / (per_thread * u->threads);
+        np = (np + j.kw - 1) / j.kw * j.kw;
+        j.np = (int)(np < j.kw ? j.kw : np > CHUNK_PANELS_MAX ? CHUNK_PANELS_MAX / j.kw * j.kw : np);
+        j.n = (panels + j.np - 1) / j.np * j.row_groups;
+    }
     j.local = MAX_ROWS * CHUNK_PANELS_MAX * PANEL;
     j.cost = T * K * N;
     if (kind != ES_F16 && !quantized) { /* the input rows quantized first (K is a multiple of QB: native.py checks) */
