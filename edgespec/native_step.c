@@ -1565,13 +1565,20 @@ static int matmul_fits(int kind, int R, int np) {
    panels and a pass kw consecutive ones, so every stream jumps kw panels at each pass's end. Short panels paid for
    those jumps: on the Intel VM a one-row int4 product over 8 KB panels (K = 896) read 29 GB/s that way, where
    43 KB panels (K = 4864) read 34 (bench/results/NOTES.md, "split streams"). */
+/* split streams: share t = g / cps is kw streams of lq consecutive panels, stream q from panel (t kw + q) lq;
+   chunk g, the cc-th of its share, takes panels cc sp .. cc sp + len - 1 of each. -> len; *base: stream 0's first */
+static int64_t split_span(const es_job *j, int64_t g, int64_t *base) {
+    const int64_t t = g / j->cps, cc = g % j->cps;
+    *base = t * j->kw * j->lq + cc * j->sp;
+    return j->lq - cc * j->sp < j->sp ? j->lq - cc * j->sp : j->sp;
+}
+
 static void chunk_split(const es_job *j, int64_t g, const es_rows *rows, int rows_n, float *local) {
-    /* share t = g / cps: kw streams of lq consecutive panels, stream q from panel (t kw + q) lq; this chunk, the
-       cc-th of the share, takes panels cc sp .. cc sp + len - 1 of each, in len passes that read one panel of
-       every stream */
+    /* len passes, each one panel of every stream */
     const es_mat *a = &j->mat;
-    const int64_t panels = a->N / PANEL, t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp;
-    const int64_t base = t * j->kw * L + cc * S, len = L - cc * S < S ? L - cc * S : S;
+    const int64_t panels = a->N / PANEL, L = j->lq, S = j->sp;
+    int64_t base;
+    const int64_t len = split_span(j, g, &base);
     const int full = matmul_fits(a->kind, rows_n, j->kw);
     for (int64_t k = 0; k < len; k++) {
         int w = 0; /* the streams that hold a panel at this offset (the matrix ends inside the last share) */
@@ -1717,12 +1724,12 @@ static void write_chunk(const es_job *j, int64_t i, const float *local) {
         const int64_t panels = a->N / PANEL, g = i / j->row_groups, s0 = (i % j->row_groups) * MAX_ROWS;
         const int64_t rows_n = T - s0 < MAX_ROWS ? T - s0 : MAX_ROWS;
         if (j->lq) { /* split: each stream's len panels from base + q lq (chunk_split) */
-            const int64_t t = g / j->cps, cc = g % j->cps, L = j->lq, S = j->sp, base = t * j->kw * L + cc * S;
-            const int64_t len = L - cc * S < S ? L - cc * S : S;
+            int64_t base;
+            const int64_t len = split_span(j, g, &base);
             for (int q = 0; q < j->kw; q++) {
-                const int64_t p0 = base + q * L, np = panels - p0 < len ? panels - p0 : len;
+                const int64_t p0 = base + q * j->lq, np = panels - p0 < len ? panels - p0 : len;
                 for (int64_t r = 0; np > 0 && r < rows_n; r++)
-                    put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + (r * j->np + q * S) * PANEL,
+                    put(j->dst + (s0 + r) * a->N + p0 * PANEL, local + (r * j->np + q * j->sp) * PANEL,
                         (int)(np * PANEL), j->residual, j->bias ? j->bias + p0 * PANEL : NULL);
             }
             break;
