@@ -43,7 +43,8 @@ def variant(distance: int, panels_row1: int = 0, march: str = "native", next_pas
 
     saved = {k: os.environ.get(k) for k in ("EDGESPEC_NATIVE_CFLAGS", "EDGESPEC_NATIVE_MARCH")}
     row1 = f" -DES_QPANELS_ROW1={panels_row1}" if panels_row1 else ""
-    flags = f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1}  -DES_PF_NEXT_PASS={next_pass} -DES_STREAM_SPLIT={split}"
+    flags = (f"{saved['EDGESPEC_NATIVE_CFLAGS'] or ''} -DES_PREFETCH={distance}{row1} -DES_PF_NEXT_PASS={next_pass}"
+             f" -DES_STREAM_SPLIT={split}")
     os.environ["EDGESPEC_NATIVE_CFLAGS"] = flags.strip()
     os.environ["EDGESPEC_NATIVE_MARCH"] = march
     try:
@@ -90,7 +91,8 @@ def markdown(report: dict) -> str:
         row1 = (r.get("panels_row1") or "default") if r["kind"] != "float16" else "–"
         ahead = "next pass" if r.get("pf_next_pass", 1) else "straight on"
         split = "split" if r.get("stream_split", 0) else "consecutive"
-        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {ahead} | {row1} | {split} | {r['rows']} "
+        lines.append(f"| {r['kind']} | {r.get('march', 'native')} | {r['prefetch']} | {ahead} | {row1} | {split} "
+                     f"| {r['rows']} "
                      f"| {r['ms']:.1f} | {r['gmacs']:.1f} | "
                      f"{r['gbs']:.1f} |")
     return "\n".join(lines) + "\n"
@@ -117,8 +119,9 @@ def main(argv=None) -> int:
                     help="where a stream's prefetch goes past its panel's end (ES_PF_NEXT_PASS): 1 the same stream's "
                          "panel of the next pass, 0 straight on into the next panel; comma-separated")
     ap.add_argument("--stream-split", default="1",
-                    help="how a thread's share is read (ES_STREAM_SPLIT): 1 as a pass's kw streams, each through a kw-th "
-                         "of the share; 0 in chunks and passes of consecutive panels; comma-separated")
+                    help="how a thread's share is read (ES_STREAM_SPLIT): 1 as a pass's kw streams, each through "
+                         "a kw-th of the share (panels up to 16 KB); 0 in chunks and passes of consecutive panels; "
+                         "comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
     from host import command_line, machine, machine_load, write_results

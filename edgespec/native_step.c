@@ -290,7 +290,8 @@ static inline __attribute__((always_inline)) void rows_panels_r(const float *con
         __m512 w[8];
         if (pf && !(k & 1)) /* one 64-byte line of each panel per two k */
             for (int q = 0; q < NP; q++) pf_stream(p, q, NP, 2 * K * PANEL, 2 * qs, 2 * k * PANEL);
-        for (int q = 0; q < NP; q++) w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * qs + k * PANEL)));
+        for (int q = 0; q < NP; q++)
+            w[q] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + q * qs + k * PANEL)));
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(x[r][k]);
             for (int q = 0; q < NP; q++) a[r * NP + q] = _mm512_fmadd_ps(xv, w[q], a[r * NP + q]);
