@@ -191,8 +191,8 @@ int es_set_q4_row_panels(int n) {
 
 /* The prefetch of stream q of a pass over NP panels of ps bytes, qs bytes apart from p (stream q reads the panel
    at p + q qs), at byte o of its panel: the line ES_PREFETCH bytes ahead. Past the panel's end that line lies in
-   the panel this stream reads next pass, except where the pass's panels are consecutive (qs = ps: the
-   old arrangement, -DES_STREAM_SPLIT=0, and a chunk of one pass): there it lies in panel q + 1, which another
+   the panel this stream reads next pass (split streams, job_matmul), except where the pass's panels are
+   consecutive (qs = ps: chunks of consecutive panels): there it lies in panel q + 1, which another
    stream of this pass is reading already, so the request goes as far into panel q + NP instead, the one this
    stream reads next. (Straight ahead left each new pass's first lines to DRAM's latency: a product over short
    panels (K = 896: 8 KB of int4) paid that on every pass. -DES_PF_NEXT_PASS=0: straight ahead,
@@ -816,15 +816,15 @@ static int qpanels_for(int kind, int R) {
 
 #define QP_CASE(n, K8)                                                                              \
     case n:                                                                                         \
-        if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out, qs);    \
-        else qrows_r(xq, dx, xs, n, p, 1, K, K8, out, qs);                                             \
+        if (np == qpanels_for(K8, n)) qrows_r(xq, dx, xs, n, p, qpanels_for(K8, n), K, K8, out, qs); \
+        else qrows_r(xq, dx, xs, n, p, 1, K, K8, out, qs);                                          \
         break;
 /* one row: np is set at run time (es_set_q4_row_panels), so each of its values has its own inlined kernel */
 #define QP_ROW1(K8)                                                                                 \
     case 1:                                                                                         \
-        if (np == 4) qrows_r(xq, dx, xs, 1, p, 4, K, K8, out, qs);                                      \
-        else if (np == 2) qrows_r(xq, dx, xs, 1, p, 2, K, K8, out, qs);                                 \
-        else qrows_r(xq, dx, xs, 1, p, 1, K, K8, out, qs);                                              \
+        if (np == 4) qrows_r(xq, dx, xs, 1, p, 4, K, K8, out, qs);                                  \
+        else if (np == 2) qrows_r(xq, dx, xs, 1, p, 2, K, K8, out, qs);                             \
+        else qrows_r(xq, dx, xs, 1, p, 1, K, K8, out, qs);                                          \
         break;
 /* np is qpanels_for(kind, R), or 1; panel q at p + q qs bytes */
 static void qrows(const int8_t *const *xq, const float *const *dx, const int32_t *const *xs, int R, const uint8_t *p,
@@ -1584,20 +1584,15 @@ static void chunk_split(const es_job *j, int64_t g, const es_rows *rows, int row
     for (int64_t k = 0; k < len; k++) {
         int w = 0; /* the streams that hold a panel at this offset (the matrix ends inside the last share) */
         while (w < j->kw && base + w * L + k < panels) w++;
-        float tmp[MAX_ROWS * 8 * PANEL];
-        if (w == j->kw && full) {
-            mat_rows(a, rows, rows_n, base + k, w, L, tmp);
-        } else {
-            for (int q = 0; q < w; q++) {
-                float one[MAX_ROWS * PANEL];
-                mat_rows(a, rows, rows_n, base + q * L + k, 1, 1, one);
-                for (int r = 0; r < rows_n; r++)
-                    memcpy(tmp + (r * w + q) * PANEL, one + r * PANEL, PANEL * sizeof(float));
-            }
+        const int n = w == j->kw && full ? w : 1; /* one pass over every stream, else one panel at a time */
+        for (int q0 = 0; q0 < w; q0 += n) {
+            float tmp[MAX_ROWS * 8 * PANEL];
+            mat_rows(a, rows, rows_n, base + q0 * L + k, n, L, tmp);
+            for (int r = 0; r < rows_n; r++)
+                for (int q = 0; q < n; q++)
+                    memcpy(local + (r * j->np + (q0 + q) * S + k) * PANEL, tmp + (r * n + q) * PANEL,
+                           PANEL * sizeof(float));
         }
-        for (int r = 0; r < rows_n; r++)
-            for (int q = 0; q < w; q++)
-                memcpy(local + (r * j->np + q * S + k) * PANEL, tmp + (r * w + q) * PANEL, PANEL * sizeof(float));
     }
 }
 

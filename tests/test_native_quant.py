@@ -454,13 +454,8 @@ def test_the_model_struct_matches_the_c_layout():
 
 
 def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path, monkeypatch, capsys):
-    import importlib.util
     import json
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_native_threads.py"
-    spec = importlib.util.spec_from_file_location("bench_native_threads", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_native_threads")
     ok = {(0, 1): 60.0, (0, 2): 100.0, (1, 1): 60.0, (1, 2): 61.0}
     assert bench.threads_checks(ok, 2)["met"]
     assert not bench.threads_checks({**ok, (1, 2): 59.0}, 2)["met"]  # below one thread beside the same load
@@ -484,13 +479,8 @@ def test_the_threads_bench_judges_its_target_and_runs(quant_folders, tmp_path, m
 
 def test_the_governor_recovery_bench_runs_both_governors_from_one_thread(quant_folders, tmp_path, monkeypatch,
                                                                           capsys):
-    import importlib.util
     import json
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_governor_recovery.py"
-    spec = importlib.util.spec_from_file_location("bench_governor_recovery", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_governor_recovery")
     out = tmp_path / "r.json"
     args = ["--engine", str(quant_folders[("llama3", "int4")][0]), "--out", str(out), "--steps", "6", "--repeats", "2"]
     monkeypatch.setenv("EDGESPEC_THREADS", "2")
@@ -530,13 +520,8 @@ def test_the_profile_counts_each_job_of_a_call(quant_folders):
 def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
     """bench_native_profile.py on a tiny int4 folder: per call size, the job kinds' times add up to at most the
     wall time, the product count per call is the model's, and a folder without native weights is refused."""
-    import importlib.util
     import json
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_native_profile.py"
-    spec = importlib.util.spec_from_file_location("bench_native_profile", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_native_profile")
     folder = quant_folders[("llama3", "int4")][0]
     out = tmp_path / "p.json"
     assert bench.main(["--engine", str(folder), "--out", str(out), "--rows", "1,3", "--calls", "4", "--prompt", "8",
@@ -577,13 +562,8 @@ def test_the_profile_bench_accounts_for_each_call(quant_folders, tmp_path):
 def test_the_products_bench_times_every_variant_and_checks_its_arguments(tmp_path, capsys):
     """bench_products.py on a few small matrices: a result per (kind, distance, rows) with its bytes and
     multiply-adds consistent with the time, the prefetch row count applied, and bad arguments refused by name."""
-    import importlib.util
     import json
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
-    spec = importlib.util.spec_from_file_location("bench_products", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_products")
     out = tmp_path / "p.json"
     before = library().es_prefetch_rows()
     assert bench.main(["--out", str(out), "--kinds", "float16,int4", "--rows", "1,3", "--prefetch", "0,512",
@@ -613,13 +593,8 @@ def test_one_row_products_give_the_same_bits_with_any_panels_per_pass(kind):
     """ES_QPANELS_ROW1 changes how many panels a one-row integer product streams at once, never a bit of the
     result: the libraries built with 1, 2 and 4 agree exactly with each other and with the default build, on one
     row and on the two and three rows they share."""
-    import importlib.util
-    from pathlib import Path
     from edgespec.backends.native_format import WEIGHT_KINDS, pack_blocks, quantize_blocks
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
-    spec = importlib.util.spec_from_file_location("bench_products", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench("bench_products")
     rng = np.random.default_rng(7)
     N, K = 16 * 13, 32 * 5  # 13 panels: groups of 2 and 4 leave a remainder
     w = pack_blocks(*quantize_blocks(rng.normal(0, 0.1, (N, K)).astype(np.float32), kind), kind)
@@ -643,7 +618,7 @@ def test_split_streams_change_no_bit(kind):
     with each other and with the numpy reference, for calls of 1, 2, 5 and 12 rows on one and two threads, with
     several chunks per share and the matrix ending inside the last share's last stream."""
     from edgespec.backends.native_format import matmul_reference
-    bench = _products_bench()
+    bench = _bench("bench_products")
     rng = np.random.default_rng(11)
     N, K = 16 * 301, 32 * 6  # 301 panels: no whole number of panels per stream (2 threads x 1, 2 or 4 streams)
     w = rng.normal(0, 0.1, (N, K)).astype(np.float32)
@@ -659,11 +634,12 @@ def test_split_streams_change_no_bit(kind):
                 np.testing.assert_allclose(got[1], exact, rtol=0, atol=1e-6 * np.abs(exact).max())
 
 
-def _products_bench():
+def _bench(name: str):
+    """bench/NAME.py as a module (the benches are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_products.py"
-    spec = importlib.util.spec_from_file_location("bench_products", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
